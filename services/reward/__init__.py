@@ -1,0 +1,1 @@
+"""The reward service: built-in verifiers, custom reward functions and remote reward models."""

@@ -1,0 +1,1 @@
+"""The rollout gateway: engine pool, rollout workers, evaluation, and the weight-sync control plane."""

@@ -1,0 +1,15 @@
+"""`slipstream trainer`: runs the trainer service."""
+
+import sys
+
+from services.trainer.config import TrainerConfig
+from services.trainer.server import build
+from services.common.server import main_for
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_for("trainer", TrainerConfig, build, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""Assembles the trainer service from its config."""
+
+from services.trainer.config import TrainerConfig
+from services.trainer.servicer import TrainerServicer
+from services.common.server import Service, Servicer
+
+
+async def build(config: TrainerConfig) -> Service:
+    return Service("trainer", config, [Servicer.of(TrainerServicer())])

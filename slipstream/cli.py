@@ -1,0 +1,53 @@
+"""The `slipstream` command: dispatches to one service's entry point, importing nothing heavy until then.
+
+`slipstream --help` must be instant, so subcommands are looked up in a table and their modules imported only when run.
+"""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "buffer": ("services.buffer.__main__", "run the data buffer service (datasets, leases, batches; port 50051)"),
+    "rollout": ("services.rollout.__main__", "run the rollout gateway (engines, rollout workers, weight sync; 50052)"),
+    "reward": ("services.reward.__main__", "run the reward service (verifiers, custom and remote rewards; 50053)"),
+    "trainer": ("services.trainer.__main__", "run the trainer's control service (50054)"),
+    "engine": (None, "run the reference inference engine (SGLang's HTTP API on HF models)"),
+    "train": (None, "start the whole system locally and train"),
+    "demo": (None, "train a tiny model on a toy task and show that it learns"),
+}
+
+USAGE = """usage: slipstream <command> [options]
+
+RL post-training for LLMs as services that speak gRPC.
+
+commands:
+{commands}
+
+Run `slipstream <command> --help` for a command's options."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        width = max(map(len, COMMANDS))
+        lines = "\n".join(f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items())
+        print(USAGE.format(commands=lines))
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from slipstream import __version__
+
+        print(f"slipstream {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"slipstream: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module, _ = COMMANDS[name]
+    if module is None:
+        print(f"slipstream {name}: not implemented yet", file=sys.stderr)
+        return 3
+    return importlib.import_module(module).main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
