@@ -1,0 +1,32 @@
+"""Client helpers: calls to a service that is not up yet are retried with backoff on UNAVAILABLE."""
+
+import threading
+
+import grpc
+import pytest
+
+from services.common.clients import open_channel
+from services.common.config import ServiceConfig
+from services.trainer.server import build as build_trainer
+from slipstream.v1 import trainer_pb2, trainer_pb2_grpc
+
+
+def test_unavailable_is_retried_until_the_server_comes_up(grpc_service, free_port):
+    port = free_port()
+    config = ServiceConfig(host="127.0.0.1", port=port)
+    starter = threading.Timer(0.5, lambda: grpc_service(build_trainer, config, keep_port=True))
+    with open_channel(f"127.0.0.1:{port}") as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        starter.start()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+    starter.join()
+    # The skeleton answers UNIMPLEMENTED: the call reached the server that came up late instead of failing UNAVAILABLE.
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_without_a_server_the_caller_gets_unavailable(free_port):
+    with open_channel(f"127.0.0.1:{free_port()}", max_attempts=2) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,101 @@
+"""Config files plus flags, and the one-sentence errors a user sees for bad settings."""
+
+import pytest
+
+from services.buffer.config import BufferConfig
+from services.common.config import ConfigError, load_config
+
+
+def load(argv):
+    return load_config(BufferConfig, argv, prog="slipstream buffer")
+
+
+def test_defaults():
+    config = load([])
+    assert config.port == 50051
+    assert config.redis.url is None
+    assert str(config.run_dir) == "runs/default"
+
+
+def test_flags_override_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("port: 6000\nrun_id: exp1\nredis:\n  prefix: team\n  url: redis://localhost:6379/0\n")
+    config = load(["--config", str(path), "--port", "7000", "--redis-prefix", "mine"])
+    assert (config.port, config.run_id) == (7000, "exp1")
+    assert (config.redis.prefix, config.redis.url) == ("mine", "redis://localhost:6379/0")
+
+
+def test_toml_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('port = 6001\n[redis]\nprefix = "t"\n')
+    config = load(["--config", str(path)])
+    assert (config.port, config.redis.prefix) == (6001, "t")
+
+
+def test_null_from_a_flag():
+    assert load(["--metrics-port", "none"]).metrics_port is None
+
+
+def test_unknown_key_names_the_closest_field(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("redis:\n  urll: redis://x\n")
+    with pytest.raises(ConfigError, match=r'run.yaml: redis.urll: unknown setting; did you mean "url"\?'):
+        load(["--config", str(path)])
+
+
+def test_wrong_type_names_the_flag():
+    with pytest.raises(ConfigError, match=r"^--port: Input should be a valid integer.*got 'abc'"):
+        load(["--port", "abc"])
+
+
+def test_out_of_range_names_the_field(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("port: 70000\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: port: Input should be less than or equal to 65535"):
+        load(["--config", str(path)])
+
+
+def test_every_bad_field_is_reported(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("port: x\nbogus: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load(["--config", str(path)])
+    assert len(str(info.value).splitlines()) == 2
+
+
+def test_unknown_flag_suggests_the_right_one():
+    with pytest.raises(ConfigError, match="unknown option --redis-urll; did you mean --redis-url"):
+        load(["--redis-urll", "x"])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file .*nope.yaml does not exist; check the path given to --config"):
+        load(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_invalid_yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("port: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load(["--config", str(path)])
+
+
+def test_file_must_be_a_mapping(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of settings, not a list"):
+        load(["--config", str(path)])
+
+
+def test_unsupported_format(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text("{}")
+    with pytest.raises(ConfigError, match="unsupported format '.json'; use .yaml, .yml or .toml"):
+        load(["--config", str(path)])
+
+
+def test_print_config(capsys):
+    with pytest.raises(SystemExit) as info:
+        load(["--print-config", "--port", "1234"])
+    assert info.value.code == 0
+    assert "port: 1234" in capsys.readouterr().out

@@ -1,0 +1,214 @@
+"""Fixtures every test uses: a real Redis, real gRPC servers (in-process on port 0, or as separate processes),
+and temporary run folders."""
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.clients import wait_until_serving
+from services.common.redis_connection import EmbeddedRedis
+from services.common.server import GrpcServer, Service
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip)
+
+
+def _docker_engine_reachable() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=5).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    """A real Redis for the whole session: testcontainers' Redis where a Docker engine runs, else the embedded one."""
+    if os.environ.get("SLIPSTREAM_TEST_REDIS") == "docker" or (
+        os.environ.get("SLIPSTREAM_TEST_REDIS") != "embedded" and _docker_engine_reachable()
+    ):
+        testcontainers_redis = pytest.importorskip("testcontainers.redis")
+        with testcontainers_redis.RedisContainer() as container:
+            host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
+            yield f"redis://{host}:{port}/0"
+        return
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_url):
+    """A client of the session Redis, flushed after the test so tests do not see each other's keys."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    """A temporary run folder (what --output-dir/--run-id point at)."""
+    path = tmp_path / "runs" / "test"
+    path.mkdir(parents=True)
+    return path
+
+
+class ServiceThread:
+    """Runs a service's gRPC server in-process, on its own event loop in a background thread."""
+
+    def __init__(self, service: Service):
+        self.server = GrpcServer(service)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> "ServiceThread":
+        self.thread.start()
+        port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    def stop(self) -> None:
+        if not self.loop.is_running():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def grpc_service() -> Iterator[Callable]:
+    """Starts any service in-process on port 0: `grpc_service(build, config).address`; stopped after the test.
+
+    `build` is a service's `server.build` (or any coroutine function returning a `Service`); the returned
+    `ServiceThread` also has the `GrpcServer` (`.server.metrics_port`, …)."""
+    started: list[ServiceThread] = []
+
+    def start(build, config, keep_port: bool = False) -> ServiceThread:
+        if not keep_port:
+            config = config.model_copy(update={"port": 0, "host": "127.0.0.1"})
+        loop = asyncio.new_event_loop()
+        try:
+            service = loop.run_until_complete(build(config))
+        finally:
+            loop.close()
+        runner = ServiceThread(service)
+        started.append(runner)
+        return runner.start()
+
+    yield start
+    for runner in reversed(started):
+        runner.stop()
+
+
+class ServiceProcess:
+    """`slipstream <name> …` as a real child process, with its log in a file."""
+
+    def __init__(self, args: list[str], log_path: Path, cwd: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "slipstream", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd)
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout_s: float = 10.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        return self.proc.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def service_process(tmp_path) -> Iterator[Callable]:
+    """Starts `slipstream <args>` as a separate process: `proc = service_process("buffer", "--port", "0")`."""
+    started: list[ServiceProcess] = []
+
+    def start(*args: str) -> ServiceProcess:
+        proc = ServiceProcess(list(args), tmp_path / f"{args[0]}-{len(started)}.log", cwd=tmp_path)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    """Returns a function that finds a free TCP port on 127.0.0.1."""
+
+    def find() -> int:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    return find
+
+
+@pytest.fixture
+def wait_serving() -> Callable:
+    """`wait_serving(address, proc)`: waits for SERVING; fails with the process log if it exits first."""
+    return _wait_serving
+
+
+def _wait_serving(address: str, proc: ServiceProcess | None = None, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.proc.poll() is not None:
+            pytest.fail(f"process exited with {proc.proc.returncode} before serving:\n{proc.log}")
+        try:
+            wait_until_serving(address, timeout_s=1.0)
+            return
+        except TimeoutError:
+            continue
+    pytest.fail(f"{address} never reported SERVING" + (f":\n{proc.log}" if proc else ""))
+
+
+@pytest.fixture
+def channel_to() -> Iterator[Callable[[str], grpc.Channel]]:
+    channels: list[grpc.Channel] = []
+
+    def open_(address: str) -> grpc.Channel:
+        channels.append(grpc.insecure_channel(address))
+        return channels[-1]
+
+    yield open_
+    for channel in channels:
+        channel.close()

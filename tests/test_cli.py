@@ -1,0 +1,104 @@
+"""The `slipstream` command and the four services as real processes: start, serve, report health, stop on SIGTERM."""
+
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from services.common.clients import health_status
+
+SERVICES = {
+    "buffer": "slipstream.v1.BufferService",
+    "rollout": "slipstream.v1.RolloutService",
+    "reward": "slipstream.v1.RewardService",
+    "trainer": "slipstream.v1.TrainerService",
+}
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "slipstream", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_help_lists_the_subcommands_without_heavy_imports():
+    code = (
+        "import sys; from slipstream.cli import main; main(['--help']); "
+        "heavy = {'grpc', 'torch', 'pydantic', 'megatron'} & set(sys.modules); assert not heavy, heavy"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for command in [*SERVICES, "engine", "train", "demo"]:
+        assert f"  {command} " in result.stdout
+
+
+def test_unknown_command():
+    result = run_cli("trian")
+    assert result.returncode == 2
+    assert "unknown command 'trian'" in result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_service_process_serves_and_stops_on_sigterm(name, service_process, free_port, wait_serving, tmp_path):
+    port = free_port()
+    run_folder = ["--output-dir", str(tmp_path / "runs")] if name == "buffer" else []
+    proc = service_process(name, "--host", "127.0.0.1", "--port", str(port), *run_folder)
+    address = f"127.0.0.1:{port}"
+    wait_serving(address, proc)
+    with grpc.insecure_channel(address) as channel:
+        assert health_status(channel, SERVICES[name]) == "SERVING"
+        assert SERVICES[name] in ProtoReflectionDescriptorDatabase(channel).get_services()
+    start = time.monotonic()
+    assert proc.terminate(timeout_s=10) == 0, proc.log
+    assert time.monotonic() - start < 10
+    assert "Traceback" not in proc.log
+
+
+def test_busy_port_is_one_sentence(service_process, free_port, wait_serving):
+    port = free_port()
+    first = service_process("reward", "--host", "127.0.0.1", "--port", str(port))
+    wait_serving(f"127.0.0.1:{port}", first)
+    second = service_process("trainer", "--host", "127.0.0.1", "--port", str(port))
+    assert second.wait() == 1
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in second.log
+    assert "Traceback" not in second.log
+
+
+def test_unreachable_redis_is_one_sentence(tmp_path):
+    result = run_cli("buffer", "--port", "0", "--redis-url", "redis://127.0.0.1:1", "--redis-connect-timeout-s", "1")
+    assert result.returncode == 1
+    assert "cannot reach Redis at redis://127.0.0.1:1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "abc"], "--port: Input should be a valid integer"),
+        (["--prot", "1"], "unknown option --prot; did you mean --port?"),
+        (["--config", "missing.yaml"], "config file missing.yaml does not exist"),
+    ],
+)
+def test_bad_settings_are_one_sentence(args, message, tmp_path):
+    result = run_cli("reward", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_config_key_is_one_sentence(tmp_path):
+    (tmp_path / "run.yaml").write_text("prot: 1\n")
+    result = run_cli("trainer", "--config", "run.yaml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        'slipstream trainer: error: run.yaml: prot: unknown setting; did you mean "port"? (valid here: host, port, '
+        "grace_period_s, max_message_mb, keepalive_time_s, keepalive_timeout_s, metrics_port, log_level, log_format)"
+    )
+
+
+@pytest.mark.parametrize("name", ["engine", "train", "demo"])
+def test_commands_of_later_issues_say_so(name):
+    result = run_cli(name)
+    assert result.returncode != 0
+    assert "not implemented yet" in result.stderr
