@@ -73,3 +73,14 @@ def wait_until_serving(address: str, timeout_s: float = 30.0, service: str = "")
                 last = e.code().name
             time.sleep(0.1)
     raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f}s (last status: {last})")
+
+
+if __name__ == "__main__":
+    # Health probe for containers: `python -m services.common.clients host:port` exits 0 once SERVING.
+    import sys
+
+    try:
+        wait_until_serving(sys.argv[1], timeout_s=float(sys.argv[2]) if len(sys.argv) > 2 else 3.0)
+    except TimeoutError as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)

@@ -130,7 +130,7 @@ def _describe(model: type[StrictModel], err: dict, flag_paths: set[str], file_na
         valid = list(_fields_at(model, err["loc"][:-1]))
         close = difflib.get_close_matches(str(err["loc"][-1]).replace("-", "_"), valid, n=1)
         hint = f'did you mean "{close[0]}"?' if close else "remove it"
-        return f'{source}: unknown setting; {hint} (valid here: {", ".join(valid)})'
+        return f"{source}: unknown setting; {hint} (valid here: {', '.join(valid)})"
     if err["type"] == "missing":
         return f"{source}: required setting is missing; add it to the config file or pass it as a flag"
     return f"{source}: {err['msg']} (got {err['input']!r})"

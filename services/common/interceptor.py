@@ -56,7 +56,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for response in behaviour(request, context):
                         yield response
-                except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                except Exception as exc:
                     await self._fail(context, exc, method, start)
                 self._record(method, context, start)
 
@@ -68,7 +68,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 result = behaviour(request, context)
                 if inspect.isawaitable(result):
                     result = await result
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            except Exception as exc:
                 await self._fail(context, exc, method, start)
             self._record(method, context, start)
             return result

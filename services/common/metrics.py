@@ -15,6 +15,6 @@ RPC_LATENCY = prometheus_client.Histogram(
 
 
 def serve_metrics(host: str, port: int) -> tuple[int, object]:
-    """Starts the /metrics HTTP endpoint in a background thread; returns the bound port and the server (to shut down)."""
+    """Serves /metrics from a background thread; returns the bound port and the server (to shut down)."""
     server, _thread = prometheus_client.start_http_server(port, addr=host)
     return server.server_port, server

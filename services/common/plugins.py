@@ -25,9 +25,8 @@ def load_callable(spec: str, what: str = "plugin") -> Callable:
     for name in attr.split("."):
         if not hasattr(target, name):
             public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-            raise PluginError(
-                f"{what} {spec!r}: {module_part} has no attribute {attr!r} (callables there: {', '.join(public) or 'none'})"
-            )
+            found = ", ".join(public) or "none"
+            raise PluginError(f"{what} {spec!r}: {module_part} has no attribute {attr!r} (callables there: {found})")
         target = getattr(target, name)
     if not callable(target):
         raise PluginError(f"{what} {spec!r}: {attr} is a {type(target).__name__}, not a function or class")
@@ -44,7 +43,7 @@ def _import(module_name: str, what: str):
                 "or add its folder to PYTHONPATH"
             ) from None
         raise PluginError(f"{what}: importing {module_name!r} failed because {e.name!r} is not installed") from None
-    except Exception as e:  # noqa: BLE001 - user code may raise anything at import time
+    except Exception as e:
         raise PluginError(f"{what}: importing {module_name!r} raised {type(e).__name__}: {e}") from None
 
 
@@ -60,7 +59,7 @@ def _load_file(file_name: str, what: str):
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - user code may raise anything at import time
+    except Exception as e:
         del sys.modules[module_name]
         raise PluginError(f"{what}: loading {file_name} raised {type(e).__name__}: {e}") from None
     return module

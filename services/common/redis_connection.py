@@ -34,7 +34,7 @@ class RedisConfig(StrictModel):
 
 
 def _die_with_parent() -> None:
-    # Linux: the embedded server gets SIGTERM (and flushes its AOF) when the process that started it dies, even by SIGKILL.
+    # Linux: the embedded server gets SIGTERM (and flushes its AOF) when its parent dies, even by SIGKILL.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 

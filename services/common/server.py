@@ -128,7 +128,7 @@ class GrpcServer:
                 result = close()
                 if asyncio.iscoroutine(result):
                     await result
-            except Exception:  # noqa: BLE001 - one failing close must not keep the others from running
+            except Exception:
                 log.exception("%s: error while closing", self.service.name)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()

@@ -2,9 +2,9 @@
 
 import sys
 
+from services.common.server import main_for
 from services.rollout.config import RolloutConfig
 from services.rollout.server import build
-from services.common.server import main_for
 
 
 def main(argv: list[str] | None = None) -> int:

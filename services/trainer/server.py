@@ -1,8 +1,8 @@
 """Assembles the trainer service from its config."""
 
+from services.common.server import Service, Servicer
 from services.trainer.config import TrainerConfig
 from services.trainer.servicer import TrainerServicer
-from services.common.server import Service, Servicer
 
 
 async def build(config: TrainerConfig) -> Service:

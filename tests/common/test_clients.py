@@ -26,7 +26,6 @@ def test_unavailable_is_retried_until_the_server_comes_up(grpc_service, free_por
 
 
 def test_without_a_server_the_caller_gets_unavailable(free_port):
-    with open_channel(f"127.0.0.1:{free_port()}", max_attempts=2) as channel:
-        with pytest.raises(grpc.RpcError) as info:
-            trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest(), timeout=5)
+    with open_channel(f"127.0.0.1:{free_port()}", max_attempts=2) as channel, pytest.raises(grpc.RpcError) as info:
+        trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -69,7 +69,7 @@ def test_unknown_flag_suggests_the_right_one():
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match="config file .*nope.yaml does not exist; check the path given to --config"):
+    with pytest.raises(ConfigError, match=r"config file .*nope\.yaml does not exist; check the path given to --config"):
         load(["--config", str(tmp_path / "nope.yaml")])
 
 
@@ -90,7 +90,7 @@ def test_file_must_be_a_mapping(tmp_path):
 def test_unsupported_format(tmp_path):
     path = tmp_path / "run.json"
     path.write_text("{}")
-    with pytest.raises(ConfigError, match="unsupported format '.json'; use .yaml, .yml or .toml"):
+    with pytest.raises(ConfigError, match=r"unsupported format '\.json'; use \.yaml, \.yml or \.toml"):
         load(["--config", str(path)])
 
 

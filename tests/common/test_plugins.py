@@ -37,7 +37,7 @@ def test_errors_say_what_was_not_found(spec, message):
 def test_error_inside_the_plugin_is_reported(tmp_path):
     path = tmp_path / "broken.py"
     path.write_text("raise RuntimeError('boom')\n")
-    with pytest.raises(PluginError, match="loading .*broken.py raised RuntimeError: boom"):
+    with pytest.raises(PluginError, match=r"loading .*broken\.py raised RuntimeError: boom"):
         load_callable(f"{path}:fn")
 
 

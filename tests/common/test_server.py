@@ -65,7 +65,12 @@ def test_domain_errors_become_status_codes(grpc_service, channel_to):
     cases = [
         (stub.GetStatus, trainer_pb2.GetStatusRequest(), grpc.StatusCode.INVALID_ARGUMENT, "step: must be >= 0"),
         (stub.Stop, trainer_pb2.StopRequest(), grpc.StatusCode.NOT_FOUND, "no run named x"),
-        (stub.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(), grpc.StatusCode.INTERNAL, "ValueError: disk on fire"),
+        (
+            stub.SaveCheckpoint,
+            trainer_pb2.SaveCheckpointRequest(),
+            grpc.StatusCode.INTERNAL,
+            "ValueError: disk on fire",
+        ),
     ]
     for call, request, code, details in cases:
         with pytest.raises(grpc.RpcError) as info:
