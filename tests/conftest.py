@@ -23,19 +23,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return  # importing torch costs seconds; only GPU tests need to know
     try:
         import torch
 
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    skip = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if "gpu" in item.keywords and not has_cuda:
-            item.add_marker(skip)
+    if not has_cuda:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
-def _docker_engine_reachable() -> bool:
+def _docker_redis_available() -> bool:
+    """testcontainers is installed and a Docker engine answers."""
+    try:
+        import testcontainers.redis  # noqa: F401
+    except ImportError:
+        return False
     if shutil.which("docker") is None:
         return False
     try:
@@ -46,12 +53,13 @@ def _docker_engine_reachable() -> bool:
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory) -> Iterator[str]:
-    """A real Redis for the whole session: testcontainers' Redis where a Docker engine runs, else the embedded one."""
-    if os.environ.get("SLIPSTREAM_TEST_REDIS") == "docker" or (
-        os.environ.get("SLIPSTREAM_TEST_REDIS") != "embedded" and _docker_engine_reachable()
-    ):
-        testcontainers_redis = pytest.importorskip("testcontainers.redis")
-        with testcontainers_redis.RedisContainer() as container:
+    """A real Redis for the whole session: testcontainers' Redis where it is installed and a Docker engine runs, else
+    the embedded redis-server. SLIPSTREAM_TEST_REDIS=embedded|docker forces one."""
+    choice = os.environ.get("SLIPSTREAM_TEST_REDIS", "auto")
+    if choice == "docker" or (choice == "auto" and _docker_redis_available()):
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer() as container:
             host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
             yield f"redis://{host}:{port}/0"
         return
