@@ -1,13 +1,109 @@
-"""Assembles the buffer service: its Redis (embedded or by URL) and its servicer."""
+"""Assembles the buffer service: its Redis (embedded or by URL), datasets, data workers, filters and servicer."""
 
 import asyncio
+import contextlib
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import prometheus_client
 
 from services.buffer.config import BufferConfig
+from services.buffer.core import TRAIN, Buffer
+from services.buffer.datasets import DatasetError, open_blocks
+from services.buffer.prompts import RowSpec, check_rows
 from services.buffer.servicer import BufferServicer
+from services.buffer.source import CustomPromptStream, PromptStream
+from services.buffer.store import BufferStore
+from services.common.errors import StartupError
+from services.common.plugins import PluginError, load_callable
 from services.common.redis_connection import open_redis
 from services.common.server import Service, Servicer
+
+BUFFER_COUNTS = prometheus_client.Gauge(
+    "slipstream_buffer_count", "Buffer counters and sizes as stored in Redis (they survive restarts)", ["name"]
+)
+
+
+def row_spec(config: BufferConfig) -> RowSpec:
+    return RowSpec(
+        tokenizer_path=config.hf_checkpoint or "",
+        input_key=config.input_key,
+        label_key=config.label_key,
+        metadata_key=config.metadata_key,
+        tool_key=config.tool_key,
+        apply_chat_template=config.apply_chat_template,
+        chat_template_kwargs=config.apply_chat_template_kwargs,
+        max_prompt_len=config.rollout_max_prompt_len,
+        skip_invalid_rows=config.skip_invalid_rows,
+    )
+
+
+def build_streams(config: BufferConfig, executor) -> dict:
+    """The train stream and one per eval set; datasets read at start-up have every row checked here."""
+    spec = row_spec(config)
+    streams: dict = {}
+    try:
+        if config.data_source_path:
+            source_class = load_callable(config.data_source_path, "--data-source-path")
+            streams[TRAIN] = CustomPromptStream(source_class(config), spec)
+        elif config.prompt_data:
+            blocks = open_blocks(config.prompt_data, config.streaming_data)
+            shuffle, seed = config.rollout_shuffle, config.rollout_seed
+            streams[TRAIN] = PromptStream(TRAIN, blocks, spec, executor, seed, shuffle, config.num_epoch)
+        pairs = zip(config.eval_prompt_data[::2], config.eval_prompt_data[1::2], strict=True)
+        for name, path in pairs:
+            streams[name] = PromptStream(name, open_blocks(path, False), spec, executor, 0, False, None)
+        for stream in streams.values():
+            if isinstance(stream, PromptStream) and len(stream.blocks) == 1:
+                check_rows(stream.rows(0), spec)
+    except (DatasetError, PluginError) as e:
+        raise StartupError(str(e)) from None
+    return streams
 
 
 async def build(config: BufferConfig) -> Service:
     redis_handle = await asyncio.to_thread(open_redis, config.redis, config.run_dir)
-    return Service("buffer", config, [Servicer.of(BufferServicer())], on_stop=[redis_handle.close])
+    client = redis_handle.async_client()
+    executor = None
+    if config.num_data_workers and (config.prompt_data or config.eval_prompt_data):
+        # spawn: forking a process that runs gRPC threads is unsafe.
+        context = multiprocessing.get_context("spawn")
+        executor = ProcessPoolExecutor(config.num_data_workers, mp_context=context)
+    try:
+        streams = await asyncio.to_thread(build_streams, config, executor)
+        filters = {}
+        for name in ("dynamic_sampling_filter_path", "buffer_filter_path"):
+            path = getattr(config, name)
+            filters[name] = load_callable(path, "--" + name.replace("_", "-")) if path else None
+    except (StartupError, PluginError) as e:
+        redis_handle.close()
+        raise StartupError(str(e)) from None
+    store = BufferStore(client, config.redis.prefix, config.run_id)
+    buffer = Buffer(config, store, streams, filters["dynamic_sampling_filter_path"], filters["buffer_filter_path"])
+    await buffer.start()
+    tasks: list[asyncio.Task] = []
+
+    async def ready() -> None:
+        tasks.append(asyncio.create_task(buffer.expire_forever()))
+        tasks.append(asyncio.create_task(_export_counts(buffer)))
+
+    async def close() -> None:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+        await client.aclose()
+        redis_handle.close()
+
+    return Service("buffer", config, [Servicer.of(BufferServicer(buffer))], ready=ready, on_stop=[close])
+
+
+async def _export_counts(buffer: Buffer, interval_s: float = 5.0) -> None:
+    while True:
+        with contextlib.suppress(Exception):
+            state = await buffer.state()
+            for name, value in {**state.pop("counters"), **state}.items():
+                BUFFER_COUNTS.labels(name).set(value)
+        await asyncio.sleep(interval_s)

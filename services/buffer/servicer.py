@@ -1,10 +1,71 @@
-"""gRPC face of the buffer: translates BufferService requests to the domain store and back.
+"""gRPC face of the buffer: translates BufferService requests to `Buffer` calls and the results back."""
 
-The RPCs answer UNIMPLEMENTED until the buffer's store lands.
-"""
+from google.protobuf.timestamp_pb2 import Timestamp
 
-from slipstream.v1 import buffer_pb2_grpc
+from services.buffer.core import Buffer, LeasedGroup
+from slipstream.v1 import buffer_pb2, buffer_pb2_grpc
+
+_BLOCKED = {
+    None: buffer_pb2.LEASE_BLOCK_UNSPECIFIED,
+    "backpressure": buffer_pb2.LEASE_BLOCK_BACKPRESSURE,
+    "staleness": buffer_pb2.LEASE_BLOCK_STALENESS,
+    "exhausted": buffer_pb2.LEASE_BLOCK_EXHAUSTED,
+}
+
+
+def _timestamp(ms: int) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromMilliseconds(ms)
+    return stamp
+
+
+def _lease(leased: LeasedGroup) -> buffer_pb2.Lease:
+    return buffer_pb2.Lease(lease_id=leased.lease_id, group=leased.group, deadline=_timestamp(leased.deadline_ms))
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
-    pass
+    def __init__(self, buffer: Buffer):
+        self.buffer = buffer
+
+    async def LeasePrompts(self, request, context):
+        result = await self.buffer.lease(request.max_groups, request.lease_seconds, request.dataset)
+        return buffer_pb2.LeasePromptsResponse(
+            leases=[_lease(leased) for leased in result.leases],
+            policy_version=result.policy_version,
+            blocked=_BLOCKED[result.blocked],
+        )
+
+    async def ExtendLease(self, request, context):
+        deadline, extended, expired = await self.buffer.extend(list(request.lease_ids), request.lease_seconds)
+        stamp = _timestamp(deadline)
+        return buffer_pb2.ExtendLeaseResponse(
+            leases=[buffer_pb2.Lease(lease_id=lid, deadline=stamp) for lid in extended], expired=expired
+        )
+
+    async def ReleaseLease(self, request, context):
+        await self.buffer.release(request.lease_id, list(request.partial_samples))
+        return buffer_pb2.ReleaseLeaseResponse()
+
+    async def SubmitGroup(self, request, context):
+        accepted, duplicate, reason = await self.buffer.submit(request.lease_id, request.group)
+        return buffer_pb2.SubmitGroupResponse(accepted=accepted, duplicate=duplicate, filtered_reason=reason)
+
+    async def GetBatch(self, request, context):
+        dp_size = request.dp_size or 1  # unset means one data-parallel rank
+        part = await self.buffer.get_batch(request.step, request.dp_rank, dp_size, request.timeout_seconds)
+        return buffer_pb2.GetBatchResponse(
+            step=request.step,
+            groups=part.groups,
+            num_tokens=part.num_tokens,
+            total_groups=part.total_groups,
+            policy_version=part.policy_version,
+        )
+
+    async def CommitBatch(self, request, context):
+        return buffer_pb2.CommitBatchResponse(num_deleted_groups=await self.buffer.commit(request.step))
+
+    async def SetPolicyVersion(self, request, context):
+        return buffer_pb2.SetPolicyVersionResponse(version=await self.buffer.set_policy_version(request.version))
+
+    async def GetState(self, request, context):
+        return buffer_pb2.BufferState(**await self.buffer.state())

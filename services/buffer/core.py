@@ -1,0 +1,383 @@
+"""The buffer's domain logic: who may lease what, which groups are trained at which step, and what gets dropped.
+
+It orchestrates the prompt streams (new groups), the store (all state, in Redis) and the filters. It keeps no
+state of its own that matters across a restart: cursors, leases, groups, batches and counters are all in Redis.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from services.buffer.config import BufferConfig
+from services.buffer.filters import pop_first, read_verdict
+from services.buffer.prompts import Skipped
+from services.buffer.source import Cursor, PromptStream
+from services.buffer.store import BufferStore
+from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from slipstream.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+TRAIN = "train"
+
+
+@dataclass
+class LeasedGroup:
+    lease_id: str
+    group: common_pb2.PromptGroup
+    deadline_ms: int
+
+
+@dataclass
+class LeaseResult:
+    leases: list[LeasedGroup]
+    policy_version: int
+    blocked: str | None = None  # "backpressure", "staleness" or "exhausted" when no lease could be given
+
+
+@dataclass
+class BatchPart:
+    groups: list[common_pb2.PromptGroup]
+    num_tokens: int
+    total_groups: int
+    policy_version: int
+
+
+@dataclass
+class Buffer:
+    config: BufferConfig
+    store: BufferStore
+    streams: dict[str, PromptStream]  # "train" and the eval sets
+    dynamic_filter: object = None
+    buffer_filter: object = None
+    _lease_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _batch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _submitted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self) -> None:
+        """Positions every stream at the cursor stored in Redis (where the previous process stopped)."""
+        for name, stream in self.streams.items():
+            stream.reset(Cursor.decode(await self.store.cursor(name)))
+
+    # Leases
+
+    async def lease(self, max_groups: int, lease_seconds: float, dataset: str) -> LeaseResult:
+        if max_groups < 0:
+            raise InvalidArgument("max_groups", f"must be >= 0, got {max_groups}")
+        if lease_seconds < 0:
+            raise InvalidArgument("lease_seconds", f"must be >= 0, got {lease_seconds}")
+        dataset = dataset or TRAIN
+        if dataset not in self.streams:
+            known = ", ".join(sorted(self.streams)) or "none (pass --prompt-data / --eval-prompt-data)"
+            raise InvalidArgument("dataset", f"unknown dataset {dataset!r}; known: {known}")
+        lease_ms = int((lease_seconds or self.config.lease_seconds) * 1000)
+        async with self._lease_lock:
+            await self.store.expire()
+            version = await self.policy_version()
+            room, blocked = await self._room(dataset)
+            want = min(max_groups, room)
+            leases = await self._lease_pending(dataset, want, lease_ms) if want > 0 else []
+            new_room, new_blocked = await self._new_room(version) if dataset == TRAIN else (want, None)
+            want_new = min(want - len(leases), new_room)
+            if want_new > 0:
+                new = await self._lease_new(dataset, want_new, lease_ms)
+                leases += new
+                new_blocked = None if new else "exhausted"
+        if leases or max_groups == 0:
+            return LeaseResult(leases, version)
+        return LeaseResult(leases, version, blocked or new_blocked)
+
+    async def _room(self, dataset: str) -> tuple[int, str | None]:
+        """How many groups the backpressure cap allows now."""
+        cap = self.config.max_buffered_groups
+        if cap is None or dataset != TRAIN:
+            return 1 << 30, None
+        sizes = await self.store.sizes(dataset)
+        room = cap - sizes["leased"] - sizes["completed"]
+        return room, "backpressure" if room <= 0 else None
+
+    async def _new_room(self, version: int) -> tuple[int, str | None]:
+        """How many new training groups may start, and what limits them: the staleness bound (groups that could not
+        be trained within --max-staleness versions are not generated) or the run's length (--num-rollout)."""
+        counters = await self.store.counters()
+        live = counters.get("started", 0) - counters.get("dropped", 0)
+        batch = self.config.rollout_batch_size
+        room = (version + self.config.max_staleness) * batch + self.config.groups_in_flight - live
+        if self.config.num_rollout is not None and self.config.num_rollout * batch - live < room:
+            room = self.config.num_rollout * batch - live
+            return room, "exhausted" if room <= 0 else None
+        return room, "staleness" if room <= 0 else None
+
+    async def _lease_pending(self, dataset: str, want: int, lease_ms: int) -> list[LeasedGroup]:
+        deadline, leased = await self.store.lease_pending(dataset, want, lease_ms)
+        return [LeasedGroup(lid, common_pb2.PromptGroup.FromString(payload), deadline) for _, lid, payload in leased]
+
+    async def _lease_new(self, dataset: str, want: int, lease_ms: int) -> list[LeasedGroup]:
+        stream = self.streams[dataset]
+        expected = (await self.store.cursor(dataset) or b"").decode()
+        items = await stream.take(want)
+        if not items:
+            return []
+        groups, skipped = [], {}
+        for item in items:
+            if isinstance(item.payload, Skipped):
+                skipped[item.payload.reason] = skipped.get(item.payload.reason, 0) + 1
+                continue
+            group = common_pb2.PromptGroup.FromString(item.payload)
+            group.group_id, group.dataset = item.group_id, dataset
+            group.epoch, group.n_samples = item.after.epoch, self.config.n_samples_per_prompt
+            groups.append(group)
+        try:
+            deadline, lease_ids = await self.store.lease_new(
+                dataset,
+                expected,
+                items[-1].after.encode(),
+                lease_ms,
+                [(g.group_id, g.SerializeToString()) for g in groups],
+                skipped,
+                count_started=dataset == TRAIN,
+            )
+        except Exception:
+            stream.reset(Cursor.decode(expected))  # nothing was stored: hand out the same prompts next time
+            raise
+        return [LeasedGroup(lid, g, deadline) for lid, g in zip(lease_ids, groups, strict=True)]
+
+    async def extend(self, lease_ids: list[str], lease_seconds: float) -> tuple[int, list[str], list[str]]:
+        if lease_seconds < 0:
+            raise InvalidArgument("lease_seconds", f"must be >= 0, got {lease_seconds}")
+        if not lease_ids:
+            return 0, [], []
+        lease_ms = int((lease_seconds or self.config.lease_seconds) * 1000)
+        deadline, flags = await self.store.extend(lease_ids, lease_ms)
+        extended = [lid for lid, ok in zip(lease_ids, flags, strict=True) if ok]
+        return deadline, extended, [lid for lid, ok in zip(lease_ids, flags, strict=True) if not ok]
+
+    async def release(self, lease_id: str, partial_samples: list[common_pb2.Sample]) -> None:
+        """Returns a leased group to the pool; its partial samples are kept and come back with the next lease."""
+        payload = b""
+        if partial_samples:
+            stored = await self.store.redis.get(self.store.key(f"group:{_group_id(lease_id)}"))
+            if stored is None:
+                raise NotFound(f"lease {lease_id!r} is not held (unknown, expired or already submitted)")
+            group = common_pb2.PromptGroup.FromString(stored)
+            del group.samples[:]
+            group.samples.extend(partial_samples)
+            payload = group.SerializeToString()
+        if not await self.store.release(lease_id, payload):
+            raise NotFound(f"lease {lease_id!r} is not held (unknown, expired or already submitted)")
+
+    # Submit
+
+    async def submit(self, lease_id: str, group: common_pb2.PromptGroup) -> tuple[bool, bool, str]:
+        """Stores a finished group; returns (accepted, duplicate, filtered reason). Idempotent per group."""
+        group_id = _group_id(lease_id)
+        if group_id is None:
+            raise InvalidArgument("lease_id", f"{lease_id!r} is not a lease id from LeasePrompts")
+        dataset = group_id.split(":", 1)[0]
+        self._check_group(group)
+        group.group_id = group_id
+        group.min_weight_version = _min_version(group)
+        outcome, reason = "completed", ""
+        if dataset != TRAIN:
+            outcome = f"eval:{dataset}"
+        elif self.dynamic_filter is not None:
+            verdict = self._run_dynamic_filter(group)
+            if not verdict.keep:
+                outcome, reason = f"dropped:{verdict.reason}", verdict.reason
+        result = await self.store.submit(lease_id, outcome, group.SerializeToString(), group.min_weight_version)
+        if result == "unknown":
+            raise NotFound(f"lease {lease_id!r} is unknown to this run; submit with a lease id from LeasePrompts")
+        if result == "accepted" and outcome == "completed":
+            self._submitted.set()
+        return result == "accepted" and not reason, result == "duplicate", reason
+
+    def _check_group(self, group: common_pb2.PromptGroup) -> None:
+        expected = self.config.n_samples_per_prompt
+        if len(group.samples) != expected:
+            raise InvalidArgument(
+                "group.samples", f"expected {expected} samples (--n-samples-per-prompt), got {len(group.samples)}"
+            )
+        for i, sample in enumerate(group.samples):
+            where = f"group.samples[{i}]"
+            if sample.prompt_length + sample.response_length != len(sample.tokens):
+                raise InvalidArgument(
+                    f"{where}.tokens",
+                    f"has {len(sample.tokens)} tokens but prompt_length + response_length = "
+                    f"{sample.prompt_length} + {sample.response_length}",
+                )
+            for name in ("loss_mask", "rollout_logprobs"):
+                size = len(getattr(sample, name))
+                if size not in (0, sample.response_length):
+                    raise InvalidArgument(
+                        f"{where}.{name}",
+                        f"has {size} entries; it needs one per response token ({sample.response_length})",
+                    )
+
+    def _run_dynamic_filter(self, group: common_pb2.PromptGroup):
+        try:
+            return read_verdict(self.dynamic_filter(self.config, list(group.samples)))
+        except Exception:  # a crashing user filter must not lose the group: keep it, and say so
+            log.exception("dynamic sampling filter failed on group %s; keeping the group", group.group_id)
+            return read_verdict(True)
+
+    # Batches
+
+    async def get_batch(self, step: int, dp_rank: int, dp_size: int, timeout_s: float) -> BatchPart:
+        batch_size = self.config.rollout_batch_size
+        if step < 0:
+            raise InvalidArgument("step", f"must be >= 0, got {step}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise InvalidArgument("dp_rank", f"must satisfy 0 <= dp_rank < dp_size, got {dp_rank} of {dp_size}")
+        if batch_size % dp_size:
+            raise InvalidArgument("dp_size", f"--rollout-batch-size {batch_size} is not divisible by dp_size {dp_size}")
+        gids = await self.store.batch(step)
+        if gids is None:
+            async with self._batch_lock:
+                gids = await self.store.batch(step) or await self._make_batch(
+                    step, timeout_s or self.config.batch_timeout_s
+                )
+        payloads = await self.store.completed_groups(gids)
+        missing = [gid for gid, payload in zip(gids, payloads, strict=True) if payload is None]
+        if missing:
+            raise FailedPrecondition(f"step {step}: groups {missing[:3]} are gone; was the step committed?")
+        groups = [common_pb2.PromptGroup.FromString(payload) for payload in payloads]
+        parts = partition([_num_tokens(g) for g in groups], dp_size, self.config.balance_data)
+        mine = [groups[i] for i in parts[dp_rank]]
+        return BatchPart(mine, sum(map(_num_tokens, mine)), len(groups), await self.policy_version())
+
+    async def _make_batch(self, step: int, timeout_s: float) -> list[str]:
+        last = await self.store.meta_int("last_committed_step", -1)
+        top = await self.store.meta_int("top_step", -1)
+        if step <= last:
+            raise FailedPrecondition(f"step {step} was already committed; ask for step {max(last, top) + 1}")
+        if step > top + 1:
+            raise FailedPrecondition(f"steps are handed out in order; ask for step {top + 1} before step {step}")
+        if self.config.num_rollout is not None and step >= self.config.num_rollout:
+            raise FailedPrecondition(
+                f"the run has --num-rollout {self.config.num_rollout} steps (0 to {self.config.num_rollout - 1})"
+            )
+        deadline = time.monotonic() + timeout_s
+        batch_size = self.config.rollout_batch_size
+        while True:
+            self._submitted.clear()
+            eligible, stale = self._split_stale(step, await self.store.completed())
+            if len(eligible) >= batch_size:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                sizes = await self.store.sizes(TRAIN)
+                raise DeadlineExceeded(
+                    f"step {step}: only {len(eligible)} of {batch_size} groups were ready after {timeout_s:.0f}s "
+                    f"({sizes['leased']} leased, {sizes['pending']} waiting for a worker); are rollout workers running?"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._submitted.wait(), min(remaining, 1.0))
+        chosen = await self._select(step, eligible, batch_size)
+        await self.store.record_batch(step, chosen, stale)
+        if stale:
+            log.info(
+                "step %d: dropped %d groups older than --max-staleness %d", step, len(stale), self.config.max_staleness
+            )
+        return chosen
+
+    def _split_stale(self, step: int, completed: list[tuple[str, int]]) -> tuple[list[str], list[str]]:
+        if self.config.stale_policy == "mark":
+            return [gid for gid, _ in completed], []
+        oldest = step - self.config.max_staleness
+        return [gid for gid, v in completed if v >= oldest], [gid for gid, v in completed if v < oldest]
+
+    async def _select(self, step: int, eligible: list[str], batch_size: int) -> list[str]:
+        if self.buffer_filter is None:
+            return eligible[:batch_size]
+        groups = [common_pb2.PromptGroup.FromString(p) for p in await self.store.completed_groups(eligible)]
+        buffer = [list(g.samples) for g in groups]
+        by_identity = {id(samples): gid for samples, gid in zip(buffer, eligible, strict=True)}
+        by_first = {samples[0].sample_id: gid for samples, gid in zip(buffer, eligible, strict=True) if samples}
+        chosen = (self.buffer_filter or pop_first)(self.config, step, buffer, batch_size)
+        gids = [by_identity.get(id(s)) or (by_first.get(s[0].sample_id) if s else None) for s in chosen]
+        if len(gids) != batch_size or None in gids or len(set(gids)) != batch_size:
+            raise FailedPrecondition(
+                f"--buffer-filter-path returned {len(chosen)} groups; it must return {batch_size} distinct groups "
+                "taken from the buffer it was given"
+            )
+        return gids
+
+    async def commit(self, step: int) -> int:
+        if step < 0:
+            raise InvalidArgument("step", f"must be >= 0, got {step}")
+        try:
+            deleted = await self.store.commit(step)
+        except Exception as e:  # the script's refusal says which step to commit instead
+            if "commit step" in str(e) or "no batch" in str(e):
+                raise FailedPrecondition(f"step {step}: {str(e).split(':')[-1].strip()}") from None
+            raise
+        return max(deleted, 0)
+
+    # Versions and state
+
+    async def policy_version(self) -> int:
+        return await self.store.meta_int("policy_version", 0)
+
+    async def set_policy_version(self, version: int) -> int:
+        current = await self.policy_version()
+        if version < current:
+            raise FailedPrecondition(f"policy version only grows: it is {current}, got {version}")
+        await self.store.set_meta("policy_version", version)
+        return version
+
+    async def state(self) -> dict:
+        counters = await self.store.counters()
+        sizes = await self.store.sizes(TRAIN)
+        cursor = Cursor.decode(await self.store.cursor(TRAIN))
+        return {
+            "policy_version": await self.policy_version(),
+            "num_pending_prompts": sizes["pending"],
+            "num_leased_groups": sizes["leased"],
+            "num_completed_groups": sizes["completed"],
+            "num_filtered_groups": sum(v for k, v in counters.items() if k.startswith("dropped:")),
+            "epoch": cursor.epoch,
+            "num_consumed_prompts": counters.get("started", 0),
+            "last_committed_step": await self.store.meta_int("last_committed_step", -1),
+            "counters": counters,
+        }
+
+    async def expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.expire_interval_s)
+            try:
+                if expired := await self.store.expire():
+                    log.info("%d expired leases returned to the pool", expired)
+            except Exception:  # Redis may be briefly unreachable; the next round retries
+                log.exception("returning expired leases failed")
+
+
+def partition(tokens: list[int], num_parts: int, balance: bool) -> list[list[int]]:
+    """Splits group indices into `num_parts` parts of equal size; with `balance`, the token totals are balanced
+    (largest group first onto the lightest part). Each part keeps the original order."""
+    size = len(tokens) // num_parts
+    if not balance:
+        return [list(range(i * size, (i + 1) * size)) for i in range(num_parts)]
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    loads = [0] * num_parts
+    for index in sorted(range(len(tokens)), key=lambda i: -tokens[i]):
+        target = min((p for p in range(num_parts) if len(parts[p]) < size), key=lambda p: loads[p])
+        parts[target].append(index)
+        loads[target] += tokens[index]
+    return [sorted(part) for part in parts]
+
+
+def _group_id(lease_id: str) -> str | None:
+    group_id, sep, attempt = lease_id.rpartition("#")
+    return group_id if sep and group_id and attempt.isdigit() else None
+
+
+def _num_tokens(group: common_pb2.PromptGroup) -> int:
+    return sum(len(s.tokens) for s in group.samples)
+
+
+def _min_version(group: common_pb2.PromptGroup) -> int:
+    """The oldest weight version that produced any token of the group (from the samples' spans)."""
+    versions = [int(span.version) for s in group.samples for span in s.weight_versions if span.version.isdigit()]
+    return min(versions) if versions else group.min_weight_version

@@ -1,0 +1,172 @@
+"""The stream of new prompt groups in epoch order, tokenized ahead of demand.
+
+Positions are cursors (epoch, block position, row position) that the store keeps in Redis, so after a restart the
+stream resumes exactly where the last committed lease left it. Tokenization runs in data worker processes, a few
+chunks ahead of the leases, so a lease rarely waits for the tokenizer and never for the whole file.
+"""
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from services.buffer.datasets import Block, RawRow, epoch_order, read_block
+from services.buffer.prompts import RowSpec, Skipped, prepare_rows
+
+
+@dataclass(frozen=True, order=True)
+class Cursor:
+    epoch: int = 0
+    block: int = 0  # position in the epoch's block order
+    row: int = 0  # position in that block's row order
+
+    def encode(self) -> str:
+        return f"{self.epoch}:{self.block}:{self.row}"
+
+    @classmethod
+    def decode(cls, text: str | bytes | None) -> "Cursor":
+        if not text:
+            return cls()
+        epoch, block, row = (int(part) for part in (text.decode() if isinstance(text, bytes) else text).split(":"))
+        return cls(epoch, block, row)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One position of the stream: the group it yields (serialized PromptGroup without samples) or why it yields
+    none, and the cursor after it."""
+
+    group_id: str
+    payload: bytes | Skipped
+    after: Cursor
+
+
+class PromptStream:
+    """Epoch-ordered prompt groups of one dataset, starting at a cursor."""
+
+    def __init__(
+        self,
+        name: str,
+        blocks: list[Block],
+        spec: RowSpec,
+        executor: Executor | None,
+        seed: int,
+        shuffle: bool,
+        num_epoch: int | None,
+        chunk_rows: int = 32,
+        chunks_ahead: int = 8,
+    ):
+        self.name, self.blocks, self.spec, self.executor = name, blocks, spec, executor
+        self.seed, self.shuffle, self.num_epoch = seed, shuffle, num_epoch
+        self.chunk_rows, self.chunks_ahead = chunk_rows, chunks_ahead
+        self._items: AsyncIterator[Item] | None = None
+        self._cursor = Cursor()
+        # A dataset read eagerly is one block: keep its rows instead of reading the file again every epoch.
+        self._rows_cache: dict[int, list[RawRow]] = {}
+
+    def rows(self, block_index: int) -> list[RawRow]:
+        if block_index in self._rows_cache:
+            return self._rows_cache[block_index]
+        rows = read_block(self.blocks[block_index])
+        if len(self.blocks) == 1:
+            self._rows_cache[block_index] = rows
+        return rows
+
+    def reset(self, cursor: Cursor) -> None:
+        """Restart at `cursor` (after a restart, or when a lease was not committed)."""
+        self._items, self._cursor = None, cursor
+
+    async def take(self, num_groups: int) -> list[Item]:
+        """Items up to and including the `num_groups`-th group (skipped rows in between come along); fewer at the
+        end of the last epoch."""
+        if self._items is None:
+            self._items = self._generate(self._cursor)
+        taken, groups = [], 0
+        while groups < num_groups:
+            item = await anext(self._items, None)
+            if item is None:
+                break
+            taken.append(item)
+            groups += not isinstance(item.payload, Skipped)
+        return taken
+
+    async def _generate(self, cursor: Cursor) -> AsyncIterator[Item]:
+        in_flight: collections.deque = collections.deque()
+        for chunk in self._chunks(cursor):
+            in_flight.append((chunk, self._prepare(chunk)))
+            if len(in_flight) >= self.chunks_ahead:
+                async for item in self._finish(in_flight.popleft()):
+                    yield item
+        while in_flight:
+            async for item in self._finish(in_flight.popleft()):
+                yield item
+
+    def _prepare(self, chunk: list[tuple[RawRow, str, Cursor]]) -> asyncio.Future:
+        rows = [raw for raw, _, _ in chunk]
+        if self.executor is None:
+            return asyncio.ensure_future(asyncio.to_thread(prepare_rows, rows, self.spec))
+        return asyncio.get_running_loop().run_in_executor(self.executor, prepare_rows, rows, self.spec)
+
+    async def _finish(self, entry) -> AsyncIterator[Item]:
+        chunk, future = entry
+        payloads = await future
+        for (_, group_id, after), payload in zip(chunk, payloads, strict=True):
+            yield Item(group_id, payload, after)
+
+    def _chunks(self, cursor: Cursor):
+        """Chunks of (row, group id, cursor after it), from `cursor` to the end of the last epoch.
+
+        Reading a block is synchronous file I/O: streaming blocks are a few MiB, and an eagerly read dataset is read
+        once at start-up (`rows`) and cached."""
+        chunk: list[tuple[RawRow, str, Cursor]] = []
+        epoch, block_pos, row_pos = cursor.epoch, cursor.block, cursor.row
+        while self.num_epoch is None or epoch < self.num_epoch:
+            block_order = epoch_order(len(self.blocks), self.seed, epoch, -1, self.shuffle)
+            while block_pos < len(self.blocks):
+                block_index = int(block_order[block_pos])
+                rows = self.rows(block_index)
+                row_order = epoch_order(len(rows), self.seed, epoch, block_index, self.shuffle)
+                for pos in range(row_pos, len(rows)):
+                    row_index = int(row_order[pos])
+                    after = Cursor(epoch, block_pos, pos + 1) if pos + 1 < len(rows) else Cursor(epoch, block_pos + 1)
+                    group_id = f"{self.name}:e{epoch}:b{block_index}:r{row_index}"
+                    chunk.append((rows[row_index], group_id, after))
+                    if len(chunk) == self.chunk_rows:
+                        yield chunk
+                        chunk = []
+                block_pos, row_pos = block_pos + 1, 0
+            epoch, block_pos = epoch + 1, 0
+        if chunk:
+            yield chunk
+
+
+class CustomPromptStream:
+    """New groups from a user's prompt source with slime's contract: `get_samples(num_samples)` returns groups, each
+    a list of samples (objects with `prompt`, `label`, `metadata`, or dicts with those keys); the first sample of a
+    group gives its prompt. Its position is counted in Redis like a dataset's (block 0, row = groups taken)."""
+
+    def __init__(self, source, spec: RowSpec, name: str = "train"):
+        self.source, self.spec, self.name = source, spec, name
+        self._cursor = Cursor()
+
+    def reset(self, cursor: Cursor) -> None:
+        self._cursor = cursor
+
+    async def take(self, num_groups: int) -> list[Item]:
+        groups = await asyncio.to_thread(self.source.get_samples, num_groups)
+        rows = []
+        for offset, group in enumerate(groups or []):
+            first = group[0] if isinstance(group, list | tuple) else group
+            get = first.get if isinstance(first, dict) else lambda key, f=first: getattr(f, key, None)
+            row = {self.spec.input_key: get("prompt"), self.spec.metadata_key: get("metadata"), "label": get("label")}
+            rows.append(RawRow(row, Path("--data-source-path"), self._cursor.row + offset))
+        has_labels = any(raw.data["label"] is not None for raw in rows)
+        spec = replace(self.spec, label_key="label" if has_labels else None)
+        payloads = await asyncio.to_thread(prepare_rows, rows, spec)
+        items = []
+        for raw, payload in zip(rows, payloads, strict=True):
+            self._cursor = Cursor(0, 0, raw.row + 1)
+            items.append(Item(f"{self.name}:custom:r{raw.row}", payload, self._cursor))
+        return items

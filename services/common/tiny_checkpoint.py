@@ -1,0 +1,58 @@
+"""Builds tiny HF checkpoints for tests and the demo: a real tokenizer (byte-level BPE trained on a small built-in
+corpus, with a Qwen-style chat template), written in the same on-disk format as downloaded checkpoints.
+
+Models cannot be downloaded here, so every test that needs a tokenizer or model builds one with this module.
+"""
+
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+# Newlines are written as {{ "\n" }}: HF renders templates with trim_blocks, which drops a newline after a block tag.
+CHAT_TEMPLATE = (
+    '{% if tools %}<|im_start|>system{{ "\n" }}You can call these tools:'
+    '{% for tool in tools %}{{ "\n" }}{{ tool | tojson }}{% endfor %}<|im_end|>{{ "\n" }}{% endif %}'
+    '{% for message in messages %}<|im_start|>{{ message.role }}{{ "\n" }}{{ message.content }}<|im_end|>{{ "\n" }}'
+    "{% endfor %}"
+    '{% if add_generation_prompt %}<|im_start|>assistant{{ "\n" }}'
+    '{% if enable_thinking is defined and not enable_thinking %}<think>{{ "\n\n" }}</think>{{ "\n\n" }}{% endif %}'
+    "{% endif %}"
+)
+
+_CORPUS = [
+    "What is 1 + 2? The answer is 3.",
+    "Compute 12 * 7 and put the final answer in \\boxed{84}.",
+    "Solve for x: 2x + 3 = 11, so x = 4. Answer: 4",
+    "The quick brown fox jumps over the lazy dog.",
+    "Let me think step by step. First add the numbers, then check the result.",
+    "#### 42",
+    "user assistant system tool call function arguments name result",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 + - * / = ( ) { } [ ]",
+]
+
+
+def write_tokenizer(path: Path, vocab_size: int = 512) -> Path:
+    """Trains a byte-level BPE tokenizer (deterministic) and saves it with its chat template under `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(path)
+    return path
