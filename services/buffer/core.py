@@ -263,6 +263,11 @@ class Buffer:
         while True:
             self._submitted.clear()
             eligible, stale = self._split_stale(step, await self.store.completed())
+            # A group too old for this step is too old for every later one.
+            if await self.store.drop_completed(stale, "stale"):
+                log.info(
+                    "step %d: dropped %d groups past --max-staleness %d", step, len(stale), self.config.max_staleness
+                )
             if len(eligible) >= batch_size:
                 break
             remaining = deadline - time.monotonic()
@@ -275,11 +280,7 @@ class Buffer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._submitted.wait(), min(remaining, 1.0))
         chosen = await self._select(step, eligible, batch_size)
-        await self.store.record_batch(step, chosen, stale)
-        if stale:
-            log.info(
-                "step %d: dropped %d groups older than --max-staleness %d", step, len(stale), self.config.max_staleness
-            )
+        await self.store.record_batch(step, chosen)
         return chosen
 
     def _split_stale(self, step: int, completed: list[tuple[str, int]]) -> tuple[list[str], list[str]]:

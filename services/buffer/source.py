@@ -123,11 +123,11 @@ class PromptStream:
         chunk: list[tuple[RawRow, str, Cursor]] = []
         epoch, block_pos, row_pos = cursor.epoch, cursor.block, cursor.row
         while self.num_epoch is None or epoch < self.num_epoch:
-            block_order = epoch_order(len(self.blocks), self.seed, epoch, -1, self.shuffle)
+            block_order = epoch_order(len(self.blocks), self.seed, epoch, 0, self.shuffle)
             while block_pos < len(self.blocks):
                 block_index = int(block_order[block_pos])
                 rows = self.rows(block_index)
-                row_order = epoch_order(len(rows), self.seed, epoch, block_index, self.shuffle)
+                row_order = epoch_order(len(rows), self.seed, epoch, block_index + 1, self.shuffle)
                 for pos in range(row_pos, len(rows)):
                     row_index = int(row_order[pos])
                     after = Cursor(epoch, block_pos, pos + 1) if pos + 1 < len(rows) else Cursor(epoch, block_pos + 1)

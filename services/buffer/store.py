@@ -151,37 +151,44 @@ return 'accepted'
 """
 )
 
-# ARGV: ns, step, n_chosen, chosen gids..., stale-dropped gids...
+# ARGV: ns, step, chosen gids...
 _RECORD_BATCH = """
-local ns, step, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local ns, step, n = ARGV[1], ARGV[2], #ARGV - 2
 local last = tonumber(redis.call('HGET', ns .. ':meta', 'last_committed_step') or '-1')
 if tonumber(step) <= last then return redis.error_reply('step ' .. step .. ' was already committed') end
 if redis.call('EXISTS', ns .. ':batch:' .. step) == 1 then return 0 end
 -- Check before writing: an error after a write would leave the write in place.
-for i = 4, 3 + n do
+for i = 3, 2 + n do
   if not redis.call('ZSCORE', ns .. ':done', ARGV[i]) then return redis.error_reply(ARGV[i] .. ' is not completed') end
 end
 local chosen = {}
-for i = 4, 3 + n do
+for i = 3, 2 + n do
   local gid = ARGV[i]
   redis.call('ZREM', ns .. ':done', gid)
   redis.call('HSET', ns .. ':status', gid, 'batch:' .. step)
   table.insert(chosen, gid)
 end
-for i = 4 + n, #ARGV do
-  local gid = ARGV[i]
-  if redis.call('ZREM', ns .. ':done', gid) == 1 then
-    redis.call('DEL', ns .. ':done:' .. gid)
-    redis.call('HDEL', ns .. ':done_version', gid)
-    redis.call('HSET', ns .. ':status', gid, 'dropped:stale')
-    redis.call('HINCRBY', ns .. ':counters', 'dropped', 1)
-    redis.call('HINCRBY', ns .. ':counters', 'dropped:stale', 1)
-  end
-end
 redis.call('SET', ns .. ':batch:' .. step, cjson.encode(chosen))
 local top = tonumber(redis.call('HGET', ns .. ':meta', 'top_step') or '-1')
 if tonumber(step) > top then redis.call('HSET', ns .. ':meta', 'top_step', step) end
 return 1
+"""
+
+_DROP = """
+local ns, reason = ARGV[1], ARGV[2]
+local dropped = 0
+for i = 3, #ARGV do
+  local gid = ARGV[i]
+  if redis.call('ZREM', ns .. ':done', gid) == 1 then
+    redis.call('DEL', ns .. ':done:' .. gid)
+    redis.call('HDEL', ns .. ':done_version', gid)
+    redis.call('HSET', ns .. ':status', gid, 'dropped:' .. reason)
+    redis.call('HINCRBY', ns .. ':counters', 'dropped', 1)
+    redis.call('HINCRBY', ns .. ':counters', 'dropped:' .. reason, 1)
+    dropped = dropped + 1
+  end
+end
+return dropped
 """
 
 _COMMIT = """
@@ -220,6 +227,7 @@ class BufferStore:
                 ("expire", _EXPIRE),
                 ("submit", _SUBMIT),
                 ("record_batch", _RECORD_BATCH),
+                ("drop", _DROP),
                 ("commit", _COMMIT),
             ]
         }
@@ -289,8 +297,12 @@ class BufferStore:
             return []
         return await self.redis.mget([self.key(f"done:{gid}") for gid in gids])
 
-    async def record_batch(self, step: int, chosen: list[str], stale: list[str]) -> None:
-        await self._run("record_batch", step, len(chosen), *chosen, *stale)
+    async def record_batch(self, step: int, chosen: list[str]) -> None:
+        await self._run("record_batch", step, *chosen)
+
+    async def drop_completed(self, gids: list[str], reason: str) -> int:
+        """Drops completed groups that can no longer be trained, counting them under dropped:<reason>."""
+        return int(await self._run("drop", reason, *gids)) if gids else 0
 
     async def batch(self, step: int) -> list[str] | None:
         record = await self.redis.get(self.key(f"batch:{step}"))
