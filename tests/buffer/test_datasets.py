@@ -57,12 +57,12 @@ def test_empty_missing_and_unsupported(tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         open_blocks(str(tmp_path / "none.jsonl"), False)
     (tmp_path / "d.csv").write_text("a\n")
-    with pytest.raises(DatasetError, match="use .jsonl or .parquet"):
+    with pytest.raises(DatasetError, match=r"use \.jsonl or \.parquet"):
         open_blocks(str(tmp_path / "d.csv"), False)
 
 
-async def stream_ids(stream: PromptStream, cursor=Cursor()) -> list[str]:
-    stream.reset(cursor)
+async def stream_ids(stream: PromptStream, cursor: Cursor | None = None) -> list[str]:
+    stream.reset(cursor or Cursor())
     return [item.group_id for item in await stream.take(10_000)]
 
 
@@ -129,12 +129,12 @@ def test_long_prompts_are_skipped_and_say_why(tmp_path, tokenizer_dir):
 @pytest.mark.parametrize(
     ("line", "spec", "message"),
     [
-        ('{"question": "x", "answer": 1}', {}, 'p.jsonl line 2: field "prompt" missing (keys present: answer, question); pass --input-key <key>'),
-        ('{"prompt": "x"}', {"label_key": "answer"}, 'p.jsonl line 2: field "answer" missing (keys present: prompt); pass --label-key <key>'),
+        ('{"question": "x", "answer": 1}', {}, 'line 2: field "prompt" missing (keys present: answer, question); pass --input-key'),
+        ('{"prompt": "x"}', {"label_key": "answer"}, 'line 2: field "answer" missing (keys present: prompt); pass --label-key'),
         ("{not json", {}, "p.jsonl line 2: not valid JSON"),
         ('["a"]', {}, "p.jsonl line 2: a row must be a JSON object, not list"),
         ('{"prompt": 5}', {}, 'p.jsonl line 2: field "prompt" must be a string or a list of chat messages'),
-        ('{"prompt": [{"role": "user", "content": "x"}]}', {}, "p.jsonl line 2: the prompt is a list of chat messages; pass --apply-chat-template"),
+        ('{"prompt": [{"role": "user", "content": "x"}]}', {}, "line 2: the prompt is a list of chat messages; pass --apply-chat-template"),
         ('{"prompt": "x", "metadata": 3}', {}, 'p.jsonl line 2: field "metadata" must be a JSON dict, not int'),
     ],
 )  # fmt: skip
@@ -151,7 +151,7 @@ def test_bad_rows_name_the_file_line_and_fix(tmp_path, tokenizer_dir, line, spec
 def test_streaming_errors_still_name_the_line(tmp_path, tokenizer_dir):
     path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": f"p{i}"} for i in range(30)] + ["{broken"])
     last_block = open_blocks(str(path), True, block_bytes=40)[-1]
-    with pytest.raises(DatasetError, match="s.jsonl line 31: not valid JSON"):
+    with pytest.raises(DatasetError, match=r"s\.jsonl line 31: not valid JSON"):
         prepare_rows(read_block(last_block), RowSpec(str(tokenizer_dir)))
 
 
