@@ -129,12 +129,15 @@ def test_long_prompts_are_skipped_and_say_why(tmp_path, tokenizer_dir):
 @pytest.mark.parametrize(
     ("line", "spec", "message"),
     [
-        ('{"question": "x", "answer": 1}', {}, 'line 2: field "prompt" missing (keys present: answer, question); pass --input-key'),
-        ('{"prompt": "x"}', {"label_key": "answer"}, 'line 2: field "answer" missing (keys present: prompt); pass --label-key'),
+        ('{"question": "x", "answer": 1}', {},
+         'line 2: field "prompt" missing (keys present: answer, question); pass --input-key'),
+        ('{"prompt": "x"}', {"label_key": "answer"},
+         'line 2: field "answer" missing (keys present: prompt); pass --label-key'),
         ("{not json", {}, "p.jsonl line 2: not valid JSON"),
         ('["a"]', {}, "p.jsonl line 2: a row must be a JSON object, not list"),
         ('{"prompt": 5}', {}, 'p.jsonl line 2: field "prompt" must be a string or a list of chat messages'),
-        ('{"prompt": [{"role": "user", "content": "x"}]}', {}, "line 2: the prompt is a list of chat messages; pass --apply-chat-template"),
+        ('{"prompt": [{"role": "user", "content": "x"}]}', {},
+         "line 2: the prompt is a list of chat messages; pass --apply-chat-template"),
         ('{"prompt": "x", "metadata": 3}', {}, 'p.jsonl line 2: field "metadata" must be a JSON dict, not int'),
     ],
 )  # fmt: skip
