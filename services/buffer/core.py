@@ -189,9 +189,11 @@ class Buffer:
         result = await self.store.submit(lease_id, outcome, group.SerializeToString(), group.min_weight_version)
         if result == "unknown":
             raise NotFound(f"lease {lease_id!r} is unknown to this run; submit with a lease id from LeasePrompts")
-        if result == "accepted" and outcome == "completed":
+        if result != "accepted":
+            return False, True, ""
+        if outcome == "completed":
             self._submitted.set()
-        return result == "accepted" and not reason, result == "duplicate", reason
+        return not reason, False, reason
 
     def _check_group(self, group: common_pb2.PromptGroup) -> None:
         expected = self.config.n_samples_per_prompt
