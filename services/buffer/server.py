@@ -16,6 +16,7 @@ from services.buffer.source import CustomPromptStream, PromptStream
 from services.buffer.store import BufferStore
 from services.common.errors import StartupError
 from services.common.plugins import PluginError, load_callable
+from services.common.processes import die_with_parent
 from services.common.redis_connection import open_redis
 from services.common.server import Service, Servicer
 
@@ -62,13 +63,15 @@ def build_streams(config: BufferConfig, executor) -> dict:
 
 
 async def build(config: BufferConfig) -> Service:
-    redis_handle = await asyncio.to_thread(open_redis, config.redis, config.run_dir)
+    # On the main thread: the embedded redis-server is tied to the thread that starts it (it exits when that
+    # thread's process dies), and a pool thread could end before the service does.
+    redis_handle = open_redis(config.redis, config.run_dir)
     client = redis_handle.async_client()
     executor = None
     if config.num_data_workers and (config.prompt_data or config.eval_prompt_data):
         # spawn: forking a process that runs gRPC threads is unsafe.
         context = multiprocessing.get_context("spawn")
-        executor = ProcessPoolExecutor(config.num_data_workers, mp_context=context)
+        executor = ProcessPoolExecutor(config.num_data_workers, mp_context=context, initializer=die_with_parent)
     try:
         streams = await asyncio.to_thread(build_streams, config, executor)
         filters = {}

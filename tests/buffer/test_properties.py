@@ -5,6 +5,7 @@ least once; no completed sample is lost or changed on the way to the trainer.
 """
 
 import asyncio
+import contextlib
 import uuid
 
 import redis.asyncio
@@ -79,10 +80,8 @@ class BufferMachine(RuleBasedStateMachine):
         lease_id = data.draw(st.sampled_from(sorted(self.held)))
         group = self.held.pop(lease_id)
         partial = list(finish(group, [0.5]).samples) if with_partial else []
-        try:
+        with contextlib.suppress(NotFound):  # it had expired: the group is back in the pool already
             self.run(self.buffer.release(lease_id, partial))
-        except NotFound:
-            pass  # it had expired: the group is back in the pool already
 
     @rule()
     def time_passes_and_leases_expire(self):
