@@ -3,6 +3,8 @@ embedded Redis) between a lease and its submit and between GetBatch and CommitBa
 
 import os
 import signal
+import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -73,6 +75,30 @@ def start_buffer(service_process, wait_serving, port, run_dir, data, tokenizer):
     return proc
 
 
+def child_pids(pid: int) -> list[int]:
+    pids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def assert_exited(pids: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+        if not alive:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"child processes {alive} outlived the killed buffer")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
+
+
 def test_kill_9_loses_and_duplicates_nothing(service_process, wait_serving, free_port, tmp_path, tokenizer_dir):
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"What is {i} + 1?"} for i in range(12)])
     port, runs = free_port(), tmp_path / "runs"
@@ -81,8 +107,11 @@ def test_kill_9_loses_and_duplicates_nothing(service_process, wait_serving, free
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = buffer_pb2_grpc.BufferServiceStub(channel)
         leases = list(stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=3), timeout=30).leases)
+    children = child_pids(proc.proc.pid)
+    assert len(children) >= 2, "the embedded Redis, a data worker (and multiprocessing's resource tracker)"
     os.kill(proc.proc.pid, signal.SIGKILL)  # between the lease and its submit
     proc.wait()
+    assert_exited(children)  # a second Redis on the same AOF would corrupt it
 
     proc = start()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
