@@ -4,7 +4,7 @@ import filecmp
 
 from google.protobuf import descriptor_pool
 
-from slipstream import protogen
+from slipstream import protogen, samples
 from slipstream.v1 import buffer_pb2, common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 
 MODULES = [common_pb2, buffer_pb2, rollout_pb2, reward_pb2, trainer_pb2]
@@ -51,15 +51,19 @@ def test_services_are_drafted_whole():
 def test_sample_round_trips_as_bytes():
     sample = common_pb2.Sample(
         sample_id="g1/0",
-        tokens=[1, 2, 3, 4],
+        tokens=samples.encode_tokens([1, 2, 3, 4]),
         prompt_length=2,
         response_length=2,
-        loss_mask=[1, 0],
-        rollout_logprobs=[-0.5, -1.25],
+        loss_mask=samples.encode_mask([1, 0]),
+        rollout_logprobs=samples.encode_logprobs([-0.5, -1.25]),
         reward=1.0,
         reward_details={"acc": 1.0},
         status=common_pb2.SAMPLE_STATUS_TRUNCATED,
         weight_versions=[common_pb2.WeightVersionSpan(version="3", start=0, end=2)],
     )
     sample.metadata.update({"turns": 2, "tool": "python"})
-    assert common_pb2.Sample.FromString(sample.SerializeToString()) == sample
+    back = common_pb2.Sample.FromString(sample.SerializeToString())
+    assert back == sample
+    assert samples.decode_tokens(back.tokens).tolist() == [1, 2, 3, 4]
+    assert samples.decode_logprobs(back.rollout_logprobs).tolist() == [-0.5, -1.25]
+    assert samples.decode_mask(back.loss_mask).tolist() == [1, 0]

@@ -16,6 +16,7 @@ from services.buffer.prompts import Skipped
 from services.buffer.source import Cursor, PromptStream
 from services.buffer.store import BufferStore
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from slipstream import samples
 from slipstream.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,14 @@ class LeaseResult:
 
 @dataclass
 class BatchPart:
-    groups: list[common_pb2.PromptGroup]
+    payloads: list[bytes]  # serialized PromptGroups, as stored: they go to the trainer without a parse
     num_tokens: int
     total_groups: int
     policy_version: int
+
+    @property
+    def groups(self) -> list[common_pb2.PromptGroup]:
+        return [common_pb2.PromptGroup.FromString(payload) for payload in self.payloads]
 
 
 @dataclass
@@ -186,7 +191,8 @@ class Buffer:
             verdict = self._run_dynamic_filter(group)
             if not verdict.keep:
                 outcome, reason = f"dropped:{verdict.reason}", verdict.reason
-        result = await self.store.submit(lease_id, outcome, group.SerializeToString(), group.min_weight_version)
+        payload = group.SerializeToString()
+        result = await self.store.submit(lease_id, outcome, payload, group.min_weight_version, _num_tokens(group))
         if result == "unknown":
             raise NotFound(f"lease {lease_id!r} is unknown to this run; submit with a lease id from LeasePrompts")
         if result != "accepted":
@@ -203,14 +209,21 @@ class Buffer:
             )
         for i, sample in enumerate(group.samples):
             where = f"group.samples[{i}]"
-            if sample.prompt_length + sample.response_length != len(sample.tokens):
+            if len(sample.tokens) % 4 or len(sample.rollout_logprobs) % 4:
+                raise InvalidArgument(
+                    f"{where}.tokens", "tokens and rollout_logprobs hold 4-byte values (int32, float32)"
+                )
+            tokens = samples.num_tokens(sample.tokens)
+            if sample.prompt_length + sample.response_length != tokens:
                 raise InvalidArgument(
                     f"{where}.tokens",
-                    f"has {len(sample.tokens)} tokens but prompt_length + response_length = "
+                    f"has {tokens} tokens but prompt_length + response_length = "
                     f"{sample.prompt_length} + {sample.response_length}",
                 )
-            for name in ("loss_mask", "rollout_logprobs"):
-                size = len(getattr(sample, name))
+            for name, size in (
+                ("loss_mask", len(sample.loss_mask)),
+                ("rollout_logprobs", len(sample.rollout_logprobs) // 4),
+            ):
                 if size not in (0, sample.response_length):
                     raise InvalidArgument(
                         f"{where}.{name}",
@@ -240,14 +253,12 @@ class Buffer:
                 gids = await self.store.batch(step) or await self._make_batch(
                     step, timeout_s or self.config.batch_timeout_s
                 )
-        payloads = await self.store.completed_groups(gids)
-        missing = [gid for gid, payload in zip(gids, payloads, strict=True) if payload is None]
-        if missing:
-            raise FailedPrecondition(f"step {step}: groups {missing[:3]} are gone; was the step committed?")
-        groups = [common_pb2.PromptGroup.FromString(payload) for payload in payloads]
-        parts = partition([_num_tokens(g) for g in groups], dp_size, self.config.balance_data)
-        mine = [groups[i] for i in parts[dp_rank]]
-        return BatchPart(mine, sum(map(_num_tokens, mine)), len(groups), await self.policy_version())
+        tokens = await self.store.num_tokens(gids)
+        mine = partition(tokens, dp_size, self.config.balance_data)[dp_rank]
+        payloads = await self.store.completed_groups([gids[i] for i in mine])
+        if None in payloads:
+            raise FailedPrecondition(f"step {step}: its groups are gone; was the step committed meanwhile?")
+        return BatchPart(payloads, sum(tokens[i] for i in mine), len(gids), await self.policy_version())
 
     async def _make_batch(self, step: int, timeout_s: float) -> list[str]:
         last = await self.store.meta_int("last_committed_step", -1)
@@ -377,7 +388,7 @@ def _group_id(lease_id: str) -> str | None:
 
 
 def _num_tokens(group: common_pb2.PromptGroup) -> int:
-    return sum(len(s.tokens) for s in group.samples)
+    return sum(samples.num_tokens(s.tokens) for s in group.samples)
 
 
 def _min_version(group: common_pb2.PromptGroup) -> int:

@@ -3,11 +3,13 @@ template and tokenizes, so that rollout is token-in/token-out. Runs in the data 
 """
 
 import json
+import threading
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 from services.buffer.datasets import DatasetError, RawRow, parse_json_row
+from slipstream import samples
 from slipstream.v1 import common_pb2
 
 
@@ -34,8 +36,17 @@ class Skipped:
     message: str
 
 
-@cache
+_LOAD_LOCK = threading.Lock()
+
+
 def load_tokenizer(path: str):
+    # transformers' lazy imports are not safe to race from several threads.
+    with _LOAD_LOCK:
+        return _load_tokenizer(path)
+
+
+@cache
+def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
@@ -53,8 +64,9 @@ def prepare_rows(rows: list[RawRow], spec: RowSpec) -> list[bytes | Skipped]:
                 raise
             results.append(Skipped("invalid_row", str(e)))
             continue
-        if spec.max_prompt_len is not None and len(group.prompt_tokens) > spec.max_prompt_len:
-            message = f"{raw.where}: {len(group.prompt_tokens)} prompt tokens > --rollout-max-prompt-len"
+        num_tokens = samples.num_tokens(group.prompt_tokens)
+        if spec.max_prompt_len is not None and num_tokens > spec.max_prompt_len:
+            message = f"{raw.where}: {num_tokens} prompt tokens > --rollout-max-prompt-len"
             results.append(Skipped("prompt_too_long", message))
             continue
         results.append(group.SerializeToString())
@@ -105,7 +117,9 @@ def prompt_group(raw: RawRow, spec: RowSpec) -> common_pb2.PromptGroup:
         group.tools_json = json.dumps(tools, ensure_ascii=False)
     text = _prompt_text(prompt, tools, spec)
     group.prompt_text = text
-    group.prompt_tokens.extend(load_tokenizer(spec.tokenizer_path).encode(text, add_special_tokens=False))
+    group.prompt_tokens = samples.encode_tokens(
+        load_tokenizer(spec.tokenizer_path).encode(text, add_special_tokens=False)
+    )
     return group
 
 

@@ -13,6 +13,24 @@ _BLOCKED = {
 }
 
 
+_GROUPS_FIELD = buffer_pb2.GetBatchResponse.DESCRIPTOR.fields_by_name["groups"].number
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _repeated_message(field_number: int, payloads: list[bytes]) -> bytes:
+    """Wire encoding of a repeated message field from already serialized messages."""
+    tag = _varint(field_number << 3 | 2)  # wire type 2: length-delimited
+    return b"".join(tag + _varint(len(payload)) + payload for payload in payloads)
+
+
 def _timestamp(ms: int) -> Timestamp:
     stamp = Timestamp()
     stamp.FromMilliseconds(ms)
@@ -53,13 +71,15 @@ class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
     async def GetBatch(self, request, context):
         dp_size = request.dp_size or 1  # unset means one data-parallel rank
         part = await self.buffer.get_batch(request.step, request.dp_rank, dp_size, request.timeout_seconds)
-        return buffer_pb2.GetBatchResponse(
+        head = buffer_pb2.GetBatchResponse(
             step=request.step,
-            groups=part.groups,
             num_tokens=part.num_tokens,
             total_groups=part.total_groups,
             policy_version=part.policy_version,
         )
+        # The groups' stored bytes are spliced in as field 2: a batch is megabytes, and parsing it only to
+        # serialize it again would cost more than moving it.
+        return head.SerializeToString() + _repeated_message(_GROUPS_FIELD, part.payloads)
 
     async def CommitBatch(self, request, context):
         return buffer_pb2.CommitBatchResponse(num_deleted_groups=await self.buffer.commit(request.step))

@@ -8,12 +8,15 @@ chunks ahead of the leases, so a lease rarely waits for the tokenizer and never 
 import asyncio
 import collections
 from collections.abc import AsyncIterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.buffer.datasets import Block, RawRow, epoch_order, read_block
 from services.buffer.prompts import RowSpec, Skipped, prepare_rows
+
+# Without data workers, tokenization runs on one thread: one tokenizer object is not safe to share across threads.
+_TOKENIZE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
 
 @dataclass(frozen=True, order=True)
@@ -105,9 +108,8 @@ class PromptStream:
 
     def _prepare(self, chunk: list[tuple[RawRow, str, Cursor]]) -> asyncio.Future:
         rows = [raw for raw, _, _ in chunk]
-        if self.executor is None:
-            return asyncio.ensure_future(asyncio.to_thread(prepare_rows, rows, self.spec))
-        return asyncio.get_running_loop().run_in_executor(self.executor, prepare_rows, rows, self.spec)
+        executor = self.executor or _TOKENIZE_THREAD
+        return asyncio.get_running_loop().run_in_executor(executor, prepare_rows, rows, self.spec)
 
     async def _finish(self, entry) -> AsyncIterator[Item]:
         chunk, future = entry
@@ -164,7 +166,7 @@ class CustomPromptStream:
             rows.append(RawRow(row, Path("--data-source-path"), self._cursor.row + offset))
         has_labels = any(raw.data["label"] is not None for raw in rows)
         spec = replace(self.spec, label_key="label" if has_labels else None)
-        payloads = await asyncio.to_thread(prepare_rows, rows, spec)
+        payloads = await asyncio.get_running_loop().run_in_executor(_TOKENIZE_THREAD, prepare_rows, rows, spec)
         items = []
         for raw, payload in zip(rows, payloads, strict=True):
             self._cursor = Cursor(0, 0, raw.row + 1)

@@ -12,6 +12,7 @@ import json
 
 from redis.asyncio import Redis
 
+# Prepended to every script: a group id starts with its dataset's name.
 _DATASET_OF = "local function dataset_of(gid) return string.match(gid, '^([^:]*):') end\n"
 
 _LEASE_NEW = """
@@ -83,9 +84,7 @@ end
 return out
 """
 
-_RELEASE = (
-    _DATASET_OF
-    + """
+_RELEASE = """
 local ns, lease_id, payload = ARGV[1], ARGV[2], ARGV[3]
 local gid = string.match(lease_id, '^(.*)#%d+$')
 if not gid or redis.call('HGET', ns .. ':lease_id', gid) ~= lease_id
@@ -99,11 +98,8 @@ redis.call('LPUSH', ns .. ':pending:' .. dataset_of(gid), gid)
 redis.call('HINCRBY', ns .. ':counters', 'released', 1)
 return 1
 """
-)
 
-_EXPIRE = (
-    _DATASET_OF
-    + """
+_EXPIRE = """
 local ns = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -116,13 +112,10 @@ for _, gid in ipairs(gids) do
 end
 return #gids
 """
-)
 
-# ARGV: ns, lease id, outcome ("completed" | "dropped:<reason>" | "eval:<dataset>"), payload, min version
-_SUBMIT = (
-    _DATASET_OF
-    + """
-local ns, lease_id, outcome, payload, version = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+# ARGV: ns, lease id, outcome ("completed" | "dropped:<reason>" | "eval:<dataset>"), payload, min version, tokens
+_SUBMIT = """
+local ns, lease_id, outcome, payload, version, tokens = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local gid = string.match(lease_id, '^(.*)#%d+$')
 if not gid then return 'unknown' end
 local status = redis.call('HGET', ns .. ':status', gid)
@@ -140,6 +133,7 @@ if outcome == 'completed' then
   redis.call('SET', ns .. ':done:' .. gid, payload)
   redis.call('ZADD', ns .. ':done', seq, gid)
   redis.call('HSET', ns .. ':done_version', gid, version)
+  redis.call('HSET', ns .. ':done_tokens', gid, tokens)
 elseif string.sub(outcome, 1, 5) == 'eval:' then
   redis.call('HSET', ns .. ':' .. outcome, gid, payload)
   redis.call('HINCRBY', ns .. ':counters', 'eval_completed', 1)
@@ -149,7 +143,6 @@ else
 end
 return 'accepted'
 """
-)
 
 # ARGV: ns, step, chosen gids...
 _RECORD_BATCH = """
@@ -182,6 +175,7 @@ for i = 3, #ARGV do
   if redis.call('ZREM', ns .. ':done', gid) == 1 then
     redis.call('DEL', ns .. ':done:' .. gid)
     redis.call('HDEL', ns .. ':done_version', gid)
+    redis.call('HDEL', ns .. ':done_tokens', gid)
     redis.call('HSET', ns .. ':status', gid, 'dropped:' .. reason)
     redis.call('HINCRBY', ns .. ':counters', 'dropped', 1)
     redis.call('HINCRBY', ns .. ':counters', 'dropped:' .. reason, 1)
@@ -202,6 +196,7 @@ local gids = cjson.decode(record)
 for _, gid in ipairs(gids) do
   redis.call('DEL', ns .. ':done:' .. gid)
   redis.call('HDEL', ns .. ':done_version', gid)
+  redis.call('HDEL', ns .. ':done_tokens', gid)
   redis.call('HSET', ns .. ':status', gid, 'trained:' .. step)
 end
 redis.call('DEL', ns .. ':batch:' .. step)
@@ -218,7 +213,7 @@ class BufferStore:
         self.redis = redis
         self.ns = f"{prefix}:{{{run_id}}}"
         self._scripts = {
-            name: redis.register_script(code)
+            name: redis.register_script(_DATASET_OF + code)
             for name, code in [
                 ("lease_new", _LEASE_NEW),
                 ("lease_pending", _LEASE_PENDING),
@@ -277,8 +272,8 @@ class BufferStore:
     async def expire(self) -> int:
         return int(await self._run("expire"))
 
-    async def submit(self, lease_id: str, outcome: str, payload: bytes, version: int) -> str:
-        return (await self._run("submit", lease_id, outcome, payload, version)).decode()
+    async def submit(self, lease_id: str, outcome: str, payload: bytes, version: int, num_tokens: int) -> str:
+        return (await self._run("submit", lease_id, outcome, payload, version, num_tokens)).decode()
 
     async def status(self, group_id: str) -> str | None:
         value = await self.redis.hget(self.key("status"), group_id)
@@ -291,6 +286,10 @@ class BufferStore:
             return []
         versions = await self.redis.hmget(self.key("done_version"), gids)
         return [(gid, int(v or 0)) for gid, v in zip(gids, versions, strict=True)]
+
+    async def num_tokens(self, gids: list[str]) -> list[int]:
+        """Token counts of completed groups (stored at submit, so batches are balanced without reading groups)."""
+        return [int(n or 0) for n in await self.redis.hmget(self.key("done_tokens"), gids)] if gids else []
 
     async def completed_groups(self, gids: list[str]) -> list[bytes]:
         if not gids:

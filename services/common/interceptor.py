@@ -32,6 +32,14 @@ def _status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{method} failed with {type(exc).__name__}: {exc} (see the service log)"
 
 
+def _allow_bytes(serializer):
+    """A servicer may answer with the response already serialized (bytes), when it holds the bytes anyway: the
+    buffer assembles GetBatch responses from the groups' stored bytes instead of parsing and re-serializing them."""
+    if serializer is None:
+        return None
+    return lambda response: response if isinstance(response, bytes) else serializer(response)
+
+
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, service: str):
         self.service = service
@@ -45,7 +53,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             behaviour = getattr(handler, kind)
             if behaviour is not None:
                 wrapped = self._wrap(behaviour, method)
-                return make_handler(wrapped, handler.request_deserializer, handler.response_serializer)
+                serializer = _allow_bytes(handler.response_serializer)
+                return make_handler(wrapped, handler.request_deserializer, serializer)
         return handler
 
     def _wrap(self, behaviour, method: str):

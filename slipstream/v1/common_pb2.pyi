@@ -94,12 +94,12 @@ class Sample(_message.Message):
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     index: int
-    tokens: _containers.RepeatedScalarFieldContainer[int]
+    tokens: bytes
     prompt_length: int
     response_length: int
     response_text: str
-    loss_mask: _containers.RepeatedScalarFieldContainer[int]
-    rollout_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    loss_mask: bytes
+    rollout_logprobs: bytes
     reward: float
     reward_details: _containers.ScalarMap[str, float]
     status: SampleStatus
@@ -108,7 +108,7 @@ class Sample(_message.Message):
     metadata: _struct_pb2.Struct
     engine_url: str
     num_turns: int
-    def __init__(self, sample_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., response_text: _Optional[str] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., status_message: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., engine_url: _Optional[str] = ..., num_turns: _Optional[int] = ...) -> None: ...
+    def __init__(self, sample_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., response_text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., rollout_logprobs: _Optional[bytes] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., status_message: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., engine_url: _Optional[str] = ..., num_turns: _Optional[int] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
     __slots__ = ("group_id", "dataset", "prompt_index", "epoch", "prompt_tokens", "prompt_text", "label", "metadata", "tools_json", "n_samples", "samples", "min_weight_version")
@@ -128,7 +128,7 @@ class PromptGroup(_message.Message):
     dataset: str
     prompt_index: int
     epoch: int
-    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    prompt_tokens: bytes
     prompt_text: str
     label: str
     metadata: _struct_pb2.Struct
@@ -136,7 +136,7 @@ class PromptGroup(_message.Message):
     n_samples: int
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     min_weight_version: int
-    def __init__(self, group_id: _Optional[str] = ..., dataset: _Optional[str] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools_json: _Optional[str] = ..., n_samples: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, group_id: _Optional[str] = ..., dataset: _Optional[str] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_tokens: _Optional[bytes] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools_json: _Optional[str] = ..., n_samples: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("data", "shape", "dtype")

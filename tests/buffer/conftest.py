@@ -13,6 +13,7 @@ from services.buffer.server import build_streams
 from services.buffer.store import BufferStore
 from services.common.plugins import load_callable
 from services.common.tiny_checkpoint import write_tokenizer
+from slipstream import samples
 from slipstream.v1 import common_pb2
 
 
@@ -68,18 +69,18 @@ def finish(group: common_pb2.PromptGroup, rewards: list[float], version: int = 0
     done = common_pb2.PromptGroup()
     done.CopyFrom(group)
     del done.samples[:]
-    prompt = list(group.prompt_tokens)
+    prompt = samples.decode_tokens(group.prompt_tokens).tolist()
     for i, reward in enumerate(rewards):
         response = [7 + i] * response_len
         done.samples.append(
             common_pb2.Sample(
                 sample_id=f"{group.group_id}/{i}",
                 index=i,
-                tokens=prompt + response,
+                tokens=samples.encode_tokens(prompt + response),
                 prompt_length=len(prompt),
                 response_length=response_len,
-                loss_mask=[1] * response_len,
-                rollout_logprobs=[-0.5] * response_len,
+                loss_mask=samples.encode_mask([1] * response_len),
+                rollout_logprobs=samples.encode_logprobs([-0.5] * response_len),
                 reward=reward,
                 status=common_pb2.SAMPLE_STATUS_COMPLETED,
                 weight_versions=[common_pb2.WeightVersionSpan(version=str(version), start=0, end=response_len)],

@@ -23,7 +23,7 @@ async def test_lease_submit_batch_commit(make_buffer):
         assert await buffer.submit(leased.lease_id, finish(leased.group, [0.0, 1.0])) == (True, False, "")
     part = await buffer.get_batch(0, 0, 1, 5)
     assert {g.group_id for g in part.groups} == {le.group.group_id for le in leases}
-    assert part.total_groups == 4 and part.num_tokens == sum(len(s.tokens) for g in part.groups for s in g.samples)
+    assert part.total_groups == 4 and part.num_tokens == sum(len(s.tokens) // 4 for g in part.groups for s in g.samples)
     assert await buffer.commit(0) == 4
     assert await buffer.commit(0) == 0  # committing again is harmless
     state = await buffer.state()
@@ -87,7 +87,7 @@ async def test_bad_requests_name_the_field(make_buffer):
     with pytest.raises(InvalidArgument, match=r"group.samples: expected 2 samples \(--n-samples-per-prompt\), got 1"):
         await buffer.submit(leased.lease_id, finish(leased.group, [1.0]))
     bad = finish(leased.group, [1.0, 0.0])
-    bad.samples[1].loss_mask.append(1)
+    bad.samples[1].loss_mask += b"\x01"
     with pytest.raises(InvalidArgument, match=r"group.samples\[1\].loss_mask: has 4 entries"):
         await buffer.submit(leased.lease_id, bad)
     with pytest.raises(InvalidArgument, match="dp_size: --rollout-batch-size 4 is not divisible by dp_size 3"):

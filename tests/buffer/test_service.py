@@ -11,6 +11,7 @@ import pytest
 
 from services.buffer.config import BufferConfig
 from services.buffer.server import build
+from slipstream.samples import decode_logprobs, encode_tokens
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 from tests.buffer.conftest import finish, write_jsonl
 
@@ -40,7 +41,7 @@ def test_bad_requests_are_invalid_argument_or_not_found(stub):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("max_groups:")
     code, details = code_of(stub.LeasePrompts, buffer_pb2.LeasePromptsRequest(max_groups=1, dataset="gsm8k"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown dataset 'gsm8k'" in details
-    group = finish(common_pb2.PromptGroup(group_id="train:e0:b0:r1", prompt_tokens=[1, 2]), [0.0, 1.0])
+    group = finish(common_pb2.PromptGroup(group_id="train:e0:b0:r1", prompt_tokens=encode_tokens([1, 2])), [0.0, 1.0])
     code, details = code_of(stub.SubmitGroup, buffer_pb2.SubmitGroupRequest(lease_id="train:e0:b0:r1#4", group=group))
     assert code == grpc.StatusCode.NOT_FOUND and "unknown to this run" in details
     code, details = code_of(stub.ReleaseLease, buffer_pb2.ReleaseLeaseRequest(lease_id="train:e0:b0:r1#4"))
@@ -59,7 +60,9 @@ def test_round_trip_over_grpc(stub):
             buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=finish(lease.group, [0, 1]))
         ).accepted
     batch = stub.GetBatch(buffer_pb2.GetBatchRequest(step=0, dp_rank=0, dp_size=1, timeout_seconds=5), timeout=10)
-    assert len(batch.groups) == 2 and batch.groups[0].samples[0].rollout_logprobs == [-0.5] * 3
+    assert (
+        len(batch.groups) == 2 and decode_logprobs(batch.groups[0].samples[0].rollout_logprobs).tolist() == [-0.5] * 3
+    )
     assert stub.CommitBatch(buffer_pb2.CommitBatchRequest(step=0)).num_deleted_groups == 2
     state = stub.GetState(buffer_pb2.GetStateRequest())
     assert state.last_committed_step == 0 and state.counters["trained"] == 2

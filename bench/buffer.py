@@ -1,0 +1,143 @@
+"""Submit + batch throughput of the buffer service against raw Redis moving the same bytes.
+
+For groups of 8 samples of 1k and 8k tokens: rollout workers submit every group over gRPC to a real
+`slipstream buffer` process, then the trainer takes them back in batches (GetBatch + CommitBatch). The baseline is
+redis-py storing and reading the same serialized groups with pipelined SET and GET on the same Redis.
+
+Run: .venv/bin/python bench/buffer.py [--groups 64] [--batch 16] [--tokens 1024 8192]
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import redis
+
+from services.common.clients import channel_options, wait_until_serving
+from services.common.redis_connection import EmbeddedRedis
+from services.common.tiny_checkpoint import write_tokenizer
+from slipstream.samples import decode_tokens, encode_logprobs, encode_mask, encode_tokens
+from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
+
+
+def make_group(lease: buffer_pb2.Lease, samples: int, tokens: int, rng: np.random.Generator) -> common_pb2.PromptGroup:
+    group = common_pb2.PromptGroup()
+    group.CopyFrom(lease.group)
+    prompt = decode_tokens(group.prompt_tokens)
+    response = tokens - len(prompt)
+    for i in range(samples):
+        response_ids = rng.integers(0, 150_000, response, dtype=np.int32)
+        group.samples.append(
+            common_pb2.Sample(
+                sample_id=f"{group.group_id}/{i}",
+                index=i,
+                tokens=encode_tokens(np.concatenate([prompt, response_ids])),
+                prompt_length=len(prompt),
+                response_length=response,
+                loss_mask=encode_mask(np.ones(response)),
+                rollout_logprobs=encode_logprobs(-5 * rng.random(response)),
+                reward=float(i % 2),
+                status=common_pb2.SAMPLE_STATUS_COMPLETED,
+                weight_versions=[common_pb2.WeightVersionSpan(version="0", start=0, end=response)],
+            )
+        )
+    return group
+
+
+def raw_redis(url: str, payloads: list[bytes], batch: int) -> float:
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    start = time.perf_counter()
+    for i in range(0, len(payloads), batch):
+        pipe = client.pipeline(transaction=False)
+        for j, payload in enumerate(payloads[i : i + batch]):
+            pipe.set(f"raw:{i + j}", payload)
+        pipe.execute()
+    for i in range(0, len(payloads), batch):
+        pipe = client.pipeline(transaction=False)
+        for j in range(i, min(i + batch, len(payloads))):
+            pipe.get(f"raw:{j}")
+        assert all(pipe.execute())
+    elapsed = time.perf_counter() - start
+    client.flushdb()
+    client.close()
+    return elapsed
+
+
+def buffer_service(url: str, folder: Path, groups: int, batch: int, samples: int, tokens: int) -> tuple[float, list]:
+    data = folder / f"prompts-{tokens}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?"}) + "\n" for i in range(groups)))
+    port = 50200 + tokens % 97
+    args = [sys.executable, "-m", "slipstream", "buffer", "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--redis-url", url, "--run-id", f"bench{tokens}", "--prompt-data", str(data)]
+    args += ["--hf-checkpoint", str(folder / "tokenizer"), "--num-data-workers", "0", "--metrics-port", "null"]
+    args += ["--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(samples), "--max-staleness", "1000"]
+    server = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_until_serving(address, 60)
+        with grpc.insecure_channel(address, options=channel_options(timeout_s=120)) as channel:
+            stub = buffer_pb2_grpc.BufferServiceStub(channel)
+            leases = stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=groups), timeout=60).leases
+            assert len(leases) == groups
+            rng = np.random.default_rng(0)
+            requests = [
+                buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=make_group(lease, samples, tokens, rng))
+                for lease in leases
+            ]
+            start = time.perf_counter()
+            with ThreadPoolExecutor(4) as pool:  # several rollout workers submit at once
+                assert all(r.accepted for r in pool.map(lambda r: stub.SubmitGroup(r, timeout=60), requests))
+            for step in range(groups // batch):
+                got = stub.GetBatch(buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=30), timeout=60)
+                assert len(got.groups) == batch
+                stub.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=60)
+            elapsed = time.perf_counter() - start
+        return elapsed, [r.group.SerializeToString() for r in requests]
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        write_tokenizer(folder / "tokenizer")
+        redis_server = EmbeddedRedis(folder / "redis").start()
+        try:
+            for tokens in args.tokens:
+                shape = (args.groups, args.batch, args.samples, tokens)
+                t_buffer, payloads = buffer_service(redis_server.url, folder, *shape)
+                t_raw = raw_redis(redis_server.url, payloads, args.batch)
+                mb, n = sum(map(len, payloads)) / 2**20, args.groups
+                rows.append((tokens, mb / n, n / t_buffer, mb / t_buffer, n / t_raw, mb / t_raw))
+        finally:
+            redis_server.stop()
+    print(f"groups of {args.samples} samples, {args.groups} groups, batches of {args.batch}; one Redis, one machine")
+    header = ["tokens/sample", "MiB/group", "buffer groups/s", "buffer MiB/s", "raw groups/s", "raw MiB/s"]
+    header.append("buffer/raw")
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for tokens, size, g_buf, mb_buf, g_raw, mb_raw in rows:
+        print(f"{tokens} | {size:.2f} | {g_buf:.1f} | {mb_buf:.1f} | {g_raw:.1f} | {mb_raw:.1f} | {g_buf / g_raw:.0%}")
+    tokens = " ".join(map(str, args.tokens))
+    command = f".venv/bin/python bench/buffer.py --groups {args.groups} --batch {args.batch} --tokens {tokens}"
+    print(f"\nReproduce: {command}")
+
+
+if __name__ == "__main__":
+    main()
