@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 30.0
+STREAM_WINDOW_BYTES = 32 * 1024 * 1024
 
 
 def channel_options(max_message_mb: int = 256, max_attempts: int = 5, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
@@ -35,6 +36,8 @@ def channel_options(max_message_mb: int = 256, max_attempts: int = 5, timeout_s:
         ("grpc.enable_retries", 1),
         ("grpc.max_send_message_length", max_bytes),
         ("grpc.max_receive_message_length", max_bytes),
+        # Batches are many MiB: a larger HTTP/2 stream window lets them flow without waiting on window updates.
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         # Notice a dead server within a minute even on an idle connection (a long GetBatch wait, say).
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.clients import STREAM_WINDOW_BYTES
 from services.common.config import ConfigError, ServiceConfig, load_config
 from services.common.errors import StartupError
 from services.common.interceptor import ServiceInterceptor
@@ -66,6 +67,8 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
         # Clients ping idle connections (see services.common.clients); accept their pings without a call in flight.
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Batches are many MiB: a larger HTTP/2 stream window lets them flow without waiting on window updates.
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         # Without this a second server could bind the same port and silently share its traffic.
         ("grpc.so_reuseport", 0),
     ]
