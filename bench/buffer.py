@@ -9,6 +9,7 @@ Run: .venv/bin/python bench/buffer.py [--groups 64] [--batch 16] [--tokens 1024 
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,12 +72,14 @@ def raw_redis(url: str, payloads: list[bytes], batch: int) -> float:
     return elapsed
 
 
-def buffer_service(url: str, folder: Path, groups: int, batch: int, samples: int, tokens: int) -> tuple[float, list]:
+def buffer_service(
+    url: str, folder: Path, run: str, groups: int, batch: int, samples: int, tokens: int
+) -> tuple[float, list]:
     data = folder / f"prompts-{tokens}.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?"}) + "\n" for i in range(groups)))
     port = 50200 + tokens % 97
     args = [sys.executable, "-m", "slipstream", "buffer", "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--redis-url", url, "--run-id", f"bench{tokens}", "--prompt-data", str(data)]
+    args += ["--redis-url", url, "--run-id", run, "--prompt-data", str(data)]
     args += ["--hf-checkpoint", str(folder / "tokenizer"), "--num-data-workers", "0", "--metrics-port", "null"]
     args += ["--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(samples), "--max-staleness", "1000"]
     server = subprocess.Popen(args, stderr=subprocess.DEVNULL)
@@ -112,6 +115,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per size; the table shows the medians")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,13 +125,19 @@ def main() -> None:
         try:
             for tokens in args.tokens:
                 shape = (args.groups, args.batch, args.samples, tokens)
-                t_buffer, payloads = buffer_service(redis_server.url, folder, *shape)
-                t_raw = raw_redis(redis_server.url, payloads, args.batch)
+                t_buffers, t_raws = [], []
+                for i in range(args.repeat):
+                    t_buffer, payloads = buffer_service(redis_server.url, folder, f"bench{tokens}-{i}", *shape)
+                    t_buffers.append(t_buffer)
+                    t_raws.append(raw_redis(redis_server.url, payloads, args.batch))
+                t_buffer, t_raw = statistics.median(t_buffers), statistics.median(t_raws)
                 mb, n = sum(map(len, payloads)) / 2**20, args.groups
                 rows.append((tokens, mb / n, n / t_buffer, mb / t_buffer, n / t_raw, mb / t_raw))
         finally:
             redis_server.stop()
-    print(f"groups of {args.samples} samples, {args.groups} groups, batches of {args.batch}; one Redis, one machine")
+    print(
+        f"groups of {args.samples} samples, {args.groups} groups, batches of {args.batch}, median of {args.repeat} runs"
+    )
     header = ["tokens/sample", "MiB/group", "buffer groups/s", "buffer MiB/s", "raw groups/s", "raw MiB/s"]
     header.append("buffer/raw")
     print(" | ".join(header))
@@ -136,6 +146,7 @@ def main() -> None:
         print(f"{tokens} | {size:.2f} | {g_buf:.1f} | {mb_buf:.1f} | {g_raw:.1f} | {mb_raw:.1f} | {g_buf / g_raw:.0%}")
     tokens = " ".join(map(str, args.tokens))
     command = f".venv/bin/python bench/buffer.py --groups {args.groups} --batch {args.batch} --tokens {tokens}"
+    command += f" --repeat {args.repeat}"
     print(f"\nReproduce: {command}")
 
 

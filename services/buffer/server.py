@@ -88,7 +88,7 @@ async def build(config: BufferConfig) -> Service:
 
     async def ready() -> None:
         tasks.append(asyncio.create_task(buffer.expire_forever()))
-        tasks.append(asyncio.create_task(_export_counts(buffer)))
+        tasks.append(asyncio.create_task(_export_counts(buffer, config.expire_interval_s)))
 
     async def close() -> None:
         for task in tasks:
@@ -103,7 +103,7 @@ async def build(config: BufferConfig) -> Service:
     return Service("buffer", config, [Servicer.of(BufferServicer(buffer))], ready=ready, on_stop=[close])
 
 
-async def _export_counts(buffer: Buffer, interval_s: float = 5.0) -> None:
+async def _export_counts(buffer: Buffer, interval_s: float) -> None:
     while True:
         with contextlib.suppress(Exception):
             state = await buffer.state()

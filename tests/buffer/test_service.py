@@ -4,6 +4,7 @@ embedded Redis) between a lease and its submit and between GetBatch and CommitBa
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -66,6 +67,24 @@ def test_round_trip_over_grpc(stub):
     assert stub.CommitBatch(buffer_pb2.CommitBatchRequest(step=0)).num_deleted_groups == 2
     state = stub.GetState(buffer_pb2.GetStateRequest())
     assert state.last_committed_step == 0 and state.counters["trained"] == 2
+
+
+def test_state_is_exported_as_prometheus_gauges(grpc_service, redis_url, tokenizer_dir, prompts_file):
+    config = BufferConfig(
+        prompt_data=str(prompts_file), hf_checkpoint=str(tokenizer_dir), num_data_workers=0, rollout_batch_size=3,
+        redis={"url": redis_url, "prefix": "metrics"}, expire_interval_s=0.1,
+    )  # fmt: skip
+    running = grpc_service(build, config)
+    with grpc.insecure_channel(running.address) as channel:
+        buffer_pb2_grpc.BufferServiceStub(channel).LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=3))
+    deadline = time.monotonic() + 10
+    line = 'slipstream_buffer_count{name="num_leased_groups"} 3.0'
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{running.server.metrics_port}/metrics") as response:
+            if line in response.read().decode():
+                return
+        time.sleep(0.1)
+    pytest.fail(f"{line} never appeared on /metrics")
 
 
 def start_buffer(service_process, wait_serving, port, run_dir, data, tokenizer):
