@@ -263,14 +263,13 @@ class Buffer:
     async def _make_batch(self, step: int, timeout_s: float) -> list[str]:
         last = await self.store.meta_int("last_committed_step", -1)
         top = await self.store.meta_int("top_step", -1)
+        num_rollout = self.config.num_rollout
+        if num_rollout is not None and step >= num_rollout:
+            raise FailedPrecondition(f"the run has --num-rollout {num_rollout} steps (0 to {num_rollout - 1})")
         if step <= last:
             raise FailedPrecondition(f"step {step} was already committed; ask for step {max(last, top) + 1}")
         if step > top + 1:
             raise FailedPrecondition(f"steps are handed out in order; ask for step {top + 1} before step {step}")
-        if self.config.num_rollout is not None and step >= self.config.num_rollout:
-            raise FailedPrecondition(
-                f"the run has --num-rollout {self.config.num_rollout} steps (0 to {self.config.num_rollout - 1})"
-            )
         deadline = time.monotonic() + timeout_s
         batch_size = self.config.rollout_batch_size
         while True:

@@ -234,3 +234,31 @@ async def test_eval_sets_are_leased_separately(make_buffer, prompts_file):
     assert await buffer.submit(leases[0].lease_id, finish(leases[0].group, [1.0, 0.0])) == (True, False, "")
     state = await buffer.state()
     assert state["num_completed_groups"] == 0 and state["counters"]["eval_completed"] == 1
+
+
+async def test_num_rollout_bounds_the_run(make_buffer):
+    buffer = await make_buffer(rollout_batch_size=2, num_rollout=2, max_staleness=10)
+    assert len(await lease_all(buffer, 100)) == 4
+    assert (await buffer.lease(1, 0, "")).blocked == "exhausted"
+    with pytest.raises(FailedPrecondition, match="the run has --num-rollout 2 steps"):
+        await buffer.get_batch(2, 0, 1, 0.1)
+
+
+async def test_custom_prompt_source(make_buffer, tmp_path):
+    plugin = tmp_path / "source.py"
+    plugin.write_text(
+        "class Source:\n"
+        "    def __init__(self, args):\n"
+        "        self.n = 0\n"
+        "    def get_samples(self, num_samples):\n"
+        "        out = []\n"
+        "        for _ in range(num_samples):\n"
+        "            out.append([{'prompt': f'Generated {self.n}', 'label': str(self.n), 'metadata': {'k': self.n}}])\n"
+        "            self.n += 1\n"
+        "        return out\n"
+    )
+    buffer = await make_buffer(prompt_data=None, data_source_path=f"{plugin}:Source", max_staleness=10)
+    leases = await lease_all(buffer, 3)
+    assert [le.group.prompt_text for le in leases] == ["Generated 0", "Generated 1", "Generated 2"]
+    assert [le.group.label for le in leases] == ["0", "1", "2"]
+    assert leases[2].group.group_id == "train:custom:r2" and leases[2].group.metadata["k"] == 2
