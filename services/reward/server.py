@@ -1,9 +1,27 @@
-"""Assembles the reward service from its config."""
+"""Assembles the reward service: the worker pool, remote reward models if configured, and the servicer."""
 
+from services.common.errors import StartupError
+from services.common.plugins import PluginError, load_callable
 from services.common.server import Service, Servicer
 from services.reward.config import RewardConfig
+from services.reward.core import Scorer
+from services.reward.isolation import WorkerPool
+from services.reward.remote import Backoff, GrpcRewardModel, HttpRewardModel
 from services.reward.servicer import RewardServicer
+from services.reward.verifiers import BUILT_IN
 
 
 async def build(config: RewardConfig) -> Service:
-    return Service("reward", config, [Servicer.of(RewardServicer())])
+    if config.custom_rm_path:
+        try:  # fail at start, in one sentence, rather than on every item
+            load_callable(config.custom_rm_path, "--custom-rm-path")
+        except PluginError as e:
+            raise StartupError(str(e)) from None
+    elif config.rm_type.removeprefix("boxed_") not in BUILT_IN and config.rm_type not in ("remote_rm", "remote_grpc"):
+        raise StartupError(f"--rm-type {config.rm_type!r} is unknown; use one of {', '.join(BUILT_IN)}, remote_rm, "
+                           "remote_grpc, or pass --custom-rm-path")  # fmt: skip
+    backoff = Backoff(config.rm_max_retries, config.rm_retry_backoff_s)
+    http = HttpRewardModel(config.rm_url, backoff, config.rm_remote_timeout_s) if config.rm_url else None
+    remote = GrpcRewardModel(config.rm_grpc_addr, backoff, config.rm_remote_timeout_s) if config.rm_grpc_addr else None
+    scorer = Scorer(config, WorkerPool(config.num_workers), http, remote)
+    return Service("reward", config, [Servicer.of(RewardServicer(scorer))], on_stop=[scorer.close])

@@ -17,14 +17,14 @@ class RewardItem(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     item_id: str
     prompt: str
-    response: str
+    response: bytes
     label: str
     rm_type: str
     metadata: _struct_pb2.Struct
-    def __init__(self, item_id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., label: _Optional[str] = ..., rm_type: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    def __init__(self, item_id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[bytes] = ..., label: _Optional[str] = ..., rm_type: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class RewardResult(_message.Message):
-    __slots__ = ("item_id", "reward", "details", "error", "error_message")
+    __slots__ = ("item_id", "reward", "details", "error", "error_message", "text_details")
     class DetailsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,17 +32,26 @@ class RewardResult(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class TextDetailsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_DETAILS_FIELD_NUMBER: _ClassVar[int]
     item_id: str
     reward: float
     details: _containers.ScalarMap[str, float]
     error: bool
     error_message: str
-    def __init__(self, item_id: _Optional[str] = ..., reward: _Optional[float] = ..., details: _Optional[_Mapping[str, float]] = ..., error: _Optional[bool] = ..., error_message: _Optional[str] = ...) -> None: ...
+    text_details: _containers.ScalarMap[str, str]
+    def __init__(self, item_id: _Optional[str] = ..., reward: _Optional[float] = ..., details: _Optional[_Mapping[str, float]] = ..., error: _Optional[bool] = ..., error_message: _Optional[str] = ..., text_details: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("items", "rm_type", "timeout_seconds")
