@@ -56,3 +56,18 @@ def write_tokenizer(path: Path, vocab_size: int = 512) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(path)
     return path
+
+
+def write_classifier(path: Path, num_labels: int = 1) -> Path:
+    """A tiny randomly initialised Llama sequence-classification model with the tokenizer above (a reward model)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    path = write_tokenizer(path)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_labels=num_labels, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    return path

@@ -39,8 +39,9 @@ def math_equal(gold: str, prediction: str) -> bool:
 
 
 def math(response: str, label: str, metadata: dict) -> float:
-    """1 if the response's final answer (its last \\boxed{}, else its last expression) equals the label."""
-    return float(math_equal(label, response))
+    """1 if the response's final answer (its last \\boxed{}, else the answer math-verify finds) equals the label."""
+    boxed = last_boxed(response)
+    return float(math_equal(label, response if boxed is None else f"\\boxed{{{boxed}}}"))
 
 
 def deepscaler(response: str, label: str, metadata: dict) -> float:
