@@ -17,7 +17,7 @@ import pytest
 
 from services.common.clients import wait_until_serving
 from services.common.redis_connection import EmbeddedRedis
-from services.common.server import GrpcServer, Service
+from services.common.server import GrpcServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,21 +90,28 @@ def run_dir(tmp_path) -> Path:
 class ServiceThread:
     """Runs a service's gRPC server in-process, on its own event loop in a background thread."""
 
-    def __init__(self, service: Service):
-        self.server = GrpcServer(service)
+    def __init__(self):
+        self.server: GrpcServer | None = None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    def start(self) -> "ServiceThread":
+    def start(self, build, config) -> "ServiceThread":
+        """Builds the service on this thread's loop (its clients belong to that loop) and serves it."""
         self.thread.start()
-        port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+
+        async def build_and_start() -> int:
+            self.server = GrpcServer(await build(config))
+            return await self.server.start()
+
+        port = asyncio.run_coroutine_threadsafe(build_and_start(), self.loop).result(60)
         self.address = f"127.0.0.1:{port}"
         return self
 
     def stop(self) -> None:
         if not self.loop.is_running():
             return
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
+        if self.server is not None:
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
@@ -120,14 +127,9 @@ def grpc_service() -> Iterator[Callable]:
     def start(build, config, keep_port: bool = False) -> ServiceThread:
         if not keep_port:
             config = config.model_copy(update={"port": 0, "host": "127.0.0.1"})
-        loop = asyncio.new_event_loop()
-        try:
-            service = loop.run_until_complete(build(config))
-        finally:
-            loop.close()
-        runner = ServiceThread(service)
+        runner = ServiceThread()
         started.append(runner)
-        return runner.start()
+        return runner.start(build, config)
 
     yield start
     for runner in reversed(started):

@@ -15,21 +15,17 @@ STREAM_WINDOW_BYTES = 32 * 1024 * 1024
 
 
 def channel_options(max_message_mb: int = 256, max_attempts: int = 5, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
-    service_config = {
-        "methodConfig": [
-            {
-                "name": [{}],  # every method of every service
-                "timeout": f"{timeout_s}s",
-                "retryPolicy": {
-                    "maxAttempts": max_attempts,
-                    "initialBackoff": "0.1s",
-                    "maxBackoff": "5s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
-    }
+    """`max_attempts` 1 turns gRPC's retries off (for callers that retry themselves)."""
+    method = {"name": [{}], "timeout": f"{timeout_s}s"}  # every method of every service
+    if max_attempts > 1:
+        method["retryPolicy"] = {
+            "maxAttempts": max_attempts,
+            "initialBackoff": "0.1s",
+            "maxBackoff": "5s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        }
+    service_config = {"methodConfig": [method]}
     max_bytes = max_message_mb * 1024 * 1024
     return [
         ("grpc.service_config", json.dumps(service_config)),
