@@ -71,3 +71,27 @@ def write_classifier(path: Path, num_labels: int = 1) -> Path:
     torch.manual_seed(0)
     LlamaForSequenceClassification(config).save_pretrained(path)
     return path
+
+
+def write_tiny_model(path: Path, num_layers: int = 2, hidden_size: int = 64, seed: int = 0) -> Path:
+    """A tiny randomly initialised Qwen3 causal LM (safetensors, config, tokenizer, chat template) under `path`."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = write_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+        max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0, torch_dtype="float32",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # larger logits than the default init, so sampling is not uniform noise
+        model.lm_head.weight.mul_(20)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    return path

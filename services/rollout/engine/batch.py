@@ -1,0 +1,116 @@
+"""Continuous batching over one HF model: every running sequence is a row of one batched KV cache.
+
+A new sequence is prefilled on its own and joins the batch between decode steps; each decode step runs one forward
+pass for all rows. Rows are right-aligned in the cache (shorter ones padded on the left) and the attention mask hides
+the padding, so each row computes exactly what it would alone; finished rows leave the batch.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from services.rollout.engine.sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One sample being generated (a request with n > 1 has n of them)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # the weight version that produced each output token
+    finish: dict | None = None
+    text: str = ""
+    num_retractions: int = 0
+    cached: int = 0  # positions in the KV cache
+
+    @property
+    def next_input(self) -> int:
+        return self.output_ids[-1]
+
+
+class Batcher:
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model, self.device = model, device
+        self.rows: list[Sequence] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [rows, cache length], 1 where a row has a real position
+
+    @torch.no_grad()
+    def prefill(self, seq: Sequence) -> torch.Tensor:
+        """Runs the sequence's prompt (and any output kept across a retraction), adds it as a row, and returns the
+        logits of every position [length, vocab]."""
+        ids = seq.prompt_ids + seq.output_ids
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True)
+        seq.cached = len(ids)
+        self._join(seq, out.past_key_values)
+        return out.logits[0]
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """One decode step for every row: feeds each row's last token; returns the next-token logits [rows, vocab]."""
+        inputs = torch.tensor([[seq.next_input] for seq in self.rows], device=self.device)
+        positions = torch.tensor([[seq.cached] for seq in self.rows], device=self.device)
+        self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=self.device)], 1)
+        out = self.model(
+            input_ids=inputs,
+            position_ids=positions,
+            attention_mask=self.mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        for seq in self.rows:
+            seq.cached += 1
+        return out.logits[:, -1]
+
+    def _join(self, seq: Sequence, cache: DynamicCache) -> None:
+        length = cache.get_seq_length()
+        current = self.mask.shape[1] if self.rows else 0
+        width = max(length, current)
+        joined = DynamicCache()
+        for index, layer in enumerate(cache.layers):
+            keys, values = _left_pad(layer.keys, width), _left_pad(layer.values, width)
+            if self.rows:
+                old = self.cache.layers[index]
+                keys = torch.cat([_left_pad(old.keys, width), keys])
+                values = torch.cat([_left_pad(old.values, width), values])
+            joined.update(keys, values, index)
+        row_mask = torch.zeros(1, width, dtype=torch.long, device=self.device)
+        row_mask[0, width - length :] = 1
+        old_mask = _left_pad(self.mask, width, dim=1) if self.rows else row_mask[:0]
+        self.cache, self.mask = joined, torch.cat([old_mask, row_mask])
+        self.rows.append(seq)
+
+    def drop(self, leaving: list[Sequence]) -> None:
+        """Removes finished (or retracted) rows from the batch."""
+        keep = [i for i, seq in enumerate(self.rows) if seq not in leaving]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache, self.mask = None, None
+            return
+        index = torch.tensor(keep, device=self.device)
+        trimmed = DynamicCache()
+        start = int((self.mask[index].sum(0) > 0).nonzero()[0])  # columns no remaining row uses are dropped
+        for i, layer in enumerate(self.cache.layers):
+            trimmed.update(layer.keys[index, :, start:], layer.values[index, :, start:], i)
+        self.cache, self.mask = trimmed, self.mask[index, start:]
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)

@@ -1,0 +1,124 @@
+"""SGLang's `sampling_params`: parsing with SGLang's defaults and checks, and choosing the next token.
+
+Log-probs are what SGLang returns by default: log_softmax(logits / temperature) of the chosen token, taken before
+top-k/top-p/min-p truncation (a greedy request uses temperature 1 for them, as SGLang does).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+GREEDY_BELOW = 1e-6
+# Keys SGLang accepts; the ones this engine implements are fields of SamplingParams below.
+IGNORED_DEFAULTS = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "spaces_between_special_tokens": True,
+    "stream_interval": None,
+    "logit_bias": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "custom_params": None,
+    "beam_width": None,
+}
+
+
+class BadRequest(ValueError):
+    """A request SGLang would refuse with HTTP 400; `body` is SGLang's error JSON for it."""
+
+    def __init__(self, message: str, body: dict | None = None):
+        super().__init__(message)
+        self.body = body if body is not None else {"error": {"message": message}}
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: set[int] = field(default_factory=set)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+_FIELDS = set(SamplingParams.__dataclass_fields__)
+
+
+def parse_sampling(raw: dict | None) -> SamplingParams:
+    """SamplingParams from a request's dict, or BadRequest with SGLang's message and shape."""
+    raw = raw or {}
+    unknown = [key for key in raw if key not in _FIELDS and key not in IGNORED_DEFAULTS]
+    if unknown:
+        expected = ", ".join(f"`{k}`" for k in sorted(_FIELDS | set(IGNORED_DEFAULTS)))
+        raise BadRequest(
+            f"unknown field `{unknown[0]}`", {"error": f"unknown field `{unknown[0]}`, expected one of {expected}"}
+        )
+    for key, default in IGNORED_DEFAULTS.items():
+        if raw.get(key) not in (None, default):
+            raise BadRequest(f"sampling param {key} is not supported by the slipstream reference engine")
+    values = {k: v for k, v in raw.items() if k in _FIELDS and v is not None}
+    for key in ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed"):
+        if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int)):
+            raise BadRequest(f"invalid type: {key} must be an integer, got {values[key]!r}",
+                             {"error": f"invalid type: floating point `{values[key]}`, expected i64"})  # fmt: skip
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    if "stop_token_ids" in values:
+        values["stop_token_ids"] = set(values["stop_token_ids"])
+    params = SamplingParams(**values)
+    _verify(params)
+    return params
+
+
+def _verify(p: SamplingParams) -> None:
+    checks = [
+        (p.max_new_tokens >= 0, f"max_new_tokens must be at least 0, got {p.max_new_tokens}."),
+        (p.temperature >= 0, f"temperature must be non-negative, got {p.temperature}."),
+        (0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}."),
+        (p.top_k == -1 or p.top_k >= 1, f"top_k must be -1 (disable), or at least 1, got {p.top_k}."),
+        (0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}."),
+        (0 <= p.min_new_tokens <= p.max_new_tokens,
+         f"min_new_tokens must be in [0, max_new_tokens], got {p.min_new_tokens}."),
+        (len(p.stop) <= 32, "stop may hold at most 32 strings."),
+        (p.n >= 1, f"n must be at least 1, got {p.n}."),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise BadRequest(message)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
+    """The next token for one sequence, from its last-position logits [vocab], and its log-prob."""
+    logits = logits.float()
+    temperature = 1.0 if params.greedy else params.temperature
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    if params.greedy:
+        token = int(torch.argmax(logits))
+        return token, float(logprobs[token])
+    probs = logprobs.exp()
+    if params.top_k > 0:
+        kth = torch.topk(probs, min(params.top_k, probs.numel())).values[-1]
+        probs = torch.where(probs < kth, 0.0, probs)
+    if params.top_p < 1.0:
+        ordered, index = torch.sort(probs, descending=True)
+        outside = torch.cumsum(ordered, 0) - ordered > params.top_p * ordered.sum()
+        probs = probs.scatter(0, index, torch.where(outside, 0.0, ordered))
+    if params.min_p > 0:
+        probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
+    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return token, float(logprobs[token])
