@@ -11,7 +11,7 @@ COMMANDS = {
     "rollout": ("services.rollout.__main__", "run the rollout gateway (engines, rollout workers, weight sync; 50052)"),
     "reward": ("services.reward.__main__", "run the reward service (verifiers, custom and remote rewards; 50053)"),
     "trainer": ("services.trainer.__main__", "run the trainer's control service (50054)"),
-    "engine": (None, "run the reference inference engine (SGLang's HTTP API on HF models)"),
+    "engine": ("services.rollout.engine.__main__", "run the reference engine (SGLang's HTTP API on HF models; 30000)"),
     "train": (None, "start the whole system locally and train"),
     "demo": (None, "train a tiny model on a toy task and show that it learns"),
 }

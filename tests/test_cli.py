@@ -97,7 +97,7 @@ def test_unknown_config_key_is_one_sentence(tmp_path):
     )
 
 
-@pytest.mark.parametrize("name", ["engine", "train", "demo"])
+@pytest.mark.parametrize("name", ["train", "demo"])
 def test_commands_of_later_issues_say_so(name):
     result = run_cli(name)
     assert result.returncode != 0

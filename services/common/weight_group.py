@@ -1,0 +1,45 @@
+"""The process group that carries weights from the trainer (rank 0) to the engines, created the way SGLang creates
+it (SGLang's `init_custom_process_group`, shared/SGLANG_API.md §3.1), so both ends of a rendezvous agree.
+
+It is a group outside torch's default one: the trainer has its own default group (its data/tensor parallel ranks)
+and each engine may have another, so the weight group is built from its own TCP rendezvous, with the group name as
+the store prefix.
+"""
+
+from datetime import timedelta
+
+import torch
+from torch.distributed import distributed_c10d as c10d
+
+
+def init_custom_process_group(
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout: timedelta | None = None
+):
+    """Joins (rank 0 hosts the TCP store) and returns the process group `group_name`; blocks until all ranks joined."""
+    timeout = timeout or c10d.default_pg_timeout
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout, device_id=None
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One uint8 tensor holding the tensors' bytes in order, no padding (SGLang's "flattened_bucket")."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def unflatten(buffer: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    tensors, offset = [], 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if offset % torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"flattened bucket: offset {offset} is not aligned for {dtype}")
+        tensors.append(buffer[offset : offset + size].view(dtype).view(shape))
+        offset += size
+    if offset != buffer.numel():
+        raise ValueError(f"flattened bucket has {buffer.numel()} bytes but the specs describe {offset}")
+    return tensors

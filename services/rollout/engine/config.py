@@ -1,0 +1,28 @@
+"""Configuration of the reference engine (`slipstream engine`)."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config import StrictModel
+
+
+class EngineConfig(StrictModel):
+    """The reference engine: SGLang's HTTP API on an HF transformers model, on CPU or GPU."""
+
+    model_path: str
+    """HF checkpoint folder (config, safetensors, tokenizer) of a Llama, Qwen2 or Qwen3 model."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = Field(30000, ge=0, le=65535)
+    """HTTP port (SGLang's default)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the model runs."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights' dtype; auto is float32 on CPU and bfloat16 on CUDA."""
+    max_batch_size: int = Field(64, ge=1)
+    """Most sequences decoded together; more wait for a free row."""
+    weight_version: str = "default"
+    """Initial weight version (SGLang's --weight-version)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Least severe log level that is printed."""

@@ -1,0 +1,46 @@
+"""Loads the model and serves the engine's HTTP API with uvicorn; SIGTERM stops it cleanly."""
+
+import logging
+
+import torch
+
+from services.common.errors import StartupError
+from services.rollout.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def load(config: EngineConfig):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.rollout.engine.engine import Engine
+
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise StartupError("--device cuda was asked for but CUDA is not available; pass --device cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.dtype)
+    dtype = dtype or (torch.bfloat16 if config.device == "cuda" else torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        raise StartupError(f"cannot load a model from --model-path {config.model_path}: {e}") from None
+    device = torch.device(config.device)
+    return Engine(model.to(device).eval(), tokenizer, device, config.max_batch_size, config.weight_version)
+
+
+def serve(config: EngineConfig) -> int:
+    import uvicorn
+
+    from services.rollout.engine.api import EngineAPI
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
+    try:
+        engine = load(config)
+    except StartupError as e:
+        log.error("%s", e)
+        return 1
+    info = {"model_path": config.model_path, "host": config.host, "port": config.port, "device": config.device,
+            "max_running_requests": config.max_batch_size}  # fmt: skip
+    app = EngineAPI(engine, info).app()
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,150 @@
+"""Weight updates as SGLang receives them: the trainer is rank 0 of a custom process group; each named tensor (or
+one flattened uint8 bucket) arrives by broadcast in `names` order and is loaded by HF parameter name between decode
+steps. Updates must run inside a begin/end session, as in SGLang 0.5.21 and newer."""
+
+import asyncio
+
+import torch
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.common.weight_group import init_custom_process_group, unflatten
+from services.rollout.engine.responses import control, error, json_response
+
+
+class WeightReceiver:
+    def __init__(self, engine):
+        self.engine = engine
+        self.groups: dict[str, object] = {}
+        self.session_open = False
+
+    async def init_group(self, request: Request) -> Response:
+        body = await request.json()
+        try:
+            rank = int(body["rank_offset"])  # one member per TP rank; this engine has one
+            init = f"tcp://{body['master_address']}:{int(body['master_port'])}"
+            name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "nccl")
+            world_size = int(body["world_size"])
+        except (KeyError, ValueError, TypeError) as e:
+            return control(False, f"Failed to initialize custom process group: bad field {e}.")
+        try:  # blocks until every rank joined: run it off the event loop
+            self.groups[name] = await asyncio.to_thread(
+                init_custom_process_group, backend, init, world_size, rank, name
+            )
+        except Exception as e:  # reported in SGLang's shape
+            return control(False, f"Failed to initialize custom process group: {e}.")
+        return control(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_group(self, request: Request) -> Response:
+        name = (await request.json()).get("group_name", "weight_update_group")
+        group = self.groups.pop(name, None)
+        if group is None:
+            return control(False, "The group to be destroyed does not exist.")
+        torch.distributed.destroy_process_group(group)
+        return control(True, "Succeeded to destroy custom process group.")
+
+    async def begin(self, request: Request) -> Response:
+        if self.session_open:
+            return control(False, "A weight update session is already open; call end_weight_update() first.")
+        self.session_open = True
+        return control(True, "Weight update session started.")
+
+    async def end(self, request: Request) -> Response:
+        if not self.session_open:
+            return control(False, "No weight update session is open; call begin_weight_update() first.")
+        self.session_open = False
+        return control(True, "Weight update session ended.")
+
+    async def update_from_distributed(self, request: Request) -> Response:
+        body = await request.json()
+        names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            return control(False, "Failed to update weights: the weight update group does not exist.")
+        if not self.session_open:
+            return control(False, "update_weights_from_distributed must run between begin_weight_update() and "
+                                   "end_weight_update().")  # fmt: skip
+        if not len(names) == len(dtypes) == len(shapes):
+            return control(False, "Failed to update weights: names, dtypes and shapes differ in length.")
+        try:
+            torch_dtypes = [getattr(torch, d) if isinstance(d, str) else d for d in dtypes]
+        except AttributeError as e:
+            return control(False, f"Failed to update weights: unknown dtype ({e}).")
+        flat = body.get("load_format") == "flattened_bucket"
+        device = self.engine.device
+        # Receive first, whatever happens next: the sender's broadcasts must always be matched.
+        tensors = await asyncio.to_thread(_receive, group, torch_dtypes, shapes, flat, device)
+        problem = self._check(names, tensors)
+        if problem:
+            return control(False, f"Failed to update weights: {problem}.")
+        version = body.get("weight_version")
+
+        def load() -> None:
+            if body.get("abort_all_requests"):
+                self.engine.abort(self.engine.running(), "Abort by weight update")
+            parameters = dict(self.engine.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in zip(names, tensors, strict=True):
+                    parameters[name].copy_(tensor)
+            if version is not None:
+                self.engine.weight_version = str(version)
+
+        await asyncio.wrap_future(self.engine.call(load))
+        return control(True, "Succeeded to update model weights.")
+
+    def _check(self, names: list[str], tensors: list[torch.Tensor]) -> str | None:
+        parameters = dict(self.engine.model.named_parameters())
+        for name, tensor in zip(names, tensors, strict=True):
+            if name not in parameters:
+                return f"the model has no parameter named {name!r}"
+            if tuple(parameters[name].shape) != tuple(tensor.shape):
+                return f"{name} has shape {tuple(parameters[name].shape)}, got {tuple(tensor.shape)}"
+        return None
+
+    async def update_weight_version(self, request: Request) -> Response:
+        body = await request.json()
+        version = str(body.get("new_version", ""))
+        if not version:
+            return error("new_version is required")
+
+        def apply() -> None:
+            if body.get("abort_all_requests"):
+                self.engine.abort(self.engine.running(), "Abort by weight version update")
+            self.engine.weight_version = version
+
+        await asyncio.wrap_future(self.engine.call(apply))
+        return control(True, f"Weight version updated to {version}", new_version=version)
+
+    async def get_weights_by_name(self, request: Request) -> Response:
+        body = await request.json() if await request.body() else dict(request.query_params)
+        parameter = dict(self.engine.model.named_parameters()).get(body.get("name", ""))
+        if parameter is None:
+            return error("Get parameter by name failed")
+        truncate = int(body.get("truncate_size", 100))
+        return json_response(parameter.detach().float().cpu()[:truncate].tolist())
+
+    def routes(self) -> list[tuple]:
+        return [
+            ("/init_weights_update_group", self.init_group, ["POST"]),
+            ("/destroy_weights_update_group", self.destroy_group, ["POST"]),
+            ("/begin_weight_update", self.begin, ["POST"]),
+            ("/end_weight_update", self.end, ["POST"]),
+            ("/update_weights_from_distributed", self.update_from_distributed, ["POST"]),
+            ("/update_weight_version", self.update_weight_version, ["POST"]),
+            ("/get_weights_by_name", self.get_weights_by_name, ["GET", "POST"]),
+        ]
+
+
+def _receive(group, dtypes, shapes, flat: bool, device) -> list[torch.Tensor]:
+    if flat:
+        sizes = [
+            torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for d, s in zip(dtypes, shapes, strict=True)
+        ]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        torch.distributed.broadcast(buffer, src=0, group=group)
+        return unflatten(buffer, dtypes, shapes)
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in zip(dtypes, shapes, strict=True)]
+    handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+    for handle in handles:
+        handle.wait()
+    return tensors
