@@ -3,6 +3,7 @@ n > 1, streaming), aborts, health, model and server info, pause/continue, memory
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -45,8 +46,7 @@ class EngineAPI:
         queue: asyncio.Queue = asyncio.Queue()
         start = time.monotonic()
         for index, seq in enumerate(requests):
-            listener = lambda s, finished, i=index: loop.call_soon_threadsafe(queue.put_nowait, (i, finished))  # noqa: E731
-            self.engine.submit(seq, listener)
+            self.engine.submit(seq, _listener(loop, queue, index))
         return_logprob = bool(body.get("return_logprob"))
         version = self.engine.weight_version
         if body.get("stream"):
@@ -55,7 +55,7 @@ class EngineAPI:
             )
         remaining = len(requests)
         while remaining:
-            _, finished = await queue.get()
+            _, finished, _ = await queue.get()
             remaining -= finished
         outputs = [generate_output(s, s.text, version, return_logprob, time.monotonic() - start) for s in requests]
         return json_response(outputs[0] if single else outputs)
@@ -63,8 +63,8 @@ class EngineAPI:
     async def _stream(self, requests, queue, single, return_logprob, start):
         remaining = len(requests)
         while remaining:
-            index, finished = await queue.get()
-            seq = requests[index]
+            index, finished, count = await queue.get()
+            seq = requests[index] if finished else _prefix(requests[index], count)
             text = seq.text if finished else self.engine.decode(seq)
             chunk = generate_output(seq, text, self.engine.weight_version, return_logprob, time.monotonic() - start)
             if not single:
@@ -239,6 +239,24 @@ class EngineAPI:
             self.engine.stop()
 
         return Starlette(routes=self.routes(), lifespan=lifespan)
+
+
+def _listener(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+    """Forwards the engine thread's notifications to the request's queue, with how many tokens the sequence had
+    then (it may have advanced by the time a streamed chunk is built)."""
+
+    def notify(seq: Sequence, finished: bool) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (index, finished, len(seq.output_ids)))
+
+    return notify
+
+
+def _prefix(seq: Sequence, count: int) -> Sequence:
+    """The sequence as it was after `count` output tokens (unfinished)."""
+    return dataclasses.replace(
+        seq, output_ids=seq.output_ids[:count], output_logprobs=seq.output_logprobs[:count],
+        versions=seq.versions[:count], finish=None,
+    )  # fmt: skip
 
 
 async def _body(request: Request) -> dict:
