@@ -1,0 +1,110 @@
+"""Weights sent by a separate process acting as the trainer (rank 0) over gloo, as SGLang receives them: per tensor
+and as one flattened bucket. The engine loads them bit-identical, its outputs change, its version changes."""
+
+import threading
+
+import httpx
+import pytest
+import torch
+
+from services.common.weight_group import flatten, init_custom_process_group
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=120)
+
+
+def in_background(function, *args):
+    """Runs an HTTP call that blocks until rank 0 acts (SGLang's init and update calls do)."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("response", function(*args)))
+    thread.start()
+    return thread, result
+
+
+def join_group(url: str, free_port, group_name: str):
+    port = free_port()
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": group_name, "backend": "gloo"}  # fmt: skip
+    thread, result = in_background(post, url, "/init_weights_update_group", body)
+    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, group_name)
+    thread.join(60)
+    assert result["response"].json() == {"success": True, "message": "Succeeded to initialize custom process group."}
+    return group
+
+
+def send(url: str, group, group_name: str, named: dict[str, torch.Tensor], version: str, flat: bool) -> httpx.Response:
+    assert post(url, "/begin_weight_update", {"selector": "all"}).json()["success"]
+    body = {
+        "names": list(named), "dtypes": [str(t.dtype).removeprefix("torch.") for t in named.values()],
+        "shapes": [list(t.shape) for t in named.values()], "group_name": group_name, "weight_version": version,
+        "load_format": "flattened_bucket" if flat else None,
+    }  # fmt: skip
+    thread, result = in_background(post, url, "/update_weights_from_distributed", body)
+    if flat:
+        torch.distributed.broadcast(flatten(list(named.values())), src=0, group=group)
+    else:
+        for tensor in named.values():
+            torch.distributed.broadcast(tensor, src=0, group=group)
+    thread.join(60)
+    assert post(url, "/end_weight_update", {}).json()["success"]
+    return result["response"]
+
+
+def greedy(url: str) -> list[int]:
+    body = {"text": "What is 1 + 2?", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    return httpx.post(f"{url}/generate", json=body, timeout=60).json()["output_ids"]
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["per-tensor", "flattened-bucket"])
+def test_weights_over_gloo_are_loaded_bit_identical(start_engine, free_port, hf_model, flat):
+    model, _ = hf_model
+    url = start_engine()
+    before = greedy(url)
+    group_name = f"weights-{flat}"
+    group = join_group(url, free_port, group_name)
+    torch.manual_seed(1)
+    named = {name: torch.randn_like(p) * 0.5 for name, p in model.named_parameters() if "layers.0." in name}
+    named["lm_head.weight"] = torch.randn_like(model.lm_head.weight) * 3
+    response = send(url, group, group_name, named, "v1", flat)
+    assert response.json() == {"success": True, "message": "Succeeded to update model weights."}
+    for name, tensor in named.items():
+        got = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}).json()
+        assert torch.equal(torch.tensor(got, dtype=tensor.dtype), tensor), name
+    assert greedy(url) != before
+    info = httpx.get(f"{url}/model_info").json()
+    assert info["weight_version"] == "v1"
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
+    spans = httpx.post(f"{url}/generate", json=body).json()["meta_info"]["weight_versions"]
+    assert spans == [{"version": "v1", "start": 0, "end": 3}]
+
+
+def test_bad_updates_fail_in_sglang_shape_and_the_engine_keeps_serving(start_engine, free_port):
+    url = start_engine()
+    body = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"}
+    assert post(url, "/update_weights_from_distributed", body).status_code == 400
+    group = join_group(url, free_port, "bad")
+    body["group_name"] = "bad"
+    outside = post(url, "/update_weights_from_distributed", body).json()
+    assert (
+        not outside["success"]
+        and "must run between begin_weight_update() and end_weight_update()" in outside["message"]
+    )
+    assert post(url, "/begin_weight_update", {"selector": "all"}).json()["success"]
+    second = post(url, "/begin_weight_update", {"selector": "all"})
+    assert second.status_code == 400 and not second.json()["success"]
+    thread, result = in_background(post, url, "/update_weights_from_distributed", {**body, "names": ["no.such.weight"]})
+    torch.distributed.broadcast(torch.zeros(1), src=0, group=group)
+    thread.join(60)
+    failed = result["response"]
+    assert failed.status_code == 400 and "no parameter named 'no.such.weight'" in failed.json()["message"]
+    assert post(url, "/end_weight_update", {}).json()["success"]
+    assert len(greedy(url)) == 12
+    missing = httpx.post(f"{url}/get_weights_by_name", json={"name": "nope"})
+    assert missing.status_code == 400 and missing.json() == {"error": {"message": "Get parameter by name failed"}}
+
+
+def test_update_weight_version(engine_url):
+    reply = post(engine_url, "/update_weight_version", {"new_version": "7"}).json()
+    assert reply == {"success": True, "message": "Weight version updated to 7", "new_version": "7"}
+    assert httpx.get(f"{engine_url}/model_info").json()["weight_version"] == "7"
