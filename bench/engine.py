@@ -1,0 +1,115 @@
+"""Generation throughput of the reference engine against transformers `generate` on the same batch.
+
+For each concurrency c: c requests of --max-new-tokens tokens each (ignore_eos) are sent at once to a running
+`slipstream engine` process; the baseline is one `model.generate` call on the same c prompts (left-padded, greedy,
+the same number of new tokens), in this process on the same device.
+
+Run (CPU, a tiny model built on the fly):   .venv/bin/python bench/engine.py
+Run (GPU, a ~0.5B Qwen3-shaped random model): python bench/engine.py --device cuda --size 0.5b
+"""
+
+import argparse
+import asyncio
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from services.common.tiny_checkpoint import write_tiny_model
+
+SIZES = {"tiny": {"num_layers": 2, "hidden_size": 64}, "0.5b": {"num_layers": 28, "hidden_size": 1024}}
+
+
+def start_engine(model: Path, device: str, max_batch: int) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "slipstream", "engine", "--model-path", str(model), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--device", device, "--max-batch-size", str(max_batch)], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the engine did not become healthy")
+
+
+def prompts(count: int) -> list[str]:
+    return [f"Question {i}: what is {i} + {2 * i}? Think step by step." for i in range(count)]
+
+
+async def engine_run(url: str, texts: list[str], new_tokens: int) -> float:
+    def body(text: str) -> dict:
+        return {"text": text, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        replies = await asyncio.gather(*(client.post(f"{url}/generate", json=body(t)) for t in texts))
+        elapsed = time.perf_counter() - start
+    assert all(len(r.json()["output_ids"]) == new_tokens for r in replies)
+    return elapsed
+
+
+def hf_run(model, tokenizer, texts: list[str], new_tokens: int, device: str) -> float:
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True).to(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = write_tiny_model(Path(tmp) / "model", **SIZES[args.size])
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        proc, url = start_engine(model_path, args.device, max(args.concurrency))
+        rows = []
+        try:
+            asyncio.run(engine_run(url, prompts(2), 4))  # warm-up
+            hf_run(model, tokenizer, prompts(2), 4, args.device)
+            for c in args.concurrency:
+                tokens = c * args.max_new_tokens
+                t_engine = asyncio.run(engine_run(url, prompts(c), args.max_new_tokens))
+                t_hf = hf_run(model, tokenizer, prompts(c), args.max_new_tokens, args.device)
+                rows.append((c, tokens / t_engine, tokens / t_hf))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{args.size} Qwen3-shaped random model ({params:.1f} M parameters), {args.max_new_tokens} new tokens per "
+          f"request, greedy; {device}")  # fmt: skip
+    print("concurrency | engine tokens/s | transformers generate tokens/s | engine / generate")
+    print("--- | --- | --- | ---")
+    for c, engine, hf in rows:
+        print(f"{c} | {engine:.0f} | {hf:.0f} | {engine / hf:.2f}")
+    concurrency = " ".join(map(str, args.concurrency))
+    print(f"\nReproduce: python bench/engine.py --device {args.device} --size {args.size} "
+          f"--max-new-tokens {args.max_new_tokens} --concurrency {concurrency}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
