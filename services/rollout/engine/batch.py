@@ -45,14 +45,22 @@ class Batcher:
         self.mask: torch.Tensor | None = None  # [rows, cache length], 1 where a row has a real position
 
     @torch.no_grad()
-    def prefill(self, seq: Sequence) -> torch.Tensor:
-        """Runs the sequence's prompt (and any output kept across a retraction), adds it as a row, and returns the
-        logits of every position [length, vocab]."""
-        ids = seq.prompt_ids + seq.output_ids
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True)
-        seq.cached = len(ids)
-        self._join(seq, out.past_key_values)
-        return out.logits[0]
+    def prefill(self, sequences: list[Sequence]) -> list[torch.Tensor]:
+        """Runs the sequences' prompts (with any output kept across a retraction) in one forward pass, left-padded,
+        adds them as rows, and returns each one's logits over its own positions [length, vocab]."""
+        ids = [seq.prompt_ids + seq.output_ids for seq in sequences]
+        width = max(map(len, ids))
+        inputs = torch.zeros(len(ids), width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(ids), width, dtype=torch.long, device=self.device)
+        for row, tokens in enumerate(ids):
+            inputs[row, width - len(tokens) :] = torch.tensor(tokens, device=self.device)
+            mask[row, width - len(tokens) :] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True)
+        for seq, tokens in zip(sequences, ids, strict=True):
+            seq.cached = len(tokens)
+        self._join(sequences, out.past_key_values, mask)
+        return [out.logits[row, width - len(tokens) :] for row, tokens in enumerate(ids)]
 
     @torch.no_grad()
     def step(self) -> torch.Tensor:
@@ -72,10 +80,8 @@ class Batcher:
             seq.cached += 1
         return out.logits[:, -1]
 
-    def _join(self, seq: Sequence, cache: DynamicCache) -> None:
-        length = cache.get_seq_length()
-        current = self.mask.shape[1] if self.rows else 0
-        width = max(length, current)
+    def _join(self, sequences: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:
+        width = max(mask.shape[1], self.mask.shape[1] if self.rows else 0)
         joined = DynamicCache()
         for index, layer in enumerate(cache.layers):
             keys, values = _left_pad(layer.keys, width), _left_pad(layer.values, width)
@@ -84,11 +90,10 @@ class Batcher:
                 keys = torch.cat([_left_pad(old.keys, width), keys])
                 values = torch.cat([_left_pad(old.values, width), values])
             joined.update(keys, values, index)
-        row_mask = torch.zeros(1, width, dtype=torch.long, device=self.device)
-        row_mask[0, width - length :] = 1
-        old_mask = _left_pad(self.mask, width, dim=1) if self.rows else row_mask[:0]
-        self.cache, self.mask = joined, torch.cat([old_mask, row_mask])
-        self.rows.append(seq)
+        new_mask = _left_pad(mask, width, dim=1)
+        old_mask = _left_pad(self.mask, width, dim=1) if self.rows else new_mask[:0]
+        self.cache, self.mask = joined, torch.cat([old_mask, new_mask])
+        self.rows.extend(sequences)
 
     def drop(self, leaving: list[Sequence]) -> None:
         """Removes finished (or retracted) rows from the batch."""

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import torch
 
 from services.rollout.engine.batch import Batcher, Sequence
-from services.rollout.engine.sampling import choose
+from services.rollout.engine.sampling import choose_batch
 
 log = logging.getLogger(__name__)
 
@@ -106,35 +106,41 @@ class Engine:
         return bool(self.waiting or self.batcher.rows)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.batcher.rows) < self.max_batch_size:
-            with self._wake:
-                seq = self.waiting.popleft()
-            logits = self.batcher.prefill(seq)
+        """Waiting sequences join the batch, prefilled together in one forward pass."""
+        with self._wake:
+            room = self.max_batch_size - len(self.batcher.rows)
+            joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        if not joining:
+            return
+        prompt_logits = self.batcher.prefill(joining)
+        for seq, logits in zip(joining, prompt_logits, strict=True):
             if seq.return_logprob and not seq.output_ids:
                 seq.input_logprobs = _input_logprobs(logits, seq.prompt_ids, seq.logprob_start_len)
-            self._advance(seq, logits[-1])
-            if seq.finish:
-                self.batcher.drop([seq])
+        self._advance(joining, torch.stack([logits[-1] for logits in prompt_logits]))
 
     def _decode(self) -> None:
         self.batch_sizes[len(self.batcher.rows)] += 1
-        logits = self.batcher.step()
+        self._advance(list(self.batcher.rows), self.batcher.step())
+
+    def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
+        """Picks each sequence's next token from its logits row [rows, vocab], applies the stop rules, and lets
+        finished sequences leave the batch."""
+        for row, seq in enumerate(sequences):
+            if len(seq.output_ids) < seq.params.min_new_tokens and not seq.params.ignore_eos:
+                logits[row, list(self.eos_ids)] = float("-inf")
+        picked = choose_batch(logits, [s.params for s in sequences], [s.generator for s in sequences])
         done = []
-        for row, seq in enumerate(list(self.batcher.rows)):
-            self._advance(seq, logits[row])
+        for seq, (token, logprob) in zip(sequences, picked, strict=True):
+            self._append(seq, token, logprob)
             if seq.finish:
                 done.append(seq)
         self.batcher.drop(done)
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         params = seq.params
         if params.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
             return
-        if len(seq.output_ids) < params.min_new_tokens and not params.ignore_eos:
-            logits = logits.clone()
-            logits[list(self.eos_ids)] = float("-inf")
-        token, logprob = choose(logits, params, seq.generator)
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
         seq.versions.append(self.weight_version)

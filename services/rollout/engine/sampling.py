@@ -102,6 +102,22 @@ def _verify(p: SamplingParams) -> None:
             raise BadRequest(message)
 
 
+def choose_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[tuple[int, float]]:
+    """`choose` for a batch of rows [rows, vocab]; greedy rows are decided together, in one pass."""
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    picked: list[tuple[int, float] | None] = [None] * len(params)
+    if greedy:
+        rows = logits[greedy].float()
+        tokens = rows.argmax(-1)
+        logprobs = torch.log_softmax(rows, -1).gather(1, tokens[:, None])[:, 0]
+        for i, token, logprob in zip(greedy, tokens.tolist(), logprobs.tolist(), strict=True):
+            picked[i] = (token, logprob)
+    for i, p in enumerate(params):
+        if picked[i] is None:
+            picked[i] = choose(logits[i], p, generators[i])
+    return picked
+
+
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
     """The next token for one sequence, from its last-position logits [vocab], and its log-prob."""
     logits = logits.float()
