@@ -22,7 +22,11 @@ import torch
 
 from services.common.tiny_checkpoint import write_tiny_model
 
-SIZES = {"tiny": {"num_layers": 2, "hidden_size": 64}, "0.5b": {"num_layers": 28, "hidden_size": 1024}}
+# "0.5b" has Qwen3-0.6B's layers (the vocabulary is the test tokenizer's, so the embeddings are small).
+SIZES = {
+    "tiny": {"num_layers": 2, "hidden_size": 64},
+    "0.5b": {"num_layers": 28, "hidden_size": 1024, "intermediate_size": 3072},
+}
 
 
 def start_engine(model: Path, device: str, max_batch: int) -> tuple[subprocess.Popen, str]:

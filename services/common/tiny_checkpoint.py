@@ -73,8 +73,11 @@ def write_classifier(path: Path, num_labels: int = 1) -> Path:
     return path
 
 
-def write_tiny_model(path: Path, num_layers: int = 2, hidden_size: int = 64, seed: int = 0) -> Path:
-    """A tiny randomly initialised Qwen3 causal LM (safetensors, config, tokenizer, chat template) under `path`."""
+def write_tiny_model(
+    path: Path, num_layers: int = 2, hidden_size: int = 64, intermediate_size: int | None = None, seed: int = 0
+) -> Path:
+    """A randomly initialised Qwen3 causal LM (safetensors, config, tokenizer, chat template) under `path`: tiny by
+    default; Qwen3-0.6B's shape with 28 layers, hidden 1024, intermediate 3072."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -83,7 +86,7 @@ def write_tiny_model(path: Path, num_layers: int = 2, hidden_size: int = 64, see
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
         max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0, torch_dtype="float32",
