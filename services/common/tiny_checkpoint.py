@@ -74,25 +74,34 @@ def write_classifier(path: Path, num_labels: int = 1) -> Path:
 
 
 def write_tiny_model(
-    path: Path, num_layers: int = 2, hidden_size: int = 64, intermediate_size: int | None = None, seed: int = 0
+    path: Path,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int | None = None,
+    seed: int = 0,
+    arch: str = "qwen3",
 ) -> Path:
-    """A randomly initialised Qwen3 causal LM (safetensors, config, tokenizer, chat template) under `path`: tiny by
-    default; Qwen3-0.6B's shape with 28 layers, hidden 1024, intermediate 3072."""
+    """A randomly initialised causal LM (safetensors, config, tokenizer, chat template) under `path`: Qwen3 (or
+    `arch` qwen2 / llama), tiny by default; Qwen3-0.6B's layer shapes with 28 layers, hidden 1024, intermediate 3072."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    path = write_tokenizer(path)
+    import transformers
     from transformers import AutoTokenizer
 
+    config_class, model_class = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[arch]
+    path = write_tokenizer(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    config = Qwen3Config(
+    config = config_class(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
         max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0, torch_dtype="float32",
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():  # larger logits than the default init, so sampling is not uniform noise
         model.lm_head.weight.mul_(20)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -139,3 +139,23 @@ def test_bad_input_gets_sglang_errors_and_the_engine_keeps_serving(engine_url, b
 def test_unknown_sampling_key(engine_url):
     response = post(engine_url, {"text": "x", "sampling_params": {"temprature": 1}})
     assert response.status_code == 400 and response.json()["error"].startswith("unknown field `temprature`, expected")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_other_model_families(arch, service_process, free_port, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from services.common.tiny_checkpoint import write_tiny_model
+    from tests.rollout.engine.conftest import wait_healthy
+
+    path = write_tiny_model(tmp_path / arch, arch=arch)
+    port = free_port()
+    url = wait_healthy(
+        service_process("engine", "--model-path", str(path), "--port", str(port)), f"http://127.0.0.1:{port}"
+    )
+    prompt = [5, 17, 42, 99]
+    out = post(url, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}).json()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
+    assert out["output_ids"] == reference[: len(out["output_ids"])]
+    assert httpx.get(f"{url}/model_info").json()["model_type"] == arch
