@@ -65,8 +65,9 @@ class Engine:
 
     def abort(self, sequences: list[Sequence], message: str) -> None:
         for seq in sequences:
-            if seq in self.waiting:
-                self.waiting.remove(seq)
+            with self._wake:  # submit() appends from other threads
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
             self._finish(seq, {"type": "abort", "message": message, "status_code": None, "err_type": None})
         self.batcher.drop(sequences)
 
@@ -74,9 +75,10 @@ class Engine:
         """Running sequences go back to the front of the queue without their KV; they are prefilled again later."""
         rows = list(self.batcher.rows)
         self.batcher.drop(rows)
-        for seq in reversed(rows):
-            seq.num_retractions += 1
-            self.waiting.appendleft(seq)
+        with self._wake:
+            for seq in reversed(rows):
+                seq.num_retractions += 1
+                self.waiting.appendleft(seq)
 
     def _loop(self) -> None:
         while True:
