@@ -1,6 +1,7 @@
 """Loads the model and serves the engine's HTTP API with uvicorn; SIGTERM stops it cleanly."""
 
 import logging
+import os
 
 import torch
 
@@ -29,6 +30,9 @@ def load(config: EngineConfig):
 
 
 def serve(config: EngineConfig) -> int:
+    # As SGLang's server does: NCCL's cuMem-based buffers must be off on both ends of the weight group (SGLang's own
+    # test sets it on the trainer), else peer-to-peer transfers between the two processes fail.
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     import uvicorn
 
     from services.rollout.engine.api import EngineAPI
