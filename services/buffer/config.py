@@ -63,6 +63,8 @@ class BufferConfig(ServiceConfig):
     """Prompt groups per training step."""
     n_samples_per_prompt: int = Field(1, ge=1)
     """Responses generated per prompt (the size of a group)."""
+    n_samples_per_eval_prompt: int = Field(1, ge=1)
+    """Responses generated per prompt of an eval set."""
     over_sampling_batch_size: int | None = Field(None, ge=1)
     """Groups that may be in flight for the next step (≥ rollout-batch-size), so that filtered groups are replaced
     without waiting; defaults to rollout-batch-size."""

@@ -132,7 +132,7 @@ class Buffer:
                 continue
             group = common_pb2.PromptGroup.FromString(item.payload)
             group.group_id, group.dataset = item.group_id, dataset
-            group.epoch, group.n_samples = item.after.epoch, self.config.n_samples_per_prompt
+            group.epoch, group.n_samples = item.after.epoch, self._samples_per_group(dataset)
             groups.append(group)
         try:
             deadline, lease_ids = await self.store.lease_new(
@@ -181,7 +181,7 @@ class Buffer:
         if group_id is None:
             raise InvalidArgument("lease_id", f"{lease_id!r} is not a lease id from LeasePrompts")
         dataset = group_id.split(":", 1)[0]
-        self._check_group(group)
+        self._check_group(group, self._samples_per_group(dataset))
         group.group_id = group_id
         group.min_weight_version = _min_version(group)
         outcome, reason = "completed", ""
@@ -201,12 +201,17 @@ class Buffer:
             self._submitted.set()
         return not reason, False, reason
 
-    def _check_group(self, group: common_pb2.PromptGroup) -> None:
-        expected = self.config.n_samples_per_prompt
+    def _samples_per_group(self, dataset: str) -> int:
+        return self.config.n_samples_per_prompt if dataset == TRAIN else self.config.n_samples_per_eval_prompt
+
+    def _check_group(self, group: common_pb2.PromptGroup, expected: int) -> None:
         if len(group.samples) != expected:
-            raise InvalidArgument(
-                "group.samples", f"expected {expected} samples (--n-samples-per-prompt), got {len(group.samples)}"
+            flag = (
+                "--n-samples-per-prompt"
+                if expected == self.config.n_samples_per_prompt
+                else "--n-samples-per-eval-prompt"
             )
+            raise InvalidArgument("group.samples", f"expected {expected} samples ({flag}), got {len(group.samples)}")
         for i, sample in enumerate(group.samples):
             where = f"group.samples[{i}]"
             if len(sample.tokens) % 4 or len(sample.rollout_logprobs) % 4:

@@ -228,10 +228,10 @@ async def test_a_new_buffer_process_continues_where_the_last_stopped(make_buffer
 
 
 async def test_eval_sets_are_leased_separately(make_buffer, prompts_file):
-    buffer = await make_buffer(eval_prompt_data=["aime", f"{prompts_file}@[0:3]"])
+    buffer = await make_buffer(eval_prompt_data=["aime", f"{prompts_file}@[0:3]"], n_samples_per_eval_prompt=3)
     leases = (await buffer.lease(5, 0, "aime")).leases
-    assert len(leases) == 5 and leases[0].group.dataset == "aime"
-    assert await buffer.submit(leases[0].lease_id, finish(leases[0].group, [1.0, 0.0])) == (True, False, "")
+    assert len(leases) == 5 and leases[0].group.dataset == "aime" and leases[0].group.n_samples == 3
+    assert await buffer.submit(leases[0].lease_id, finish(leases[0].group, [1.0, 0.0, 1.0])) == (True, False, "")
     state = await buffer.state()
     assert state["num_completed_groups"] == 0 and state["counters"]["eval_completed"] == 1
 
