@@ -1,4 +1,4 @@
-"""Configuration of the rollout service."""
+"""Configuration of the rollout gateway. Names follow slime's arguments where slime has one."""
 
 from pydantic import Field
 
@@ -10,3 +10,21 @@ class RolloutConfig(ServiceConfig):
 
     port: int = Field(50052, ge=0, le=65535)
     """gRPC port; 0 picks a free one (logged at start)."""
+    engine_urls: list[str] = []
+    """Engines to use from the start (http://host:port of SGLang servers or reference engines); more can register
+    at run time (RegisterEngine)."""
+    sglang_server_concurrency: int = Field(512, ge=1)
+    """Most requests in flight to one engine at a time."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Deadline of one /generate call; past it the request is retried on another engine."""
+    max_retries: int = Field(3, ge=0)
+    """How many other engines a failed /generate is retried on."""
+    rollout_health_check_interval: float = Field(5.0, gt=0)
+    """Seconds between health checks of every engine (slime's --rollout-health-check-interval)."""
+    rollout_health_check_timeout: float = Field(20.0, gt=0)
+    """A health check (/health_generate) slower than this counts as a failure."""
+    rollout_health_check_failures: int = Field(2, ge=1)
+    """Consecutive failures (health checks or requests) that evict an engine; it is re-admitted once healthy."""
+    affinity_slack: int = Field(4, ge=0)
+    """Samples of one prompt group go to the same engine (its prefix cache) unless it has this many more requests
+    in flight than the least busy engine."""

@@ -1,10 +1,41 @@
-"""gRPC face of the rollout service: translates RolloutService requests to the domain code and back.
+"""gRPC face of the rollout gateway: translates RolloutService requests to the engine pool and back.
 
-The RPCs answer UNIMPLEMENTED until the rollout issue lands.
+Engine membership answers now; rollout, evaluation and weight sync answer UNIMPLEMENTED until their parts land.
 """
 
-from slipstream.v1 import rollout_pb2_grpc
+from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool
+from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
+
+_STATES = {
+    STARTING: rollout_pb2.ENGINE_STATE_STARTING,
+    HEALTHY: rollout_pb2.ENGINE_STATE_HEALTHY,
+    EVICTED: rollout_pb2.ENGINE_STATE_EVICTED,
+    DRAINING: rollout_pb2.ENGINE_STATE_DRAINING,
+}
+
+
+def engine_info(engine: Engine) -> rollout_pb2.EngineInfo:
+    return rollout_pb2.EngineInfo(
+        url=engine.url,
+        tp_size=engine.tp_size,
+        state=_STATES[engine.state],
+        weight_version=engine.weight_version,
+        num_outstanding_requests=engine.outstanding,
+        model_path=engine.model_path,
+        last_error=engine.last_error,
+    )
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    pass
+    def __init__(self, pool: EnginePool):
+        self.pool = pool
+
+    async def RegisterEngine(self, request, context):
+        return engine_info(await self.pool.register(request.url))
+
+    async def DeregisterEngine(self, request, context):
+        await self.pool.deregister(request.url)
+        return rollout_pb2.DeregisterEngineResponse()
+
+    async def ListEngines(self, request, context):
+        return rollout_pb2.ListEnginesResponse(engines=[engine_info(e) for e in self.pool.engines.values()])

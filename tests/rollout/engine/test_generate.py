@@ -146,7 +146,7 @@ def test_other_model_families(arch, service_process, free_port, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from services.common.tiny_checkpoint import write_tiny_model
-    from tests.rollout.engine.conftest import wait_healthy
+    from tests.rollout.conftest import wait_healthy
 
     path = write_tiny_model(tmp_path / arch, arch=arch)
     port = free_port()

@@ -1,4 +1,4 @@
-"""Engine fixtures: a tiny Qwen3 checkpoint and real `slipstream engine` processes serving it."""
+"""Rollout fixtures: a tiny Qwen3 checkpoint and real `slipstream engine` processes serving it."""
 
 import socket
 import time
@@ -47,13 +47,17 @@ def engine_url(tiny_model, tmp_path_factory):
 
 @pytest.fixture
 def start_engine(service_process, free_port, tiny_model):
-    """`url = start_engine()`: a real engine process of its own on a free port, ready (/health answered 200)."""
+    """`url = start_engine()`: a real engine process of its own on a free port (or `port=`), ready (/health answered
+    200); `start_engine.procs[url]` is its process."""
 
-    def start(*args: str) -> str:
-        port = free_port()
+    def start(*args: str, port: int | None = None) -> str:
+        port = port or free_port()
         proc = service_process("engine", "--model-path", str(tiny_model), "--port", str(port), *args)
-        return wait_healthy(proc, f"http://127.0.0.1:{port}")
+        url = wait_healthy(proc, f"http://127.0.0.1:{port}")
+        start.procs[url] = proc
+        return url
 
+    start.procs = {}
     return start
 
     return start

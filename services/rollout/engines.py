@@ -1,0 +1,190 @@
+"""The engine pool: which engines exist, which are healthy, and where the next request goes.
+
+Engines come from --engine-urls or register at run time; each one's TP size and weight version are read from its
+/server_info and /model_info. A health loop calls /health_generate on every engine; consecutive failures (of health
+checks or of requests) evict an engine, and an evicted engine that answers again is re-admitted. Requests go to the
+least busy healthy engine, except that the samples of one prompt group stay on one engine (prefix affinity) while
+it is not much busier than the others. A failed request is retried on another engine.
+"""
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from services.rollout.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+STARTING, HEALTHY, EVICTED, DRAINING = "starting", "healthy", "evicted", "draining"
+
+
+@dataclass
+class Engine:
+    url: str
+    state: str = STARTING
+    tp_size: int = 1
+    weight_version: str = ""
+    model_path: str = ""
+    outstanding: int = 0
+    failures: int = 0
+    last_error: str = ""
+    version: str = ""  # the engine's SGLang version (0.5.21+ needs begin/end around weight updates)
+    admitted_at: float = field(default_factory=time.monotonic)
+
+
+class EngineFailure(Exception):
+    """A request to an engine failed (connection, timeout, 5xx, malformed answer): try another engine."""
+
+
+class EnginePool:
+    def __init__(self, config: RolloutConfig):
+        self.config = config
+        self.engines: dict[str, Engine] = {}
+        self._client = httpx.AsyncClient(timeout=config.request_timeout_s, limits=httpx.Limits(max_connections=None))
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._changed = asyncio.Event()
+
+    # Membership
+
+    async def register(self, url: str) -> Engine:
+        url = _normalize(url)
+        if url in self.engines and self.engines[url].state != DRAINING:
+            raise AlreadyExists(f"engine {url} is already registered")
+        engine = Engine(url)
+        self.engines[url] = engine
+        self._slots[url] = asyncio.Semaphore(self.config.sglang_server_concurrency)
+        try:
+            await self._admit(engine)
+        except EngineFailure as e:  # keep it: the health loop admits it once it answers
+            self._fail(engine, str(e), evict=True)
+        return engine
+
+    async def deregister(self, url: str) -> None:
+        engine = self.engines.get(_normalize(url))
+        if engine is None:
+            raise NotFound(f"no engine {url} is registered; ListEngines shows the registered ones")
+        engine.state = DRAINING  # no new requests; in-flight ones finish
+        while engine.outstanding:
+            await asyncio.sleep(0.05)
+        self.engines.pop(engine.url, None)
+        self._changed.set()
+
+    def healthy(self) -> list[Engine]:
+        return [e for e in self.engines.values() if e.state == HEALTHY]
+
+    async def _admit(self, engine: Engine) -> None:
+        info = await self._get_json(engine, "/server_info")
+        model = await self._get_json(engine, "/model_info")
+        engine.tp_size = int(info.get("tp_size") or 1)
+        engine.version = str(info.get("version", ""))
+        engine.weight_version = str(model.get("weight_version", ""))
+        engine.model_path = str(model.get("model_path", ""))
+        engine.state, engine.failures, engine.last_error = HEALTHY, 0, ""
+        engine.admitted_at = time.monotonic()
+        self._changed.set()
+        log.info("engine %s admitted (tp %d, weight version %s)", engine.url, engine.tp_size, engine.weight_version)
+
+    # Health
+
+    async def check_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.rollout_health_check_interval)
+            await asyncio.gather(*(self.check(e) for e in list(self.engines.values()) if e.state != DRAINING))
+
+    async def check(self, engine: Engine) -> None:
+        try:
+            response = await self._client.get(
+                f"{engine.url}/health_generate", timeout=self.config.rollout_health_check_timeout
+            )
+            if response.status_code != 200:
+                raise EngineFailure(f"/health_generate answered {response.status_code}")
+            if engine.state == EVICTED:
+                await self._admit(engine)
+            engine.failures = 0
+        except (httpx.HTTPError, EngineFailure) as e:
+            self._fail(engine, f"health check failed: {_describe(e)}")
+
+    def _fail(self, engine: Engine, error: str, evict: bool = False) -> None:
+        engine.failures += 1
+        engine.last_error = error
+        if engine.state != EVICTED and (evict or engine.failures >= self.config.rollout_health_check_failures):
+            engine.state = EVICTED
+            self._changed.set()
+            log.warning("engine %s evicted: %s", engine.url, error)
+
+    # Requests
+
+    def pick(self, affinity: str | None = None, avoid: set[str] | frozenset = frozenset()) -> Engine:
+        candidates = [e for e in self.healthy() if e.url not in avoid]
+        if not candidates:
+            raise Unavailable("no healthy engine; register one (RegisterEngine) or wait for re-admission")
+        least = min(candidates, key=lambda e: e.outstanding)
+        if affinity is None:
+            return least
+        ordered = sorted(candidates, key=lambda e: hashlib.blake2b(f"{affinity}|{e.url}".encode()).digest())
+        preferred = ordered[0]  # rendezvous hashing: a group keeps its engine while membership is stable
+        return preferred if preferred.outstanding <= least.outstanding + self.config.affinity_slack else least
+
+    async def generate(self, payload: dict, affinity: str | None = None) -> tuple[dict | list, Engine]:
+        """POSTs /generate to an engine, retrying on another one when it fails; returns the answer and the engine."""
+        tried: set[str] = set()
+        last = ""
+        for _ in range(self.config.max_retries + 1):
+            try:
+                engine = self.pick(affinity, tried)
+            except Unavailable:
+                if tried:
+                    break
+                raise
+            tried.add(engine.url)
+            try:
+                return await self._post(engine, "/generate", payload), engine
+            except EngineFailure as e:
+                last = f"{engine.url}: {e}"
+                self._fail(engine, f"/generate failed: {e}")
+        raise Unavailable(f"/generate failed on {len(tried)} engine(s); last error {last}")
+
+    async def _post(self, engine: Engine, path: str, payload: dict):
+        async with self._slots[engine.url]:
+            engine.outstanding += 1
+            try:
+                response = await self._client.post(f"{engine.url}{path}", json=payload)
+            except httpx.HTTPError as e:
+                raise EngineFailure(_describe(e)) from None
+            finally:
+                engine.outstanding -= 1
+        if response.status_code >= 500:
+            raise EngineFailure(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.status_code >= 400:  # our request was bad: another engine would refuse it too
+            raise InvalidArgument("payload", f"{engine.url}{path} refused it: {response.text[:300]}")
+        try:
+            return response.json()
+        except ValueError:
+            raise EngineFailure(f"malformed JSON from {path}: {response.text[:200]!r}") from None
+
+    async def _get_json(self, engine: Engine, path: str) -> dict:
+        try:
+            response = await self._client.get(f"{engine.url}{path}", timeout=self.config.rollout_health_check_timeout)
+            response.raise_for_status()
+            return response.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise EngineFailure(f"{path}: {_describe(e)}") from None
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _normalize(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise InvalidArgument("url", f"{url!r} is not an engine URL; use http://host:port")
+    return url
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

@@ -1,0 +1,98 @@
+"""The engine pool against real reference engines: registration, routing, retries on another engine, eviction of
+an engine killed with SIGKILL, and its re-admission when it comes back."""
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from services.rollout.config import RolloutConfig
+from services.rollout.engines import EVICTED, HEALTHY, EnginePool
+from services.rollout.server import build
+from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
+
+FAST = {"rollout_health_check_interval": 0.2, "rollout_health_check_timeout": 5, "request_timeout_s": 30}
+BODY = {"input_ids": [5, 17, 42], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+
+
+def test_register_list_deregister_over_grpc(grpc_service, channel_to, start_engine):
+    first, second = start_engine(), start_engine()
+    running = grpc_service(build, RolloutConfig(engine_urls=[first], **FAST))
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(running.address))
+    info = stub.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=second + "/"), timeout=30)
+    assert info.state == rollout_pb2.ENGINE_STATE_HEALTHY and info.tp_size == 1 and info.weight_version == "default"
+    listed = stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10).engines
+    assert sorted(e.url for e in listed) == sorted([first, second])
+    with pytest.raises(grpc.RpcError) as again:
+        stub.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=second), timeout=10)
+    assert again.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    stub.DeregisterEngine(rollout_pb2.DeregisterEngineRequest(url=first), timeout=10)
+    assert [e.url for e in stub.ListEngines(rollout_pb2.ListEnginesRequest()).engines] == [second]
+    with pytest.raises(grpc.RpcError) as missing:
+        stub.DeregisterEngine(rollout_pb2.DeregisterEngineRequest(url=first), timeout=10)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.RegisterEngine(rollout_pb2.RegisterEngineRequest(url="localhost:1"), timeout=10)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "use http://host:port" in bad.value.details()
+
+
+async def test_requests_spread_and_groups_keep_their_engine(start_engine):
+    pool = EnginePool(RolloutConfig(**FAST))
+    urls = [start_engine(), start_engine()]
+    for url in urls:
+        await pool.register(url)
+    used = [engine.url for _, engine in await asyncio.gather(*(pool.generate(BODY) for _ in range(16)))]
+    assert set(used) == set(urls)  # least-outstanding routing uses both
+    same = {(await pool.generate(BODY, affinity="group-7"))[1].url for _ in range(6)}
+    assert len(same) == 1  # one prompt group's samples stay on one engine
+    await pool.close()
+
+
+async def test_a_killed_engine_is_evicted_requests_go_elsewhere_and_it_is_readmitted(start_engine, free_port):
+    pool = EnginePool(RolloutConfig(**FAST))
+    port = free_port()
+    doomed, survivor = start_engine(port=port), start_engine()
+    for url in (doomed, survivor):
+        await pool.register(url)
+    health = asyncio.create_task(pool.check_forever())
+    try:
+        os.kill(start_engine.procs[doomed].proc.pid, signal.SIGKILL)
+        start_engine.procs[doomed].proc.wait()
+        answers = await asyncio.gather(*(pool.generate(BODY) for _ in range(8)))
+        assert all(engine.url == survivor for _, engine in answers)  # failures were retried on the survivor
+        assert all(len(answer["output_ids"]) == 4 for answer, _ in answers)
+        await _until(lambda: pool.engines[doomed].state == EVICTED)
+        assert pool.engines[doomed].last_error
+        start_engine(port=port)  # the same engine comes back
+        await _until(lambda: pool.engines[doomed].state == HEALTHY, timeout_s=60)
+    finally:
+        health.cancel()
+        await pool.close()
+
+
+async def test_no_healthy_engine_and_bad_requests(start_engine):
+    pool = EnginePool(RolloutConfig(**FAST))
+    with pytest.raises(Unavailable, match="no healthy engine"):
+        await pool.generate(BODY)
+    url = start_engine()
+    await pool.register(url)
+    with pytest.raises(AlreadyExists):
+        await pool.register(url)
+    with pytest.raises(InvalidArgument, match="refused it"):  # a 400 is not retried elsewhere: it is our request
+        await pool.generate({"input_ids": [], "sampling_params": {}})
+    assert pool.engines[url].state == HEALTHY
+    with pytest.raises(NotFound):
+        await pool.deregister("http://127.0.0.1:1")
+    await pool.close()
+
+
+async def _until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not reached in time")
+        await asyncio.sleep(0.1)
