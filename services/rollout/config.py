@@ -25,6 +25,28 @@ class RolloutConfig(ServiceConfig):
     """A health check (/health_generate) slower than this counts as a failure."""
     rollout_health_check_failures: int = Field(2, ge=1)
     """Consecutive failures (health checks or requests) that evict an engine; it is re-admitted once healthy."""
+    buffer_addr: str = "localhost:50051"
+    """The buffer service (host:port) that leases prompt groups and takes finished ones."""
+    reward_addr: str = "localhost:50053"
+    """The reward service (host:port) that scores samples."""
+    rm_type: str = ""
+    """Reward type asked of the reward service; empty uses the reward service's own default."""
+    rollout_concurrency: int = Field(64, ge=1)
+    """Prompt groups generated at once."""
+    lease_seconds: float = Field(120.0, gt=0)
+    """Lease asked for each group; it is extended while the group is worked on, so only a dead gateway lets it lapse."""
+    rollout_temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of rollouts."""
+    rollout_top_p: float = Field(1.0, gt=0, le=1)
+    """Top-p of rollouts."""
+    rollout_top_k: int = Field(-1, ge=-1)
+    """Top-k of rollouts (-1: off)."""
+    rollout_max_response_len: int = Field(1024, ge=1)
+    """Most new tokens of one response."""
+    rollout_stop: list[str] = []
+    """Stop strings of rollouts."""
+    rollout_stop_token_ids: list[int] = []
+    """Stop token ids of rollouts."""
     affinity_slack: int = Field(4, ge=0)
     """Samples of one prompt group go to the same engine (its prefix cache) unless it has this many more requests
     in flight than the least busy engine."""

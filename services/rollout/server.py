@@ -4,16 +4,26 @@ the servicer."""
 import asyncio
 import contextlib
 
+from services.common.clients import open_aio_channel
 from services.common.server import Service, Servicer
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.servicer import RolloutServicer
+from services.rollout.workers import Rollout
+from slipstream.v1 import buffer_pb2_grpc, reward_pb2_grpc
 
 
 async def build(config: RolloutConfig) -> Service:
     pool = EnginePool(config)
     for url in config.engine_urls:
         await pool.register(url)  # an engine that is down now is kept evicted and admitted once it answers
+    buffer_channel, reward_channel = open_aio_channel(config.buffer_addr), open_aio_channel(config.reward_addr)
+    rollout = Rollout(
+        config,
+        pool,
+        buffer_pb2_grpc.BufferServiceStub(buffer_channel),
+        reward_pb2_grpc.RewardServiceStub(reward_channel),
+    )
     tasks: list[asyncio.Task] = []
 
     async def ready() -> None:
@@ -24,6 +34,9 @@ async def build(config: RolloutConfig) -> Service:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await rollout.stop(abort_in_flight=True)  # unfinished groups go back to the buffer
         await pool.close()
+        await buffer_channel.close()
+        await reward_channel.close()
 
-    return Service("rollout", config, [Servicer.of(RolloutServicer(pool))], ready=ready, on_stop=[close])
+    return Service("rollout", config, [Servicer.of(RolloutServicer(pool, rollout))], ready=ready, on_stop=[close])

@@ -1,9 +1,11 @@
 """gRPC face of the rollout gateway: translates RolloutService requests to the engine pool and back.
 
-Engine membership answers now; rollout, evaluation and weight sync answer UNIMPLEMENTED until their parts land.
+Engine membership and starting/stopping the rollout answer now; evaluation and weight sync answer UNIMPLEMENTED
+until their parts land.
 """
 
 from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool
+from services.rollout.workers import Rollout
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
 
 _STATES = {
@@ -27,8 +29,15 @@ def engine_info(engine: Engine) -> rollout_pb2.EngineInfo:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, pool: EnginePool):
-        self.pool = pool
+    def __init__(self, pool: EnginePool, rollout: Rollout):
+        self.pool, self.rollout = pool, rollout
+
+    async def StartRollout(self, request, context):
+        return rollout_pb2.StartRolloutResponse(started=self.rollout.start())
+
+    async def StopRollout(self, request, context):
+        await self.rollout.stop(request.abort_in_flight)
+        return rollout_pb2.StopRolloutResponse()
 
     async def RegisterEngine(self, request, context):
         return engine_info(await self.pool.register(request.url))
