@@ -2,6 +2,8 @@
 buffer exactly once, with samples whose tokens, log-probs and spans line up."""
 
 import json
+import re
+import signal
 import time
 
 import grpc
@@ -83,3 +85,66 @@ def test_start_twice_and_unimplemented_parts(system):
     with pytest.raises(grpc.RpcError) as info:
         gateway.Evaluate(rollout_pb2.EvaluateRequest(), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def wait_completed(buffer, count: int, timeout_s: float = 180) -> buffer_pb2.BufferState:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
+        if state.counters["completed"] >= count:
+            return state
+        time.sleep(0.2)
+    pytest.fail(f"only {state.counters['completed']} of {count} groups completed")
+
+
+def test_killing_an_engine_mid_rollout_changes_only_the_time(system, start_engine):
+    buffer, gateway = system
+    gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
+    wait_completed(buffer, 4)
+    victim = next(iter(start_engine.procs.values()))
+    victim.proc.send_signal(signal.SIGKILL)
+    state = wait_completed(buffer, NUM_PROMPTS)
+    gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
+    assert state.counters["completed"] == state.counters["started"] == NUM_PROMPTS
+    assert state.counters.get("duplicate_submits", 0) == 0
+
+
+def test_a_gateway_killed_mid_rollout_loses_nothing(grpc_service, channel_to, redis_url, tiny_model, start_engine,
+                                                    service_process, tmp_path):  # fmt: skip
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Add {i} and 2"}) + "\n" for i in range(NUM_PROMPTS)))
+    buffer_service = grpc_service(build_buffer, BufferConfig(
+        prompt_data=str(data), hf_checkpoint=str(tiny_model), num_data_workers=0, num_epoch=1, rollout_batch_size=4,
+        n_samples_per_prompt=2, max_staleness=100, redis={"url": redis_url, "prefix": "kill"}, expire_interval_s=0.2,
+    ))  # fmt: skip
+    reward = grpc_service(build_reward, RewardConfig(rm_type="random", num_workers=1))
+    engine = start_engine()
+    buffer = buffer_pb2_grpc.BufferServiceStub(channel_to(buffer_service.address))
+    args = ["rollout", "--port", "0", "--engine-urls", engine, "--buffer-addr", buffer_service.address,
+            "--reward-addr", reward.address, "--lease-seconds", "2", "--rollout-max-response-len", "64",
+            "--rollout-concurrency", "4", "--metrics-port", "null"]  # fmt: skip
+    first = service_process(*args)
+    started = _start_rollout(first)
+    assert started
+    wait_completed(buffer, 2)
+    first.proc.send_signal(signal.SIGKILL)  # its leased groups are in limbo until their leases expire
+    first.proc.wait()
+    second = service_process(*args)
+    assert _start_rollout(second)
+    state = wait_completed(buffer, NUM_PROMPTS)
+    assert state.counters["completed"] == state.counters["started"] == NUM_PROMPTS
+    assert state.counters.get("duplicate_submits", 0) == 0
+    assert state.counters["expired"] >= 1  # the killed gateway's groups came back through their leases
+
+
+def _start_rollout(proc) -> bool:
+    """Finds the gateway's port in its log (it was started on port 0) and starts its rollout."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        match = re.search(r"rollout serving on [^:]+:(\d+)", proc.log)
+        if match:
+            with grpc.insecure_channel(f"127.0.0.1:{match[1]}") as channel:
+                stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+                return stub.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30, wait_for_ready=True).started
+        time.sleep(0.2)
+    pytest.fail(f"the gateway did not start:\n{proc.log}")
