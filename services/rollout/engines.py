@@ -14,11 +14,16 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import prometheus_client
 
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from services.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
+
+OUTSTANDING = prometheus_client.Gauge(
+    "slipstream_rollout_engine_outstanding", "Requests in flight, by engine", ["engine"]
+)
 
 STARTING, HEALTHY, EVICTED, DRAINING = "starting", "healthy", "evicted", "draining"
 
@@ -152,12 +157,14 @@ class EnginePool:
     async def _post(self, engine: Engine, path: str, payload: dict):
         async with self._slots[engine.url]:
             engine.outstanding += 1
+            OUTSTANDING.labels(engine.url).inc()
             try:
                 response = await self._client.post(f"{engine.url}{path}", json=payload)
             except httpx.HTTPError as e:
                 raise EngineFailure(_describe(e)) from None
             finally:
                 engine.outstanding -= 1
+                OUTSTANDING.labels(engine.url).dec()
         if response.status_code >= 500:
             raise EngineFailure(f"HTTP {response.status_code}: {response.text[:200]}")
         if response.status_code >= 400:  # our request was bad: another engine would refuse it too

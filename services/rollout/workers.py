@@ -6,9 +6,9 @@ be finished (no engine, reward service down) is released back to the buffer, so 
 import asyncio
 import contextlib
 import logging
-from collections import Counter
 
 import grpc
+import prometheus_client
 
 from services.common.errors import SlipstreamError
 from services.rollout.config import RolloutConfig
@@ -17,6 +17,15 @@ from slipstream import samples as arrays
 from slipstream.v1 import buffer_pb2, common_pb2, reward_pb2
 
 log = logging.getLogger(__name__)
+
+SAMPLES = prometheus_client.Counter("slipstream_rollout_samples", "Samples generated, by status", ["status"])
+TOKENS = prometheus_client.Counter("slipstream_rollout_response_tokens", "Response tokens generated")
+GROUPS = prometheus_client.Counter(
+    "slipstream_rollout_groups", "Groups finished: submitted, returned to the buffer, all rewards equal", ["outcome"]
+)
+RESPONSE_LENGTH = prometheus_client.Histogram(
+    "slipstream_rollout_response_length", "Response length in tokens", buckets=(16, 64, 256, 1024, 4096, 16384, 65536)
+)
 
 _STATUS = {
     "stop": common_pb2.SAMPLE_STATUS_COMPLETED,
@@ -28,7 +37,6 @@ _STATUS = {
 class Rollout:
     def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, reward):
         self.config, self.pool, self.buffer, self.reward = config, pool, buffer, reward
-        self.counters: Counter[str] = Counter()
         self._loop_task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
 
@@ -77,18 +85,27 @@ class Rollout:
             await self.buffer.SubmitGroup(
                 buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=done), timeout=60
             )
-            self.counters["groups_submitted"] += 1
-            self.counters["samples"] += len(done.samples)
+            self._count(done)
         except asyncio.CancelledError:
             await self._release(lease.lease_id, "rollout stopped")
             raise
         except (SlipstreamError, grpc.aio.AioRpcError) as e:
             reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning("group %s goes back to the buffer: %s", group.group_id, reason)
-            self.counters["groups_returned"] += 1
+            GROUPS.labels("returned").inc()
             await self._release(lease.lease_id, reason)
         finally:
             keepalive.cancel()
+
+    @staticmethod
+    def _count(group: common_pb2.PromptGroup) -> None:
+        GROUPS.labels("submitted").inc()
+        if len({s.reward for s in group.samples}) == 1 and len(group.samples) > 1:
+            GROUPS.labels("zero_std").inc()
+        for sample in group.samples:
+            SAMPLES.labels(common_pb2.SampleStatus.Name(sample.status).removeprefix("SAMPLE_STATUS_").lower()).inc()
+            TOKENS.inc(sample.response_length)
+            RESPONSE_LENGTH.observe(sample.response_length)
 
     async def _generate(self, group: common_pb2.PromptGroup) -> common_pb2.PromptGroup:
         kept = [
