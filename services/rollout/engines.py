@@ -9,11 +9,12 @@ it is not much busier than the others. A failed request is retried on another en
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import prometheus_client
 
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
@@ -50,7 +51,7 @@ class EnginePool:
     def __init__(self, config: RolloutConfig):
         self.config = config
         self.engines: dict[str, Engine] = {}
-        self._client = httpx.AsyncClient(timeout=config.request_timeout_s, limits=httpx.Limits(max_connections=None))
+        self._session: aiohttp.ClientSession | None = None
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._changed = asyncio.Event()
 
@@ -103,15 +104,14 @@ class EnginePool:
 
     async def check(self, engine: Engine) -> None:
         try:
-            response = await self._client.get(
-                f"{engine.url}/health_generate", timeout=self.config.rollout_health_check_timeout
-            )
-            if response.status_code != 200:
-                raise EngineFailure(f"/health_generate answered {response.status_code}")
+            timeout = aiohttp.ClientTimeout(total=self.config.rollout_health_check_timeout)
+            async with self.session.get(f"{engine.url}/health_generate", timeout=timeout) as response:
+                if response.status != 200:
+                    raise EngineFailure(f"/health_generate answered {response.status}")
             if engine.state == EVICTED:
                 await self._admit(engine)
             engine.failures = 0
-        except (httpx.HTTPError, EngineFailure) as e:
+        except (aiohttp.ClientError, TimeoutError, EngineFailure) as e:
             self._fail(engine, f"health check failed: {_describe(e)}")
 
     def _fail(self, engine: Engine, error: str, evict: bool = False) -> None:
@@ -154,36 +154,47 @@ class EnginePool:
                 self._fail(engine, f"/generate failed: {e}")
         raise Unavailable(f"/generate failed on {len(tried)} engine(s); last error {last}")
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """One HTTP client for all engines (aiohttp: an order of magnitude more requests/s than httpx here)."""
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+        return self._session
+
     async def _post(self, engine: Engine, path: str, payload: dict):
         async with self._slots[engine.url]:
             engine.outstanding += 1
             OUTSTANDING.labels(engine.url).inc()
             try:
-                response = await self._client.post(f"{engine.url}{path}", json=payload)
-            except httpx.HTTPError as e:
+                async with self.session.post(f"{engine.url}{path}", json=payload) as response:
+                    status, body = response.status, await response.read()
+            except (aiohttp.ClientError, TimeoutError) as e:
                 raise EngineFailure(_describe(e)) from None
             finally:
                 engine.outstanding -= 1
                 OUTSTANDING.labels(engine.url).dec()
-        if response.status_code >= 500:
-            raise EngineFailure(f"HTTP {response.status_code}: {response.text[:200]}")
-        if response.status_code >= 400:  # our request was bad: another engine would refuse it too
-            raise InvalidArgument("payload", f"{engine.url}{path} refused it: {response.text[:300]}")
+        if status >= 500:
+            raise EngineFailure(f"HTTP {status}: {body[:200]!r}")
+        if status >= 400:  # our request was bad: another engine would refuse it too
+            raise InvalidArgument("payload", f"{engine.url}{path} refused it: {body[:300].decode(errors='replace')}")
         try:
-            return response.json()
+            return json.loads(body)
         except ValueError:
-            raise EngineFailure(f"malformed JSON from {path}: {response.text[:200]!r}") from None
+            raise EngineFailure(f"malformed JSON from {path}: {body[:200]!r}") from None
 
     async def _get_json(self, engine: Engine, path: str) -> dict:
+        timeout = aiohttp.ClientTimeout(total=self.config.rollout_health_check_timeout)
         try:
-            response = await self._client.get(f"{engine.url}{path}", timeout=self.config.rollout_health_check_timeout)
-            response.raise_for_status()
-            return response.json()
-        except (httpx.HTTPError, ValueError) as e:
+            async with self.session.get(f"{engine.url}{path}", timeout=timeout) as response:
+                response.raise_for_status()
+                return json.loads(await response.read())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise EngineFailure(f"{path}: {_describe(e)}") from None
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
 def _normalize(url: str) -> str:
