@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.buffer.config import BufferConfig
-from services.buffer.filters import pop_first, read_verdict
+from services.buffer.filters import read_verdict
 from services.buffer.prompts import Skipped
 from services.buffer.source import Cursor, PromptStream
 from services.buffer.store import BufferStore
@@ -163,7 +163,7 @@ class Buffer:
         """Returns a leased group to the pool; its partial samples are kept and come back with the next lease."""
         payload = b""
         if partial_samples:
-            stored = await self.store.redis.get(self.store.key(f"group:{_group_id(lease_id)}"))
+            stored = await self.store.leased_group(_group_id(lease_id) or "")
             if stored is None:
                 raise NotFound(f"lease {lease_id!r} is not held (unknown, expired or already submitted)")
             group = common_pb2.PromptGroup.FromString(stored)
@@ -313,7 +313,7 @@ class Buffer:
         buffer = [list(g.samples) for g in groups]
         by_identity = {id(samples): gid for samples, gid in zip(buffer, eligible, strict=True)}
         by_first = {samples[0].sample_id: gid for samples, gid in zip(buffer, eligible, strict=True) if samples}
-        chosen = (self.buffer_filter or pop_first)(self.config, step, buffer, batch_size)
+        chosen = self.buffer_filter(self.config, step, buffer, batch_size)
         gids = [by_identity.get(id(s)) or (by_first.get(s[0].sample_id) if s else None) for s in chosen]
         if len(gids) != batch_size or None in gids or len(set(gids)) != batch_size:
             raise FailedPrecondition(

@@ -28,8 +28,3 @@ def read_verdict(result) -> FilterOutput:
         return FilterOutput(result, None if result else "filtered")
     keep = bool(result.keep)
     return FilterOutput(keep, None if keep else (getattr(result, "reason", None) or "filtered"))
-
-
-def pop_first(args, rollout_id, buffer, num_samples):
-    """The default selection: the oldest completed groups."""
-    return buffer[:num_samples]

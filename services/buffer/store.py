@@ -275,6 +275,10 @@ class BufferStore:
     async def submit(self, lease_id: str, outcome: str, payload: bytes, version: int, num_tokens: int) -> str:
         return (await self._run("submit", lease_id, outcome, payload, version, num_tokens)).decode()
 
+    async def leased_group(self, group_id: str) -> bytes | None:
+        """The stored prompt group (with its partial samples) of a group that is leased or waiting for a worker."""
+        return await self.redis.get(self.key(f"group:{group_id}"))
+
     async def status(self, group_id: str) -> str | None:
         value = await self.redis.hget(self.key("status"), group_id)
         return value.decode() if value is not None else None

@@ -121,7 +121,7 @@ def validate_config(model: type[Config], data: dict[str, Any], flag_paths: set[s
 
 
 def _describe(model: type[StrictModel], err: dict, flag_paths: set[str], file_name: str | None) -> str:
-    path = ".".join(str(p) for p in err["loc"])
+    path = ".".join(str(p) for p in err["loc"]) or "settings"  # a check across fields has no single field
     if path in flag_paths:
         source = "--" + path.replace(".", "-").replace("_", "-")
     else:
@@ -133,7 +133,8 @@ def _describe(model: type[StrictModel], err: dict, flag_paths: set[str], file_na
         return f"{source}: unknown setting; {hint} (valid here: {', '.join(valid)})"
     if err["type"] == "missing":
         return f"{source}: required setting is missing; add it to the config file or pass it as a flag"
-    return f"{source}: {err['msg']} (got {err['input']!r})"
+    message = err["msg"].removeprefix("Value error, ")
+    return f"{source}: {message}" if not err["loc"] else f"{source}: {message} (got {err['input']!r})"
 
 
 def _fields_at(model: type[StrictModel], loc: tuple) -> dict:
