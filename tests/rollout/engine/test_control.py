@@ -85,7 +85,10 @@ def test_sglang_router_routes_to_two_engines(start_engine, free_port):
            "--port", str(port), "--policy", "round_robin"]  # fmt: skip
     router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        body = {"text": "What is 1 + 2?", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        body = {
+            "text": "What is 1 + 2?",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        }
         deadline, answered = time.monotonic() + 90, []
         while time.monotonic() < deadline and len(answered) < 8:
             try:

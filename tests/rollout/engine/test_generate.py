@@ -50,7 +50,9 @@ def test_input_logprobs_follow_sglang(engine_url, hf_model):
 
 
 def test_meta_info_keys_in_sglang_order(engine_url):
-    out = post(engine_url, {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}).json()
+    out = post(
+        engine_url, {"text": "hi", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}, "return_logprob": True}
+    ).json()
     assert list(out) == ["text", "output_ids", "meta_info"]
     assert list(out["meta_info"]) == [
         "id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "input_token_logprobs",
@@ -79,23 +81,31 @@ def test_seeded_sampling_repeats(engine_url):
 def test_stop_strings_and_tokens(engine_url, hf_model):
     _, tokenizer = hf_model
     url = engine_url
-    free = post(url, {"text": "What is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}).json()
+    free = post(
+        url, {"text": "What is", "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+    ).json()
     token = free["output_ids"][3]
-    stopped = post(url, {"text": "What is", "sampling_params": {"max_new_tokens": 16, "temperature": 0,
-                                                                "stop_token_ids": [token]}}).json()  # fmt: skip
+    greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    stopped = post(url, {"text": "What is", "sampling_params": {**greedy, "stop_token_ids": [token]}}).json()
     assert stopped["output_ids"][-1] == token and stopped["meta_info"]["finish_reason"] == {
         "type": "stop",
         "matched": token,
     }
     word = tokenizer.decode(free["output_ids"][2:4])
-    cut = post(url, {"text": "What is", "sampling_params": {"max_new_tokens": 16, "temperature": 0, "stop": [word]}})
+    cut = post(
+        url,
+        {
+            "text": "What is",
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [word]},
+        },
+    )
     result = cut.json()
     assert result["meta_info"]["finish_reason"]["matched"] == word and not result["text"].endswith(word)
 
 
 def test_streaming_is_cumulative_and_ends_with_done(engine_url):
     url = engine_url
-    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 4}}
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
     with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"

@@ -52,7 +52,7 @@ def send(url: str, group, group_name: str, named: dict[str, torch.Tensor], versi
 
 
 def greedy(url: str) -> list[int]:
-    body = {"text": "What is 1 + 2?", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    body = {"text": "What is 1 + 2?", "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
     return httpx.post(f"{url}/generate", json=body, timeout=60).json()["output_ids"]
 
 
@@ -74,7 +74,7 @@ def test_weights_over_gloo_are_loaded_bit_identical(start_engine, free_port, hf_
     assert greedy(url) != before
     info = httpx.get(f"{url}/model_info").json()
     assert info["weight_version"] == "v1"
-    body = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
     spans = httpx.post(f"{url}/generate", json=body).json()["meta_info"]["weight_versions"]
     assert spans == [{"version": "v1", "start": 0, "end": 3}]
 
