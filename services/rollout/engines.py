@@ -11,8 +11,7 @@ import asyncio
 import hashlib
 import json
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import prometheus_client
@@ -40,7 +39,6 @@ class Engine:
     failures: int = 0
     last_error: str = ""
     version: str = ""  # the engine's SGLang version (0.5.21+ needs begin/end around weight updates)
-    admitted_at: float = field(default_factory=time.monotonic)
 
 
 class EngineFailure(Exception):
@@ -53,7 +51,6 @@ class EnginePool:
         self.engines: dict[str, Engine] = {}
         self._session: aiohttp.ClientSession | None = None
         self._slots: dict[str, asyncio.Semaphore] = {}
-        self._changed = asyncio.Event()
 
     # Membership
 
@@ -78,7 +75,6 @@ class EnginePool:
         while engine.outstanding:
             await asyncio.sleep(0.05)
         self.engines.pop(engine.url, None)
-        self._changed.set()
 
     def healthy(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.state == HEALTHY]
@@ -91,8 +87,6 @@ class EnginePool:
         engine.weight_version = str(model.get("weight_version", ""))
         engine.model_path = str(model.get("model_path", ""))
         engine.state, engine.failures, engine.last_error = HEALTHY, 0, ""
-        engine.admitted_at = time.monotonic()
-        self._changed.set()
         log.info("engine %s admitted (tp %d, weight version %s)", engine.url, engine.tp_size, engine.weight_version)
 
     # Health
@@ -119,7 +113,6 @@ class EnginePool:
         engine.last_error = error
         if engine.state != EVICTED and (evict or engine.failures >= self.config.rollout_health_check_failures):
             engine.state = EVICTED
-            self._changed.set()
             log.warning("engine %s evicted: %s", engine.url, error)
 
     # Requests
