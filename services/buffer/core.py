@@ -181,7 +181,7 @@ class Buffer:
         if group_id is None:
             raise InvalidArgument("lease_id", f"{lease_id!r} is not a lease id from LeasePrompts")
         dataset = group_id.split(":", 1)[0]
-        self._check_group(group, self._samples_per_group(dataset))
+        self._check_group(group, self._samples_per_group(dataset) if dataset == TRAIN else None)
         group.group_id = group_id
         group.min_weight_version = _min_version(group)
         outcome, reason = "completed", ""
@@ -204,14 +204,14 @@ class Buffer:
     def _samples_per_group(self, dataset: str) -> int:
         return self.config.n_samples_per_prompt if dataset == TRAIN else self.config.n_samples_per_eval_prompt
 
-    def _check_group(self, group: common_pb2.PromptGroup, expected: int) -> None:
-        if len(group.samples) != expected:
-            flag = (
-                "--n-samples-per-prompt"
-                if expected == self.config.n_samples_per_prompt
-                else "--n-samples-per-eval-prompt"
+    def _check_group(self, group: common_pb2.PromptGroup, expected: int | None) -> None:
+        """`expected` is the training group size; an evaluation may ask for any number of samples (at least one)."""
+        if expected is not None and len(group.samples) != expected:
+            raise InvalidArgument(
+                "group.samples", f"expected {expected} samples (--n-samples-per-prompt), got {len(group.samples)}"
             )
-            raise InvalidArgument("group.samples", f"expected {expected} samples ({flag}), got {len(group.samples)}")
+        if not group.samples:
+            raise InvalidArgument("group.samples", "a group needs at least one sample")
         for i, sample in enumerate(group.samples):
             where = f"group.samples[{i}]"
             if len(sample.tokens) % 4 or len(sample.rollout_logprobs) % 4:
@@ -359,6 +359,7 @@ class Buffer:
             "num_consumed_prompts": counters.get("started", 0),
             "last_committed_step": await self.store.meta_int("last_committed_step", -1),
             "counters": counters,
+            "eval_datasets": [name for name in self.streams if name != TRAIN],
         }
 
     async def expire_forever(self) -> None:

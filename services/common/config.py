@@ -60,9 +60,10 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     _add_field_flags(parser, model, ())
     namespace, unknown = parser.parse_known_args(argv)
+    args = vars(namespace)
+    unknown = _take_passthrough(model, unknown, args)
     if unknown:
         parser.reject_unknown(unknown)
-    args = vars(namespace)
     file_path, print_config = args.pop("config"), args.pop("print_config")
     settings = read_config_file(file_path) if file_path else {}
     flags = {}
@@ -73,6 +74,24 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         raise SystemExit(0)
     return config
+
+
+def _take_passthrough(model: type[StrictModel], unknown: list[str], args: dict) -> list[str]:
+    """Moves options meant for another program (`model.passthrough`: flag prefix → list field, e.g. --sglang-*) into
+    that field with the prefix removed; returns the arguments that are still unknown."""
+    rest: list[str] = []
+    target: list[str] | None = None
+    for arg in unknown:
+        prefix = next((p for p in getattr(model, "passthrough", {}) if arg.startswith(p)), None)
+        if prefix is not None:
+            target = args.setdefault(model.passthrough[prefix], [])
+            target.append("--" + arg.removeprefix(prefix))
+        elif target is not None and not arg.startswith("--"):
+            target.append(arg)  # the value of the option before
+        else:
+            target = None
+            rest.append(arg)
+    return rest
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,5 +1,7 @@
 """Configuration of the rollout gateway. Names follow slime's arguments where slime has one."""
 
+from typing import ClassVar, Literal
+
 from pydantic import Field
 
 from services.common.config import ServiceConfig
@@ -50,3 +52,38 @@ class RolloutConfig(ServiceConfig):
     affinity_slack: int = Field(4, ge=0)
     """Samples of one prompt group go to the same engine (its prefix cache) unless it has this many more requests
     in flight than the least busy engine."""
+    partial_rollout: bool = False
+    """Samples aborted by a pause keep their tokens and continue later with max_new_tokens reduced (slime's
+    --partial-rollout); off, they are generated again from the prompt."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How engines pause around a weight sync: abort in-flight requests (their groups go back to the buffer with what
+    they generated), retract them to the engine's queue, or keep them in place to continue under the new weights."""
+    custom_generate_function_path: str = ""
+    """`pkg.mod:fn` or `file.py:fn`: an async fn(ctx, group) that returns a group's samples (multi-turn, tools)."""
+    hf_checkpoint: str = ""
+    """HF checkpoint folder: its tokenizer is given to custom generate functions, and launched engines serve it."""
+    max_turns: int = Field(8, ge=1)
+    """Most assistant turns of a multi-turn rollout (read by generate functions as ctx.config.max_turns)."""
+    eval_temperature: float | None = Field(None, ge=0)
+    """Sampling temperature of evaluation; unset takes --rollout-temperature."""
+    eval_top_p: float | None = Field(None, gt=0, le=1)
+    """Top-p of evaluation; unset takes --rollout-top-p."""
+    eval_top_k: int | None = Field(None, ge=-1)
+    """Top-k of evaluation; unset takes --rollout-top-k."""
+    eval_max_response_len: int | None = Field(None, ge=1)
+    """Most new tokens of an evaluation response; unset takes --rollout-max-response-len."""
+    rollout_num_gpus: int = Field(0, ge=0)
+    """GPUs for engines the gateway launches itself (0: none, use --engine-urls). Without GPUs each slot is one
+    reference engine on CPU."""
+    rollout_num_gpus_per_engine: int = Field(1, ge=1)
+    """GPUs (tensor-parallel size) of each launched engine."""
+    sglang_args: list[str] = []
+    """Options for launched engines, given as --sglang-<option> value (e.g. --sglang-mem-fraction-static 0.8) and
+    passed on as --<option> value."""
+    use_router: bool = False
+    """Route generation through an sglang-router process (started by the gateway) instead of the built-in routing;
+    control calls still go to each engine."""
+    engine_log_dir: str = "outputs/engines"
+    """Folder for the logs of launched engines and the router."""
+
+    passthrough: ClassVar[dict[str, str]] = {"--sglang-": "sglang_args"}

@@ -51,6 +51,8 @@ class EnginePool:
         self.engines: dict[str, Engine] = {}
         self._session: aiohttp.ClientSession | None = None
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self.running = asyncio.Event()  # cleared while the engines are paused (around a weight sync)
+        self.running.set()
 
     # Membership
 
@@ -94,6 +96,8 @@ class EnginePool:
     async def check_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.rollout_health_check_interval)
+            if not self.running.is_set():  # a paused engine answers 503 on purpose
+                continue
             await asyncio.gather(*(self.check(e) for e in list(self.engines.values()) if e.state != DRAINING))
 
     async def check(self, engine: Engine) -> None:
@@ -115,6 +119,41 @@ class EnginePool:
             engine.state = EVICTED
             log.warning("engine %s evicted: %s", engine.url, error)
 
+    # Pause and resume (the partial-rollout hooks of a weight sync)
+
+    async def pause(self, mode: str) -> None:
+        """Pauses every engine: `abort` ends in-flight requests now (their samples come back ABORTED with the tokens
+        so far), `retract` and `in_place` keep them to continue after `resume`. New requests wait in the gateway."""
+        self.running.clear()
+        await self.control("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self.control("/continue_generation", {})
+        self.running.set()
+
+    async def control(self, path: str, payload: dict) -> dict[str, str]:
+        """POSTs a control call to every healthy engine directly and concurrently; returns the errors by engine URL
+        (an engine that fails is evicted, the others go on)."""
+        engines = self.healthy()
+        results = await asyncio.gather(*(self._control(e, path, payload) for e in engines), return_exceptions=True)
+        errors = {}
+        for engine, result in zip(engines, results, strict=True):
+            if isinstance(result, Exception):
+                errors[engine.url] = _describe(result)
+                self._fail(engine, f"{path} failed: {errors[engine.url]}", evict=True)
+        return errors
+
+    async def _control(self, engine: Engine, path: str, payload: dict):
+        timeout = aiohttp.ClientTimeout(total=self.config.rollout_health_check_timeout)
+        try:
+            async with self.session.post(f"{engine.url}{path}", json=payload, timeout=timeout) as response:
+                body = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise EngineFailure(_describe(e)) from None
+        if response.status != 200:
+            raise EngineFailure(f"HTTP {response.status}: {body[:200]!r}")
+        return json.loads(body) if body else {}
+
     # Requests
 
     def pick(self, affinity: str | None = None, avoid: set[str] | frozenset = frozenset()) -> Engine:
@@ -133,6 +172,7 @@ class EnginePool:
         tried: set[str] = set()
         last = ""
         for _ in range(self.config.max_retries + 1):
+            await self.running.wait()
             try:
                 engine = self.pick(affinity, tried)
             except Unavailable:

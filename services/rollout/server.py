@@ -5,6 +5,8 @@ import asyncio
 import contextlib
 
 from services.common.clients import open_aio_channel
+from services.common.errors import StartupError
+from services.common.plugins import PluginError
 from services.common.server import Service, Servicer
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
@@ -18,12 +20,16 @@ async def build(config: RolloutConfig) -> Service:
     for url in config.engine_urls:
         await pool.register(url)  # an engine that is down now is kept evicted and admitted once it answers
     buffer_channel, reward_channel = open_aio_channel(config.buffer_addr), open_aio_channel(config.reward_addr)
-    rollout = Rollout(
-        config,
-        pool,
-        buffer_pb2_grpc.BufferServiceStub(buffer_channel),
-        reward_pb2_grpc.RewardServiceStub(reward_channel),
-    )
+    try:
+        rollout = Rollout(
+            config,
+            pool,
+            buffer_pb2_grpc.BufferServiceStub(buffer_channel),
+            reward_pb2_grpc.RewardServiceStub(reward_channel),
+            tokenizer=_tokenizer(config.hf_checkpoint),
+        )
+    except PluginError as e:
+        raise StartupError(str(e)) from None
     tasks: list[asyncio.Task] = []
 
     async def ready() -> None:
@@ -40,3 +46,14 @@ async def build(config: RolloutConfig) -> Service:
         await reward_channel.close()
 
     return Service("rollout", config, [Servicer.of(RolloutServicer(pool, rollout))], ready=ready, on_stop=[close])
+
+
+def _tokenizer(path: str):
+    if not path:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--hf-checkpoint {path}: no tokenizer could be read ({e})") from None

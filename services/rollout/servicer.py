@@ -1,12 +1,15 @@
-"""gRPC face of the rollout gateway: translates RolloutService requests to the engine pool and back.
-
-Engine membership and starting/stopping the rollout answer now; evaluation and weight sync answer UNIMPLEMENTED
-until their parts land.
+"""gRPC face of the rollout gateway: translates RolloutService requests to the engine pool, the rollout workers and
+evaluation, and back. The weight-sync RPCs answer UNIMPLEMENTED until the weight sync lands.
 """
 
+import logging
+
 from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool
+from services.rollout.evaluation import evaluate
 from services.rollout.workers import Rollout
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 _STATES = {
     STARTING: rollout_pb2.ENGINE_STATE_STARTING,
@@ -48,3 +51,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def ListEngines(self, request, context):
         return rollout_pb2.ListEnginesResponse(engines=[engine_info(e) for e in self.pool.engines.values()])
+
+    async def Evaluate(self, request, context):
+        by_name = await evaluate(
+            self.rollout, list(request.datasets), request.n_samples_per_prompt, request.sampling_params
+        )
+        results = []
+        for name, metrics in by_name.items():
+            metrics = dict(metrics)
+            num, mean = int(metrics.pop("num_samples")), metrics.pop("mean_reward")
+            log.info("eval %s at step %d: mean reward %.4f over %d samples", name, request.step, mean, num)
+            results.append(rollout_pb2.EvalResult(dataset=name, num_samples=num, mean_reward=mean, metrics=metrics))
+        return rollout_pb2.EvaluateResponse(results=results)

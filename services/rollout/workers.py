@@ -1,19 +1,22 @@
 """Rollout workers: lease a prompt group from the buffer, generate its samples through the engine pool
-(token-in/token-out, with log-probs), score them through the reward service, submit the group. A group that cannot
-be finished (no engine, reward service down) is released back to the buffer, so nothing is lost.
+(token-in/token-out, with log-probs) or a custom generate function, score them through the reward service, submit
+the group. A group that cannot be finished (no engine, reward service down, a failing custom function, or a pause
+that aborted its requests) is released back to the buffer with what it has, so nothing is lost.
 """
 
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 import prometheus_client
 
 from services.common.errors import SlipstreamError
+from services.common.plugins import load_callable
 from services.rollout.config import RolloutConfig
-from services.rollout.engines import Engine, EnginePool
-from slipstream import samples as arrays
+from services.rollout.engines import EnginePool
+from services.rollout.generate import GenerateContext, check_samples, generate_group
 from slipstream.v1 import buffer_pb2, common_pb2, reward_pb2
 
 log = logging.getLogger(__name__)
@@ -21,22 +24,25 @@ log = logging.getLogger(__name__)
 SAMPLES = prometheus_client.Counter("slipstream_rollout_samples", "Samples generated, by status", ["status"])
 TOKENS = prometheus_client.Counter("slipstream_rollout_response_tokens", "Response tokens generated")
 GROUPS = prometheus_client.Counter(
-    "slipstream_rollout_groups", "Groups finished: submitted, returned to the buffer, all rewards equal", ["outcome"]
+    "slipstream_rollout_groups",
+    "Groups finished: submitted, returned to the buffer, returned partial (paused), all rewards equal",
+    ["outcome"],
 )
 RESPONSE_LENGTH = prometheus_client.Histogram(
     "slipstream_rollout_response_length", "Response length in tokens", buckets=(16, 64, 256, 1024, 4096, 16384, 65536)
 )
-
-_STATUS = {
-    "stop": common_pb2.SAMPLE_STATUS_COMPLETED,
-    "length": common_pb2.SAMPLE_STATUS_TRUNCATED,
-    "abort": common_pb2.SAMPLE_STATUS_ABORTED,
-}
+THROUGHPUT = prometheus_client.Gauge(
+    "slipstream_rollout_throughput", "Over the last minute: samples/s, tokens/s, truncated ratio", ["measure"]
+)
 
 
 class Rollout:
-    def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, reward):
-        self.config, self.pool, self.buffer, self.reward = config, pool, buffer, reward
+    def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, reward, tokenizer=None):
+        self.config, self.pool, self.buffer, self.reward, self.tokenizer = config, pool, buffer, reward, tokenizer
+        self.custom = None
+        if config.custom_generate_function_path:
+            self.custom = load_callable(config.custom_generate_function_path, "--custom-generate-function-path")
+        self.window = Window()
         self._loop_task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
 
@@ -60,6 +66,7 @@ class Rollout:
         slots = asyncio.Semaphore(self.config.rollout_concurrency)
         while True:
             await slots.acquire()
+            await self.pool.running.wait()  # no new groups while the engines are paused for a weight sync
             try:
                 request = buffer_pb2.LeasePromptsRequest(max_groups=1, lease_seconds=self.config.lease_seconds)
                 reply = await self.buffer.LeasePrompts(request, timeout=30)
@@ -72,71 +79,68 @@ class Rollout:
                 slots.release()
                 await asyncio.sleep(1.0 if reply.blocked == buffer_pb2.LEASE_BLOCK_EXHAUSTED else 0.2)
                 continue
-            task = asyncio.create_task(self._group(reply.leases[0]))
+            task = asyncio.create_task(self.run_group(reply.leases[0], self.sampling()))
             self._groups.add(task)
             task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
 
-    async def _group(self, lease: buffer_pb2.Lease) -> None:
+    async def run_group(self, lease: buffer_pb2.Lease, sampling: dict, n: int = 0):
+        """Generates, scores and submits one leased group; returns it, or None when it went back to the buffer."""
         group = lease.group
+        if n:
+            group.n_samples = n
         keepalive = asyncio.create_task(self._extend(lease.lease_id))
         try:
-            done = await self._generate(group)
+            done = common_pb2.PromptGroup()
+            done.CopyFrom(group)
+            del done.samples[:]
+            done.samples.extend(await self._generate(group, sampling))
+            if any(s.status == common_pb2.SAMPLE_STATUS_ABORTED for s in done.samples):
+                GROUPS.labels("partial").inc()  # paused mid-response: the buffer keeps what was generated
+                await self._release(lease.lease_id, "aborted by a pause", list(done.samples))
+                return None
             await self._score(done)
             await self.buffer.SubmitGroup(
                 buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=done), timeout=60
             )
             self._count(done)
+            return done
         except asyncio.CancelledError:
             await self._release(lease.lease_id, "rollout stopped")
             raise
         except (SlipstreamError, grpc.aio.AioRpcError) as e:
             reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning("group %s goes back to the buffer: %s", group.group_id, reason)
-            GROUPS.labels("returned").inc()
-            await self._release(lease.lease_id, reason)
+        except Exception as e:  # a custom generate function's own failure must not lose the group
+            reason = f"{type(e).__name__}: {e}"
+            log.exception("group %s goes back to the buffer: the generate function failed", group.group_id)
         finally:
             keepalive.cancel()
+        GROUPS.labels("returned").inc()
+        await self._release(lease.lease_id, reason)
+        return None
 
-    @staticmethod
-    def _count(group: common_pb2.PromptGroup) -> None:
-        GROUPS.labels("submitted").inc()
-        if len({s.reward for s in group.samples}) == 1 and len(group.samples) > 1:
-            GROUPS.labels("zero_std").inc()
-        for sample in group.samples:
-            SAMPLES.labels(common_pb2.SampleStatus.Name(sample.status).removeprefix("SAMPLE_STATUS_").lower()).inc()
-            TOKENS.inc(sample.response_length)
-            RESPONSE_LENGTH.observe(sample.response_length)
+    async def _generate(self, group: common_pb2.PromptGroup, sampling: dict) -> list:
+        ctx = GenerateContext(self.pool, sampling, self.config, self.tokenizer, self.reward, affinity=group.group_id)
+        if self.custom is None:
+            return await generate_group(ctx, group, resume=self.config.partial_rollout)
+        return check_samples(group, await self.custom(ctx, group))
 
-    async def _generate(self, group: common_pb2.PromptGroup) -> common_pb2.PromptGroup:
-        kept = [
-            s
-            for s in group.samples
-            if s.status in (common_pb2.SAMPLE_STATUS_COMPLETED, common_pb2.SAMPLE_STATUS_TRUNCATED)
-        ]
-        need = group.n_samples - len(kept)
-        done = common_pb2.PromptGroup()
-        done.CopyFrom(group)
-        del done.samples[:]
-        done.samples.extend(kept)
-        if need > 0:
-            payload = {
-                "input_ids": arrays.decode_tokens(group.prompt_tokens).tolist(),
-                "sampling_params": self._sampling(need),
-                "return_logprob": True,
-            }
-            answer, engine = await self.pool.generate(payload, affinity=group.group_id)
-            for output in answer if isinstance(answer, list) else [answer]:
-                done.samples.append(_sample(group, output, engine, len(done.samples)))
-        return done
-
-    def _sampling(self, n: int) -> dict:
+    def sampling(self, overrides: common_pb2.SamplingParams | None = None, evaluation: bool = False) -> dict:
+        """SGLang sampling_params of rollouts (or of evaluation: --eval-* where set), with `overrides` applied."""
         c = self.config
         params = {"temperature": c.rollout_temperature, "top_p": c.rollout_top_p, "top_k": c.rollout_top_k,
-                  "max_new_tokens": c.rollout_max_response_len, "n": n}  # fmt: skip
+                  "max_new_tokens": c.rollout_max_response_len}  # fmt: skip
+        if evaluation:
+            evals = {"temperature": c.eval_temperature, "top_p": c.eval_top_p, "top_k": c.eval_top_k,
+                     "max_new_tokens": c.eval_max_response_len}  # fmt: skip
+            params.update({k: v for k, v in evals.items() if v is not None})
         if c.rollout_stop:
             params["stop"] = c.rollout_stop
         if c.rollout_stop_token_ids:
             params["stop_token_ids"] = c.rollout_stop_token_ids
+        if overrides is not None:
+            for descriptor, value in overrides.ListFields():
+                params[descriptor.name] = list(value) if descriptor.is_repeated else value
         return params
 
     async def _score(self, group: common_pb2.PromptGroup) -> None:
@@ -156,7 +160,17 @@ class Rollout:
             sample.reward_details.clear()
             sample.reward_details.update(result.details)
             if result.error:
-                sample.status_message = result.error_message
+                sample.status, sample.status_message = common_pb2.SAMPLE_STATUS_FAILED, result.error_message
+
+    def _count(self, group: common_pb2.PromptGroup) -> None:
+        GROUPS.labels("submitted").inc()
+        if len({s.reward for s in group.samples}) == 1 and len(group.samples) > 1:
+            GROUPS.labels("zero_std").inc()
+        for sample in group.samples:
+            SAMPLES.labels(common_pb2.SampleStatus.Name(sample.status).removeprefix("SAMPLE_STATUS_").lower()).inc()
+            TOKENS.inc(sample.response_length)
+            RESPONSE_LENGTH.observe(sample.response_length)
+        self.window.add(group.samples)
 
     async def _extend(self, lease_id: str) -> None:
         while True:
@@ -165,34 +179,24 @@ class Rollout:
                 request = buffer_pb2.ExtendLeaseRequest(lease_ids=[lease_id], lease_seconds=self.config.lease_seconds)
                 await self.buffer.ExtendLease(request, timeout=30)
 
-    async def _release(self, lease_id: str, reason: str) -> None:
+    async def _release(self, lease_id: str, reason: str, partial: list | None = None) -> None:
+        request = buffer_pb2.ReleaseLeaseRequest(lease_id=lease_id, reason=reason, partial_samples=partial or [])
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.buffer.ReleaseLease(buffer_pb2.ReleaseLeaseRequest(lease_id=lease_id, reason=reason), timeout=30)
+            await self.buffer.ReleaseLease(request, timeout=30)
 
 
-def _sample(group: common_pb2.PromptGroup, output: dict, engine: Engine, index: int) -> common_pb2.Sample:
-    """A Sample from one SGLang /generate answer: token ids in and out, log-probs aligned with the output tokens."""
-    meta = output["meta_info"]
-    response = output["output_ids"]
-    prompt = arrays.decode_tokens(group.prompt_tokens)
-    logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
-    finish = (meta.get("finish_reason") or {}).get("type", "abort")
-    sample = common_pb2.Sample(
-        sample_id=f"{group.group_id}/{index}",
-        index=index,
-        tokens=arrays.encode_tokens([*prompt.tolist(), *response]),
-        prompt_length=len(prompt),
-        response_length=len(response),
-        response_text=output.get("text", ""),
-        loss_mask=arrays.encode_mask([1] * len(response)),
-        rollout_logprobs=arrays.encode_logprobs(logprobs),
-        status=_STATUS.get(finish, common_pb2.SAMPLE_STATUS_FAILED),
-        engine_url=engine.url,
-    )
-    for span in meta.get("weight_versions") or [
-        {"version": meta.get("weight_version", ""), "start": 0, "end": len(response)}
-    ]:
-        sample.weight_versions.append(
-            common_pb2.WeightVersionSpan(version=str(span["version"]), start=span["start"], end=span["end"])
-        )
-    return sample
+class Window:
+    """Samples/s, tokens/s and the truncated ratio over the last minute, for the throughput gauges."""
+
+    def __init__(self, seconds: float = 60.0):
+        self.seconds = seconds
+        self.events: list[tuple[float, int, bool]] = []
+
+    def add(self, samples) -> None:
+        now = time.monotonic()
+        self.events += [(now, s.response_length, s.status == common_pb2.SAMPLE_STATUS_TRUNCATED) for s in samples]
+        self.events = [e for e in self.events if e[0] > now - self.seconds]
+        span = max(now - self.events[0][0], 1.0)
+        THROUGHPUT.labels("samples_per_s").set(len(self.events) / span)
+        THROUGHPUT.labels("tokens_per_s").set(sum(e[1] for e in self.events) / span)
+        THROUGHPUT.labels("truncated_ratio").set(sum(e[2] for e in self.events) / len(self.events))

@@ -157,7 +157,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferState(_message.Message):
-    __slots__ = ("policy_version", "num_pending_prompts", "num_leased_groups", "num_completed_groups", "num_filtered_groups", "epoch", "num_consumed_prompts", "last_committed_step", "counters")
+    __slots__ = ("policy_version", "num_pending_prompts", "num_leased_groups", "num_completed_groups", "num_filtered_groups", "epoch", "num_consumed_prompts", "last_committed_step", "counters", "eval_datasets")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class BufferState(_message.Message):
     NUM_CONSUMED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     LAST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_DATASETS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     num_pending_prompts: int
     num_leased_groups: int
@@ -183,4 +184,5 @@ class BufferState(_message.Message):
     num_consumed_prompts: int
     last_committed_step: int
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, policy_version: _Optional[int] = ..., num_pending_prompts: _Optional[int] = ..., num_leased_groups: _Optional[int] = ..., num_completed_groups: _Optional[int] = ..., num_filtered_groups: _Optional[int] = ..., epoch: _Optional[int] = ..., num_consumed_prompts: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    eval_datasets: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, policy_version: _Optional[int] = ..., num_pending_prompts: _Optional[int] = ..., num_leased_groups: _Optional[int] = ..., num_completed_groups: _Optional[int] = ..., num_filtered_groups: _Optional[int] = ..., epoch: _Optional[int] = ..., num_consumed_prompts: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., eval_datasets: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,12 +1,23 @@
 """Rollout fixtures: a tiny Qwen3 checkpoint and real `slipstream engine` processes serving it."""
 
+import asyncio
+import json
 import socket
 import time
+import uuid
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from services.buffer.config import BufferConfig
+from services.buffer.server import build as build_buffer
 from services.common.tiny_checkpoint import write_tiny_model
+from services.reward.config import RewardConfig
+from services.reward.server import build as build_reward
+from services.rollout.config import RolloutConfig
+from services.rollout.server import build as build_rollout
+from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2_grpc
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +71,6 @@ def start_engine(service_process, free_port, tiny_model):
     start.procs = {}
     return start
 
-    return start
-
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
@@ -71,3 +80,72 @@ def hf_model(tmp_path_factory):
 
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-ref"))
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+NUM_PROMPTS = 24
+
+
+@dataclass
+class System:
+    """A buffer, a reward service, reference engines and the gateway; stubs to the first two services."""
+
+    buffer: object
+    gateway: object
+    thread: object  # the gateway's ServiceThread: `run(coro)` runs on its loop
+    engines: list[str]
+
+    def __iter__(self):
+        return iter((self.buffer, self.gateway, self))
+
+    @property
+    def rollout(self):
+        return self.thread.server.service.servicers[0].impl.rollout
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.thread.loop).result(timeout)
+
+
+@pytest.fixture
+def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, tmp_path):
+    """`make_system(num_engines=2, buffer={...}, **gateway_settings)`: every part real; prompts "What is i + 1?"
+    with labels, and the eval set "arith" (the first 6 prompts)."""
+
+    def make(num_engines: int = 2, buffer: dict | None = None, **gateway) -> System:
+        data = tmp_path / "prompts.jsonl"
+        rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(NUM_PROMPTS)]
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        buffer_service = grpc_service(build_buffer, BufferConfig(**{
+            "prompt_data": str(data), "label_key": "label", "hf_checkpoint": str(tiny_model), "num_data_workers": 0,
+            "num_epoch": 1, "rollout_batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": 100,
+            "redis": {"url": redis_url, "prefix": f"roll{uuid.uuid4().hex[:8]}"},
+            "eval_prompt_data": ["arith", f"{data}@[0:6]"], **(buffer or {}),
+        }))  # fmt: skip
+        reward = grpc_service(build_reward, RewardConfig(rm_type="random", num_workers=1))
+        engines = [start_engine() for _ in range(num_engines)]
+        thread = grpc_service(build_rollout, RolloutConfig(**{
+            "engine_urls": engines, "buffer_addr": buffer_service.address, "reward_addr": reward.address,
+            "rollout_max_response_len": 8, "rollout_concurrency": 8, "rollout_health_check_interval": 0.5, **gateway,
+        }))  # fmt: skip
+        return System(
+            buffer_pb2_grpc.BufferServiceStub(channel_to(buffer_service.address)),
+            rollout_pb2_grpc.RolloutServiceStub(channel_to(thread.address)),
+            thread,
+            engines,
+        )
+
+    return make
+
+
+@pytest.fixture
+def system(make_system) -> System:
+    return make_system()
+
+
+def wait_completed(buffer, count: int, timeout_s: float = 180) -> buffer_pb2.BufferState:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
+        if state.counters["completed"] >= count:
+            return state
+        time.sleep(0.2)
+    pytest.fail(f"only {state.counters['completed']} of {count} groups completed")

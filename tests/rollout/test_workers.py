@@ -13,38 +13,13 @@ from services.buffer.config import BufferConfig
 from services.buffer.server import build as build_buffer
 from services.reward.config import RewardConfig
 from services.reward.server import build as build_reward
-from services.rollout.config import RolloutConfig
-from services.rollout.server import build as build_rollout
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
-
-NUM_PROMPTS = 24
-
-
-@pytest.fixture
-def system(grpc_service, channel_to, redis_url, tiny_model, start_engine, tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(NUM_PROMPTS))
-    )
-    buffer = grpc_service(build_buffer, BufferConfig(
-        prompt_data=str(data), label_key="label", hf_checkpoint=str(tiny_model), num_data_workers=0, num_epoch=1,
-        rollout_batch_size=4, n_samples_per_prompt=2, max_staleness=100, redis={"url": redis_url, "prefix": "roll"},
-    ))  # fmt: skip
-    reward = grpc_service(build_reward, RewardConfig(rm_type="random", num_workers=1))
-    engines = [start_engine(), start_engine()]
-    gateway = grpc_service(build_rollout, RolloutConfig(
-        engine_urls=engines, buffer_addr=buffer.address, reward_addr=reward.address, rollout_max_response_len=8,
-        rollout_concurrency=8, rollout_health_check_interval=0.5,
-    ))  # fmt: skip
-    return (
-        buffer_pb2_grpc.BufferServiceStub(channel_to(buffer.address)),
-        rollout_pb2_grpc.RolloutServiceStub(channel_to(gateway.address)),
-    )
+from tests.rollout.conftest import NUM_PROMPTS, wait_completed
 
 
 def test_every_group_reaches_the_buffer_exactly_once(system):
-    buffer, gateway = system
+    buffer, gateway, _ = system
     assert gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10).started
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -78,27 +53,17 @@ def test_every_group_reaches_the_buffer_exactly_once(system):
 
 
 def test_start_twice_and_unimplemented_parts(system):
-    _, gateway = system
+    _, gateway, _ = system
     assert gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10).started
     assert not gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10).started
     gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=30)
     with pytest.raises(grpc.RpcError) as info:
-        gateway.Evaluate(rollout_pb2.EvaluateRequest(), timeout=10)
+        gateway.CommitWeightSync(rollout_pb2.CommitWeightSyncRequest(version=1), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def wait_completed(buffer, count: int, timeout_s: float = 180) -> buffer_pb2.BufferState:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
-        if state.counters["completed"] >= count:
-            return state
-        time.sleep(0.2)
-    pytest.fail(f"only {state.counters['completed']} of {count} groups completed")
-
-
 def test_killing_an_engine_mid_rollout_changes_only_the_time(system, start_engine):
-    buffer, gateway = system
+    buffer, gateway, _ = system
     gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
     wait_completed(buffer, 4)
     victim = next(iter(start_engine.procs.values()))
