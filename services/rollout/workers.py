@@ -45,6 +45,7 @@ class Rollout:
         self.window = Window()
         self._loop_task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
+        self._failures = 0  # consecutive groups that went back to the buffer: back off before the next lease
 
     def start(self) -> bool:
         if self._loop_task is not None and not self._loop_task.done():
@@ -103,6 +104,7 @@ class Rollout:
                 buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=done), timeout=60
             )
             self._count(done)
+            self._failures = 0
             return done
         except asyncio.CancelledError:
             await self._release(lease.lease_id, "rollout stopped")
@@ -117,6 +119,8 @@ class Rollout:
             keepalive.cancel()
         GROUPS.labels("returned").inc()
         await self._release(lease.lease_id, reason)
+        self._failures += 1  # a group that fails again and again must not spin: its slot waits before it is freed
+        await asyncio.sleep(min(0.05 * 2**self._failures, 5.0))
         return None
 
     async def _generate(self, group: common_pb2.PromptGroup, sampling: dict) -> list:
