@@ -2,7 +2,7 @@
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
 
@@ -87,3 +87,14 @@ class RolloutConfig(ServiceConfig):
     """Folder for the logs of launched engines and the router."""
 
     passthrough: ClassVar[dict[str, str]] = {"--sglang-": "sglang_args"}
+
+    @model_validator(mode="after")
+    def _check_launch(self) -> "RolloutConfig":
+        if self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
+            raise ValueError(
+                f"rollout_num_gpus {self.rollout_num_gpus} is not a multiple of rollout_num_gpus_per_engine "
+                f"{self.rollout_num_gpus_per_engine}"
+            )
+        if self.rollout_num_gpus and not self.hf_checkpoint:
+            raise ValueError("rollout_num_gpus starts engines, which need the model: pass --hf-checkpoint")
+        return self

@@ -53,6 +53,8 @@ class EnginePool:
         self._slots: dict[str, asyncio.Semaphore] = {}
         self.running = asyncio.Event()  # cleared while the engines are paused (around a weight sync)
         self.running.set()
+        self.router: Engine | None = None  # with --use-router, generation goes through it
+        self._router_tasks: set[asyncio.Task] = set()
 
     # Membership
 
@@ -69,11 +71,17 @@ class EnginePool:
             self._fail(engine, str(e), evict=True)
         return engine
 
+    def use_router(self, url: str) -> None:
+        """Generation goes through the sglang-router at `url` from now on; membership changes are sent to it."""
+        self.router = Engine(url, state=HEALTHY)
+        self._slots[url] = asyncio.Semaphore(1 << 20)  # the router queues and balances by itself
+
     async def deregister(self, url: str) -> None:
         engine = self.engines.get(_normalize(url))
         if engine is None:
             raise NotFound(f"no engine {url} is registered; ListEngines shows the registered ones")
         engine.state = DRAINING  # no new requests; in-flight ones finish
+        self._tell_router(engine.url, joined=False)
         while engine.outstanding:
             await asyncio.sleep(0.05)
         self.engines.pop(engine.url, None)
@@ -89,6 +97,7 @@ class EnginePool:
         engine.weight_version = str(model.get("weight_version", ""))
         engine.model_path = str(model.get("model_path", ""))
         engine.state, engine.failures, engine.last_error = HEALTHY, 0, ""
+        self._tell_router(engine.url, joined=True)
         log.info("engine %s admitted (tp %d, weight version %s)", engine.url, engine.tp_size, engine.weight_version)
 
     # Health
@@ -118,6 +127,29 @@ class EnginePool:
         if engine.state != EVICTED and (evict or engine.failures >= self.config.rollout_health_check_failures):
             engine.state = EVICTED
             log.warning("engine %s evicted: %s", engine.url, error)
+            self._tell_router(engine.url, joined=False)
+
+    def _tell_router(self, url: str, joined: bool) -> None:
+        if self.router is not None:
+            task = asyncio.create_task(self._router_membership(url, joined))
+            self._router_tasks.add(task)
+            task.add_done_callback(self._router_tasks.discard)
+
+    async def _router_membership(self, url: str, joined: bool) -> None:
+        """Adds or removes a worker of the sglang-router (POST /workers, DELETE /workers/{id})."""
+        base = self.router.url
+        try:
+            if joined:
+                async with self.session.post(f"{base}/workers", json={"url": url}) as response:
+                    response.raise_for_status()
+                return
+            async with self.session.get(f"{base}/workers") as response:
+                workers = (await response.json())["workers"]
+            for worker in (w for w in workers if w["url"].rstrip("/") == url):
+                async with self.session.delete(f"{base}/workers/{worker['id']}") as response:
+                    response.raise_for_status()
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as e:
+            log.warning("could not %s engine %s in the router: %s", "add" if joined else "remove", url, _describe(e))
 
     # Pause and resume (the partial-rollout hooks of a weight sync)
 
@@ -169,6 +201,8 @@ class EnginePool:
 
     async def generate(self, payload: dict, affinity: str | None = None) -> tuple[dict | list, Engine]:
         """POSTs /generate to an engine, retrying on another one when it fails; returns the answer and the engine."""
+        if self.router is not None:
+            return await self._through_router(payload), self.router
         tried: set[str] = set()
         last = ""
         for _ in range(self.config.max_retries + 1):
@@ -186,6 +220,19 @@ class EnginePool:
                 last = f"{engine.url}: {e}"
                 self._fail(engine, f"/generate failed: {e}")
         raise Unavailable(f"/generate failed on {len(tried)} engine(s); last error {last}")
+
+    async def _through_router(self, payload: dict):
+        last = ""
+        for _ in range(self.config.max_retries + 1):
+            await self.running.wait()
+            if not self.healthy():
+                raise Unavailable("no healthy engine; register one (RegisterEngine) or wait for re-admission")
+            try:
+                return await self._post(self.router, "/generate", payload)
+            except EngineFailure as e:
+                last = str(e)
+                await asyncio.sleep(0.5)  # the router may not have noticed a dead engine yet
+        raise Unavailable(f"/generate through the router {self.router.url} failed; last error {last}")
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -10,6 +10,7 @@ from services.common.plugins import PluginError
 from services.common.server import Service, Servicer
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
+from services.rollout.launch import launch_engines, launch_router, stop, wait_workers
 from services.rollout.servicer import RolloutServicer
 from services.rollout.workers import Rollout
 from slipstream.v1 import buffer_pb2_grpc, reward_pb2_grpc
@@ -17,10 +18,17 @@ from slipstream.v1 import buffer_pb2_grpc, reward_pb2_grpc
 
 async def build(config: RolloutConfig) -> Service:
     pool = EnginePool(config)
-    for url in config.engine_urls:
-        await pool.register(url)  # an engine that is down now is kept evicted and admitted once it answers
-    buffer_channel, reward_channel = open_aio_channel(config.buffer_addr), open_aio_channel(config.reward_addr)
+    children = await launch_engines(config) if config.rollout_num_gpus else []
     try:
+        if config.use_router:
+            children.append(router := await launch_router(config))
+            pool.use_router(router.url)
+        for url in [*config.engine_urls, *(c.url for c in children if c.name.startswith("engine"))]:
+            await pool.register(url)  # an engine that is down now is kept evicted and admitted once it answers
+        if config.use_router:
+            await wait_workers(router, [e.url for e in pool.healthy()])
+        # gRPC channels after the children: forking while gRPC threads run makes gRPC log a warning per child
+        buffer_channel, reward_channel = open_aio_channel(config.buffer_addr), open_aio_channel(config.reward_addr)
         rollout = Rollout(
             config,
             pool,
@@ -28,8 +36,11 @@ async def build(config: RolloutConfig) -> Service:
             reward_pb2_grpc.RewardServiceStub(reward_channel),
             tokenizer=_tokenizer(config.hf_checkpoint),
         )
-    except PluginError as e:
-        raise StartupError(str(e)) from None
+    except BaseException as e:
+        await stop(children)
+        if isinstance(e, PluginError):
+            raise StartupError(str(e)) from None
+        raise
     tasks: list[asyncio.Task] = []
 
     async def ready() -> None:
@@ -44,6 +55,7 @@ async def build(config: RolloutConfig) -> Service:
         await pool.close()
         await buffer_channel.close()
         await reward_channel.close()
+        await stop(children)
 
     return Service("rollout", config, [Servicer.of(RolloutServicer(pool, rollout))], ready=ready, on_stop=[close])
 

@@ -2,11 +2,13 @@
 
 import asyncio
 import json
+import re
 import socket
 import time
 import uuid
 from dataclasses import dataclass
 
+import grpc
 import httpx
 import pytest
 
@@ -17,7 +19,7 @@ from services.reward.config import RewardConfig
 from services.reward.server import build as build_reward
 from services.rollout.config import RolloutConfig
 from services.rollout.server import build as build_rollout
-from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2_grpc
+from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 
 @pytest.fixture(scope="session")
@@ -149,3 +151,22 @@ def wait_completed(buffer, count: int, timeout_s: float = 180) -> buffer_pb2.Buf
             return state
         time.sleep(0.2)
     pytest.fail(f"only {state.counters['completed']} of {count} groups completed")
+
+
+def gateway_address(proc) -> str:
+    """The address of a gateway process started on port 0, from its log."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        match = re.search(r"rollout serving on [^:]+:(\d+)", proc.log)
+        if match:
+            return f"127.0.0.1:{match[1]}"
+        if proc.proc.poll() is not None:
+            pytest.fail(f"the gateway exited with {proc.proc.returncode}:\n{proc.log}")
+        time.sleep(0.2)
+    pytest.fail(f"the gateway did not start:\n{proc.log}")
+
+
+def start_rollout(proc) -> bool:
+    with grpc.insecure_channel(gateway_address(proc)) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        return stub.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30, wait_for_ready=True).started

@@ -2,7 +2,6 @@
 buffer exactly once, with samples whose tokens, log-probs and spans line up."""
 
 import json
-import re
 import signal
 import time
 
@@ -14,8 +13,8 @@ from services.buffer.server import build as build_buffer
 from services.reward.config import RewardConfig
 from services.reward.server import build as build_reward
 from slipstream import samples
-from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
-from tests.rollout.conftest import NUM_PROMPTS, wait_completed
+from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2
+from tests.rollout.conftest import NUM_PROMPTS, start_rollout, wait_completed
 
 
 def test_every_group_reaches_the_buffer_exactly_once(system):
@@ -89,27 +88,14 @@ def test_a_gateway_killed_mid_rollout_loses_nothing(grpc_service, channel_to, re
             "--reward-addr", reward.address, "--lease-seconds", "2", "--rollout-max-response-len", "64",
             "--rollout-concurrency", "4", "--metrics-port", "null"]  # fmt: skip
     first = service_process(*args)
-    started = _start_rollout(first)
+    started = start_rollout(first)
     assert started
     wait_completed(buffer, 2)
     first.proc.send_signal(signal.SIGKILL)  # its leased groups are in limbo until their leases expire
     first.proc.wait()
     second = service_process(*args)
-    assert _start_rollout(second)
+    assert start_rollout(second)
     state = wait_completed(buffer, NUM_PROMPTS)
     assert state.counters["completed"] == state.counters["started"] == NUM_PROMPTS
     assert state.counters.get("duplicate_submits", 0) == 0
     assert state.counters["expired"] >= 1  # the killed gateway's groups came back through their leases
-
-
-def _start_rollout(proc) -> bool:
-    """Finds the gateway's port in its log (it was started on port 0) and starts its rollout."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        match = re.search(r"rollout serving on [^:]+:(\d+)", proc.log)
-        if match:
-            with grpc.insecure_channel(f"127.0.0.1:{match[1]}") as channel:
-                stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-                return stub.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30, wait_for_ready=True).started
-        time.sleep(0.2)
-    pytest.fail(f"the gateway did not start:\n{proc.log}")
