@@ -1,11 +1,13 @@
 """Partial rollout around a pause: `abort` returns in-flight groups to the buffer with what they generated and
-resumes them later with the remaining token budget; `in_place` keeps them running under the new weights. Either
+resumes them later with the remaining token budget; `in_place` and `retract` keep them in the engine to continue
+under the new weights (with their KV, or prefilled again). Either
 way every sample's log-probs and weight-version spans cover its response exactly."""
 
 import itertools
 import time
 
 import httpx
+import pytest
 
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
@@ -68,12 +70,13 @@ def test_abort_pause_returns_partial_groups_that_resume_where_they_stopped(make_
     assert resumed >= 1
 
 
-def test_in_place_pause_keeps_requests_running_under_the_new_version(make_system):
-    system = make_system(pause_mode="in_place", rollout_max_response_len=MAX_LEN)
-    _pause_mid_rollout(system, "in_place")
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_kept_requests_continue_under_the_new_version(make_system, mode):
+    system = make_system(pause_mode=mode, rollout_max_response_len=MAX_LEN)
+    _pause_mid_rollout(system, mode)
     state = wait_completed(system.buffer, NUM_PROMPTS, timeout_s=300)
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
     assert state.counters.get("released", 0) == 0  # nothing was aborted
     spans = [_check_aligned(s) for s in _all_samples(system.buffer)]
-    assert any([v for v, _, _ in s] == ["default", "v2"] for s in spans)  # kept its KV, continued on v2
+    assert any([v for v, _, _ in s] == ["default", "v2"] for s in spans)  # kept (or re-prefilled), went on with v2
     assert all(all(v in ("default", "v2") for v, _, _ in s) for s in spans)
