@@ -82,7 +82,8 @@ def test_sglang_router_routes_to_two_engines(start_engine, free_port):
     urls = [start_engine(), start_engine()]
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
-           "--port", str(port), "--policy", "round_robin"]  # fmt: skip
+           "--port", str(port), "--policy", "round_robin",
+           "--prometheus-port", str(free_port())]  # fmt: skip
     router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         body = {
