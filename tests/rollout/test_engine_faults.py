@@ -24,7 +24,7 @@ async def _misbehaving_engine(fault: str, port: int) -> tuple[str, web.AppRunner
         if fault == "malformed":
             return web.Response(text='{"text": "unterminated', content_type="application/json")
         if fault == "hang":
-            await asyncio.sleep(3600)
+            await asyncio.sleep(5)  # well past the 1 s request timeout
         response = web.StreamResponse(headers={"Content-Length": "1000"})  # "dies mid-stream": half an answer
         await response.prepare(request)
         await response.write(b'{"text": "half')
