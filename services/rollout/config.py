@@ -33,6 +33,9 @@ class RolloutConfig(ServiceConfig):
     """The reward service (host:port) that scores samples."""
     rm_type: str = ""
     """Reward type asked of the reward service; empty uses the reward service's own default."""
+    group_rm: bool = False
+    """Score each group with one ScoreGroup call (a reward service whose --custom-rm-path sees the whole group, e.g. a
+    pairwise judge), as slime's --group-rm; off, samples are scored one by one (in one Score call per group)."""
     rollout_concurrency: int = Field(64, ge=1)
     """Prompt groups generated at once."""
     lease_seconds: float = Field(120.0, gt=0)

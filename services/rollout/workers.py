@@ -158,7 +158,13 @@ class Rollout:
             )
             for s in group.samples
         ]
-        reply = await self.reward.Score(reward_pb2.ScoreRequest(items=items, rm_type=self.config.rm_type), timeout=600)
+        if self.config.group_rm:
+            request = reward_pb2.ScoreGroupRequest(items=items, rm_type=self.config.rm_type)
+            reply = await self.reward.ScoreGroup(request, timeout=600)
+        else:
+            reply = await self.reward.Score(
+                reward_pb2.ScoreRequest(items=items, rm_type=self.config.rm_type), timeout=600
+            )
         for sample, result in zip(group.samples, reply.results, strict=True):
             sample.reward = result.reward
             sample.reward_details.clear()

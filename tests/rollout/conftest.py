@@ -109,10 +109,11 @@ class System:
 
 @pytest.fixture
 def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, tmp_path):
-    """`make_system(num_engines=2, buffer={...}, **gateway_settings)`: every part real; prompts "What is i + 1?"
-    with labels, and the eval set "arith" (the first 6 prompts)."""
+    """`make_system(num_engines=2, buffer={...}, reward={...}, **gateway_settings)`: every part real; prompts
+    "What is i + 1?" with labels, and the eval set "arith" (the first 6 prompts)."""
 
-    def make(num_engines: int = 2, buffer: dict | None = None, model=tiny_model, **gateway) -> System:
+    def make(num_engines: int = 2, buffer: dict | None = None, reward: dict | None = None, model=tiny_model,
+             **gateway) -> System:  # fmt: skip
         data = tmp_path / "prompts.jsonl"
         rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(NUM_PROMPTS)]
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -122,10 +123,12 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, t
             "redis": {"url": redis_url, "prefix": f"roll{uuid.uuid4().hex[:8]}"},
             "eval_prompt_data": ["arith", f"{data}@[0:6]"], **(buffer or {}),
         }))  # fmt: skip
-        reward = grpc_service(build_reward, RewardConfig(rm_type="random", num_workers=1))
+        reward_service = grpc_service(
+            build_reward, RewardConfig(**{"rm_type": "random", "num_workers": 1, **(reward or {})})
+        )
         engines = [start_engine("--model-path", str(model)) for _ in range(num_engines)]
         thread = grpc_service(build_rollout, RolloutConfig(**{
-            "engine_urls": engines, "buffer_addr": buffer_service.address, "reward_addr": reward.address,
+            "engine_urls": engines, "buffer_addr": buffer_service.address, "reward_addr": reward_service.address,
             "rollout_max_response_len": 8, "rollout_concurrency": 8, "rollout_health_check_interval": 0.5, **gateway,
         }))  # fmt: skip
         return System(

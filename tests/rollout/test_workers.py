@@ -51,6 +51,17 @@ def test_every_group_reaches_the_buffer_exactly_once(system):
     assert len(seen) == len(set(seen)) == NUM_PROMPTS
 
 
+def test_group_rm_scores_each_group_in_one_call(make_system, tmp_path):
+    judge = tmp_path / "judge.py"
+    judge.write_text("def rank(args, samples):\n    return [float(i) for i in range(len(samples))]\n")
+    system = make_system(num_engines=1, reward={"custom_rm_path": f"{judge}:rank", "group_rm": True}, group_rm=True)
+    system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
+    wait_completed(system.buffer, 4)
+    system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
+    batch = system.buffer.GetBatch(buffer_pb2.GetBatchRequest(step=0, dp_size=1, timeout_seconds=5), timeout=30)
+    assert [[s.reward for s in g.samples] for g in batch.groups] == [[0.0, 1.0]] * 4  # the group function's ranks
+
+
 def test_start_twice_and_unimplemented_parts(system):
     _, gateway, _ = system
     assert gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10).started
