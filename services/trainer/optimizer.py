@@ -1,0 +1,58 @@
+"""AdamW with Megatron's learning-rate schedule (linear warmup, then constant or cosine decay to --min-lr) and
+gradient clipping whose norm counts every parameter once across tensor-parallel ranks."""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
+    """AdamW; norms and biases take no weight decay (as Megatron does)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def lr_factor(step: int, warmup: int, decay_steps: int | None, style: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if style == "constant" or not decay_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
+    if style == "cosine":
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if style == "linear":
+        return 1 - (1 - min_ratio) * progress
+    raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {style!r}")
+
+
+def build_scheduler(optimizer, warmup: int, decay_steps: int | None, style: str, lr: float, min_lr: float):
+    lr_factor(0, warmup, decay_steps, style, 0.0)  # checks the style now rather than at the first step
+    ratio = min_lr / lr if lr else 0.0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, decay_steps, style, ratio))
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float, tp_group=None, tp_rank: int = 0) -> float:
+    """Clips gradients to `max_norm` (0: no clipping) and returns the global norm. A tensor-parallel shard counts on
+    every rank, a replicated parameter (norms) only on TP rank 0, and the squares are summed over the TP group."""
+    squares = torch.zeros((), dtype=torch.float32)
+    grads = []
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        grads.append(param.grad)
+        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+            squares = squares + param.grad.detach().float().pow(2).sum().cpu()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        squares = squares.to(grads[0].device) if grads else squares
+        dist.all_reduce(squares, group=tp_group)
+    norm = float(squares.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        for grad in grads:
+            grad.mul_(max_norm / (norm + 1e-6))
+    return norm

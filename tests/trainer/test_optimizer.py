@@ -1,0 +1,42 @@
+"""The optimizer's pieces against hand-computed values: the lr schedule, weight-decay groups, gradient clipping."""
+
+import math
+
+import pytest
+import torch
+
+from services.trainer.optimizer import build_optimizer, build_scheduler, clip_gradients, lr_factor
+
+
+def test_warmup_then_cosine_to_min_lr():
+    assert [lr_factor(s, 4, None, "constant", 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert lr_factor(4, 4, 14, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_factor(9, 4, 14, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(14, 4, 14, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(100, 4, 14, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 4, 14, "linear", 0.0) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="lr_decay_style must be constant, linear or cosine, got 'wsd'"):
+        lr_factor(9, 0, 14, "wsd", 0.0)
+
+
+def test_scheduler_drives_the_optimizer_lr():
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]  # the bias takes no decay
+    scheduler = build_scheduler(optimizer, warmup=2, decay_steps=None, style="constant", lr=1e-3, min_lr=0.0)
+    seen = []
+    for _ in range(3):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([5e-4, 1e-3, 1e-3])
+
+
+def test_clipping_scales_to_the_norm():
+    model = torch.nn.Linear(2, 1, bias=False)
+    model.weight.grad = torch.tensor([[3.0, 4.0]])
+    assert clip_gradients(model, max_norm=1.0) == pytest.approx(5.0)
+    assert model.weight.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+    model.weight.grad = torch.tensor([[0.3, 0.4]])
+    assert clip_gradients(model, max_norm=1.0) == pytest.approx(0.5)
+    assert model.weight.grad[0].tolist() == pytest.approx([0.3, 0.4])
