@@ -1,0 +1,93 @@
+"""Training checkpoints for exact resume: every rank's model shard, optimizer and scheduler state, the random
+number generators, the step and the policy version, in Megatron's layout (`iter_0000042/mp_rank_00_000.pt` and
+`latest_checkpointed_iteration.txt`). A checkpoint is written to a temporary folder and renamed into place, and the
+`latest` file is written last, so a crash mid-save leaves the previous checkpoint as the latest."""
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def shard_name(tp_rank: int, pp_rank: int) -> str:
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}.pt"
+
+
+def save(root: Path, step: int, state: dict, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0) -> Path:
+    """Writes this rank's `state` (model, optimizer, scheduler, extras) with the RNG states; DP rank 0 of each model
+    shard writes, all ranks wait for each other, and rank 0 then publishes the step as the latest."""
+    root = Path(root)
+    final = root / f"iter_{step:07d}"
+    staging = root / f".iter_{step:07d}.partial"
+    if _rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    if dp_rank == 0:
+        torch.save({**state, "step": step, "rng": rng_state()}, staging / shard_name(tp_rank, pp_rank))
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        (root / f"{LATEST}.tmp").write_text(str(step))
+        os.replace(root / f"{LATEST}.tmp", root / LATEST)
+    _barrier()
+    return final
+
+
+def latest_step(root: Path) -> int | None:
+    path = Path(root) / LATEST
+    return int(path.read_text().strip()) if path.is_file() else None
+
+
+def load(root: Path, tp_rank: int = 0, pp_rank: int = 0, step: int | None = None) -> dict:
+    """This rank's state of the latest (or the given) step; restores the RNG states."""
+    step = latest_step(root) if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"{root} holds no checkpoint ({LATEST} is missing); check --load")
+    path = Path(root) / f"iter_{step:07d}" / shard_name(tp_rank, pp_rank)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint shard {path} is missing: was it saved with another TP/PP size?")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    set_rng_state(state.pop("rng"))
+    return state
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:  # Megatron's tensor-parallel RNG tracker (dropout inside TP regions)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        state["megatron"] = get_cuda_rng_tracker().get_states()
+    except (ImportError, AssertionError, RuntimeError):
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "megatron" in state:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(state["megatron"])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
