@@ -1,0 +1,302 @@
+"""The trainer's losses for one micro-batch: the policy-gradient surrogates (PPO clip with dual-clip, GSPO, CISPO),
+KL estimators, truncated importance sampling, the entropy bonus, the critic's value loss, the SFT loss, and the
+log-probs and entropy of the sampled tokens computed from the logits chunk by chunk. Semantics follow slime's
+`ppo_utils.py` and `loss.py`.
+
+Per-token tensors are right-padded `[B, T]` with `loss_mask_BT` (1 on trained tokens), as in `advantages.py`;
+padding must hold finite numbers (0 is fine) so that masking by multiplication keeps gradients finite.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from services.trainer.advantages import ESTIMATORS
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGGREGATIONS = ("token", "sequence")
+LOSS_TYPES = ("policy_loss", "sft_loss")
+LOW_VAR_KL_BOUND = 10.0  # slime clamps low_var_kl to [-10, 10]: one token far off the reference cannot blow up a step
+
+
+def token_logprobs_and_entropy(logits_TV: Tensor, tokens_T: Tensor, chunk_size: int = 1024) -> tuple[Tensor, Tensor]:
+    """Float32 log-prob of `tokens_T[t]` under `logits_TV[t]` and the entropy of that row's distribution, `[T]` each.
+
+    `tokens_T` is already aligned with the logits (the token each row predicts). The float32 log-softmax exists for
+    one chunk of rows at a time: each chunk is upcast on its own, and under autograd it is recomputed in the backward
+    pass instead of being kept, so peak extra memory is one `[chunk_size, V]` float32 block, not `[T, V]`. The
+    per-chunk math is `logprobs_and_entropy_chunk`; a vocab-parallel version replaces only that.
+    """
+    if logits_TV.dim() != 2 or tokens_T.shape != logits_TV.shape[:1]:
+        raise ValueError(f"logits_TV {tuple(logits_TV.shape)} and tokens_T {tuple(tokens_T.shape)} must be [T, V], [T]")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    recompute = torch.is_grad_enabled() and logits_TV.requires_grad
+    logprobs, entropies = [], []
+    for logits_CV, tokens_C in zip(logits_TV.split(chunk_size), tokens_T.split(chunk_size), strict=True):
+        if recompute:
+            logprobs_C, entropy_C = checkpoint(logprobs_and_entropy_chunk, logits_CV, tokens_C, use_reentrant=False)
+        else:
+            logprobs_C, entropy_C = logprobs_and_entropy_chunk(logits_CV, tokens_C)
+        logprobs.append(logprobs_C)
+        entropies.append(entropy_C)
+    if not logprobs:
+        empty_T = logits_TV.new_zeros(0, dtype=torch.float32)
+        return empty_T, empty_T
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
+def logprobs_and_entropy_chunk(logits_CV: Tensor, tokens_C: Tensor) -> tuple[Tensor, Tensor]:
+    """One chunk: log p(token) and -sum p log p per row, in float32 whatever the logits' dtype."""
+    logp_CV = F.log_softmax(logits_CV.float(), dim=-1)
+    entropy_C = -(logp_CV.exp() * logp_CV).sum(dim=-1)
+    return logp_CV.gather(-1, tokens_C[:, None].long()).squeeze(-1), entropy_C
+
+
+def approx_kl(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, kl_type: str) -> Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs (Schulman's k1, k2, k3).
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 with log r = logp - ref_logp; `low_var_kl` is k3
+    clamped to [-10, 10].
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_loss_type {kl_type!r} is unknown; expected one of {', '.join(KL_TYPES)}")
+    log_ratio_BT = logprobs_BT.float() - ref_logprobs_BT.float()
+    if kl_type == "k1":
+        return log_ratio_BT
+    if kl_type == "k2":
+        return log_ratio_BT**2 / 2
+    kl_BT = torch.exp(-log_ratio_BT) + log_ratio_BT - 1
+    return kl_BT.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND) if kl_type == "low_var_kl" else kl_BT
+
+
+def aggregate(values_BT: Tensor, loss_mask_BT: Tensor, loss_aggregation: str = "token") -> Tensor:
+    """Mean of a per-token quantity over the trained tokens.
+
+    "token": sum over all trained tokens / their number, so long responses weigh more (slime's
+    `--calculate-per-token-loss`). "sequence": the mean within each sample, then the mean over the B samples, so each
+    sample weighs the same (slime's default); a sample with no trained token counts as 0.
+    """
+    if loss_aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_aggregation {loss_aggregation!r} is unknown; expected 'token' or 'sequence'")
+    mask_BT = loss_mask_BT.to(values_BT.dtype)
+    if loss_aggregation == "token":
+        return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+    return ((values_BT * mask_BT).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)).mean()
+
+
+def ppo_clip_loss(
+    log_ratio_BT: Tensor, advantages_BT: Tensor, eps_clip: float, eps_clip_high: float, eps_clip_c: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate per token, with optional dual-clip; returns `(pg_loss_BT, clipped_BT)`.
+
+    ratio = exp(log_ratio); loss = max(-ratio * A, -clip(ratio, 1 - eps_clip, 1 + eps_clip_high) * A). Dual-clip
+    (`eps_clip_c` > 1) caps the loss of a negative-advantage token at -eps_clip_c * A = eps_clip_c * |A|, so a token
+    whose ratio has run far above 1 cannot dominate the step. `clipped_BT` is 1 where the clipped branch won the max.
+    """
+    ratio_BT = log_ratio_BT.exp()
+    unclipped_BT = -ratio_BT * advantages_BT
+    clipped_loss_BT = -ratio_BT.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages_BT
+    pg_loss_BT = torch.maximum(unclipped_BT, clipped_loss_BT)
+    clipped_BT = (clipped_loss_BT > unclipped_BT).float()
+    if eps_clip_c is not None:
+        capped_BT = torch.minimum(pg_loss_BT, -eps_clip_c * advantages_BT)
+        pg_loss_BT = torch.where(advantages_BT < 0, capped_BT, pg_loss_BT)
+    return pg_loss_BT, clipped_BT
+
+
+def cispo_loss(
+    log_ratio_BT: Tensor, logprobs_BT: Tensor, advantages_BT: Tensor, eps_clip: float, eps_clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * logp; returns
+    `(pg_loss_BT, clipped_BT)`. The weight is clipped under stop-gradient, so clipped tokens still get gradient."""
+    ratio_BT = log_ratio_BT.exp()
+    weight_BT = ratio_BT.clamp(1 - eps_clip, 1 + eps_clip_high)
+    return -weight_BT.detach() * advantages_BT * logprobs_BT, (weight_BT != ratio_BT).float()
+
+
+def gspo_log_ratio(logprobs_BT: Tensor, old_logprobs_BT: Tensor, loss_mask_BT: Tensor) -> Tensor:
+    """GSPO's sequence-level log importance ratio, the mean of logp - old_logp over each sample's trained tokens,
+    on every token of the sample; the gradient flows to every token through the mean."""
+    mask_BT = loss_mask_BT.to(logprobs_BT.dtype)
+    per_token_BT = (logprobs_BT - old_logprobs_BT) * mask_BT
+    seq_B = per_token_BT.sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
+    return seq_B[:, None].expand_as(logprobs_BT)
+
+
+def tis_weights(
+    old_logprobs_BT: Tensor, rollout_logprobs_BT: Tensor, tis_clip: float, tis_clip_low: float
+) -> tuple[Tensor, Tensor]:
+    """Truncated importance sampling: exp(old_logp - rollout_logp) clipped to [tis_clip_low, tis_clip], detached;
+    returns `(weights_BT, clipped_BT)`. It corrects for the rollout engine sampling from a slightly different
+    distribution than the trainer's (old) policy computes."""
+    ratio_BT = torch.exp(old_logprobs_BT.float() - rollout_logprobs_BT.float()).detach()
+    weights_BT = ratio_BT.clamp(tis_clip_low, tis_clip)
+    return weights_BT, (weights_BT != ratio_BT).float()
+
+
+def sft_loss(logprobs_BT: Tensor, loss_mask_BT: Tensor, loss_aggregation: str = "token") -> Tensor:
+    """Negative mean log-likelihood of the trained tokens."""
+    return -aggregate(logprobs_BT, loss_mask_BT, loss_aggregation)
+
+
+def value_loss(
+    values_BT: Tensor,
+    old_values_BT: Tensor,
+    returns_BT: Tensor,
+    loss_mask_BT: Tensor,
+    value_clip: float,
+    loss_aggregation: str = "token",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The critic's clipped value loss: 0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2), so the value
+    cannot move more than `value_clip` from the rollout's value in one update; returns `(loss, metrics)`."""
+    _check_shapes(loss_mask_BT, values_BT=values_BT, old_values_BT=old_values_BT, returns_BT=returns_BT)
+    clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-value_clip, value_clip)
+    loss_BT = 0.5 * torch.maximum((values_BT - returns_BT) ** 2, (clipped_BT - returns_BT) ** 2)
+    loss = aggregate(loss_BT, loss_mask_BT, loss_aggregation)
+    clipfrac = aggregate(((values_BT - old_values_BT).abs() > value_clip).float(), loss_mask_BT, loss_aggregation)
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": clipfrac.detach()}
+
+
+def policy_loss(
+    logprobs_BT: Tensor,
+    loss_mask_BT: Tensor,
+    *,
+    old_logprobs_BT: Tensor | None = None,
+    advantages_BT: Tensor | None = None,
+    entropy_BT: Tensor | None = None,
+    ref_logprobs_BT: Tensor | None = None,
+    rollout_logprobs_BT: Tensor | None = None,
+    loss_type: str = "policy_loss",
+    advantage_estimator: str = "grpo",
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+    entropy_coef: float = 0.0,
+    use_kl_loss: bool = False,
+    kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "k1",
+    use_tis: bool = False,
+    tis_clip: float = 2.0,
+    tis_clip_low: float = 0.0,
+    use_rollout_logprobs: bool = False,
+    loss_aggregation: str = "token",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor's loss for one micro-batch and its metrics (detached scalars), with slime's argument names.
+
+    loss_type "sft_loss" is `sft_loss` (plus the KL loss if asked). "policy_loss" is the surrogate of the
+    estimator (PPO clip, GSPO's sequence ratio, or CISPO), times the TIS weights when `use_tis`, aggregated, minus
+    `entropy_coef` * mean entropy, plus `kl_loss_coef` * mean KL to `ref_logprobs_BT` when `use_kl_loss`.
+    `use_rollout_logprobs` takes the rollout engine's log-probs as the old policy instead of the trainer's
+    recomputed `old_logprobs_BT` (slime forbids combining it with TIS, which needs both).
+    """
+    _check_policy_args(**locals())  # every argument, by name, before anything is computed
+    if use_rollout_logprobs:
+        old_logprobs_BT = rollout_logprobs_BT
+    if loss_type == "sft_loss":
+        loss = sft_loss(logprobs_BT, loss_mask_BT, loss_aggregation)
+        metrics = {"sft_loss": loss.detach()}
+    else:
+        loss, metrics = _surrogate_loss(
+            logprobs_BT,
+            old_logprobs_BT,
+            advantages_BT,
+            loss_mask_BT,
+            rollout_logprobs_BT=rollout_logprobs_BT if use_tis else None,
+            advantage_estimator=advantage_estimator,
+            clip=(eps_clip, eps_clip if eps_clip_high is None else eps_clip_high, eps_clip_c),
+            tis_clip=(tis_clip_low, tis_clip),
+            loss_aggregation=loss_aggregation,
+        )
+    if entropy_BT is not None:
+        entropy = aggregate(entropy_BT, loss_mask_BT, loss_aggregation)
+        loss = loss - entropy_coef * entropy
+        metrics["entropy"] = entropy.detach()
+    if use_kl_loss:
+        kl_loss = aggregate(approx_kl(logprobs_BT, ref_logprobs_BT, kl_loss_type), loss_mask_BT, loss_aggregation)
+        loss = loss + kl_loss_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def _surrogate_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    loss_mask_BT: Tensor,
+    *,
+    rollout_logprobs_BT: Tensor | None,
+    advantage_estimator: str,
+    clip: tuple[float, float, float | None],
+    tis_clip: tuple[float, float],
+    loss_aggregation: str,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The aggregated policy-gradient loss and its metrics. `clip` is (eps_clip, eps_clip_high, eps_clip_c),
+    `tis_clip` (low, high); TIS applies when `rollout_logprobs_BT` is given."""
+    eps_clip, eps_clip_high, eps_clip_c = clip
+    old_logprobs_BT = old_logprobs_BT.detach()
+    if advantage_estimator == "gspo":
+        log_ratio_BT = gspo_log_ratio(logprobs_BT, old_logprobs_BT, loss_mask_BT)
+    else:
+        log_ratio_BT = logprobs_BT - old_logprobs_BT
+    if advantage_estimator == "cispo":
+        pg_loss_BT, clipped_BT = cispo_loss(log_ratio_BT, logprobs_BT, advantages_BT, eps_clip, eps_clip_high)
+    else:
+        pg_loss_BT, clipped_BT = ppo_clip_loss(log_ratio_BT, advantages_BT, eps_clip, eps_clip_high, eps_clip_c)
+    metrics: dict[str, Tensor] = {}
+    if rollout_logprobs_BT is not None:
+        weights_BT, tis_clipped_BT = tis_weights(old_logprobs_BT, rollout_logprobs_BT, tis_clip[1], tis_clip[0])
+        pg_loss_BT = pg_loss_BT * weights_BT
+        metrics["tis"] = aggregate(weights_BT, loss_mask_BT, loss_aggregation)
+        metrics["tis_clipfrac"] = aggregate(tis_clipped_BT, loss_mask_BT, loss_aggregation)
+    pg_loss = aggregate(pg_loss_BT, loss_mask_BT, loss_aggregation)
+    metrics["pg_loss"] = pg_loss.detach()
+    metrics["pg_clipfrac"] = aggregate(clipped_BT, loss_mask_BT, loss_aggregation)
+    metrics["ppo_kl"] = aggregate(-log_ratio_BT.detach(), loss_mask_BT, loss_aggregation)  # slime's sign: old - new
+    return pg_loss, metrics
+
+
+def _check_policy_args(**args) -> None:
+    """Validates `policy_loss`'s arguments, naming the one at fault."""
+    for name, value, allowed in (
+        ("loss_type", args["loss_type"], LOSS_TYPES),
+        ("loss_aggregation", args["loss_aggregation"], LOSS_AGGREGATIONS),
+        ("kl_loss_type", args["kl_loss_type"], KL_TYPES),
+        ("advantage_estimator", args["advantage_estimator"], ESTIMATORS),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} {value!r} is unknown; expected one of {', '.join(allowed)}")
+    tensors = {name: value for name, value in args.items() if name.endswith("_BT") and value is not None}
+    _check_shapes(tensors.pop("loss_mask_BT"), **tensors)
+    needs = [
+        ("old_logprobs_BT", args["loss_type"] == "policy_loss" and not args["use_rollout_logprobs"], "policy_loss"),
+        ("advantages_BT", args["loss_type"] == "policy_loss", "policy_loss"),
+        ("ref_logprobs_BT", args["use_kl_loss"], "use_kl_loss"),
+        ("rollout_logprobs_BT", args["use_tis"] or args["use_rollout_logprobs"], "use_tis / use_rollout_logprobs"),
+        ("entropy_BT", args["entropy_coef"] != 0, "entropy_coef != 0"),
+    ]
+    for name, needed, reason in needs:
+        if needed and args[name] is None:
+            raise ValueError(f"{name} is required with {reason}")
+    _check_clip_args(args)
+
+
+def _check_clip_args(args: dict) -> None:
+    if args["use_tis"] and args["use_rollout_logprobs"]:
+        raise ValueError("use_tis and use_rollout_logprobs cannot both be set: TIS reweights old by rollout log-probs")
+    if args["eps_clip"] < 0 or (args["eps_clip_high"] is not None and args["eps_clip_high"] < 0):
+        raise ValueError(f"eps_clip {args['eps_clip']} and eps_clip_high {args['eps_clip_high']} must be >= 0")
+    if args["eps_clip_c"] is not None and args["eps_clip_c"] <= 1:
+        raise ValueError(f"eps_clip_c must be greater than 1 for dual-clip PPO, got {args['eps_clip_c']}")
+    if args["use_tis"] and not 0 <= args["tis_clip_low"] <= args["tis_clip"]:
+        raise ValueError(f"need 0 <= tis_clip_low <= tis_clip, got {args['tis_clip_low']} and {args['tis_clip']}")
+
+
+def _check_shapes(loss_mask_BT: Tensor, **tensors: Tensor) -> None:
+    if loss_mask_BT.dim() != 2:
+        raise ValueError(f"loss_mask_BT must be [B, T], got shape {tuple(loss_mask_BT.shape)}")
+    for name, tensor in tensors.items():
+        if tensor.shape != loss_mask_BT.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, loss_mask_BT {tuple(loss_mask_BT.shape)}")
