@@ -1,12 +1,148 @@
-"""Configuration of the trainer service."""
+"""Configuration of the trainer. Names are Megatron's (`--tensor-model-parallel-size`, `--lr`, `--clip-grad`, …) and
+slime's (`--advantage-estimator`, `--use-kl-loss`, …), so a slime command line carries over."""
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
+from services.trainer.batching import BatchSizeError, BatchSizes
 
 
 class TrainerConfig(ServiceConfig):
-    """The trainer's control surface: status, checkpoints, stop."""
+    """The trainer: a Megatron-core actor that pulls its batches from the buffer, under torchrun."""
 
     port: int = Field(50054, ge=0, le=65535)
-    """gRPC port; 0 picks a free one (logged at start)."""
+    """gRPC port of rank 0's control surface; 0 picks a free one (logged at start)."""
+    buffer_addr: str = "localhost:50051"
+    """The buffer service (host:port) that hands out each step's batch."""
+
+    # Model and checkpoints
+    hf_checkpoint: str = ""
+    """HF checkpoint folder (Llama, Qwen2, Qwen3 dense) whose config builds the model and whose weights start it."""
+    load: str | None = None
+    """A checkpoint folder written by --save to resume from exactly, or an HF folder to start from."""
+    save: str | None = None
+    """Folder for checkpoints (model, optimizer, scheduler, RNG, step, policy version)."""
+    save_interval: int | None = Field(None, ge=1)
+    """Save every this many steps (and at the end); unset saves only at the end and when asked."""
+    save_hf: str | None = None
+    """Also write an HF checkpoint folder here whenever a checkpoint is saved."""
+
+    # Parallelism (Megatron's names)
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel size."""
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    """Pipeline-parallel size."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (with TP > 1)."""
+    recompute_activations: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them."""
+    bf16: bool = False
+    """Train in bfloat16 (on GPU)."""
+    seed: int = 1234
+    """Seed of initialisation, dropout and data order."""
+
+    # Batches (slime's names and constraint)
+    rollout_batch_size: int = Field(32, ge=1)
+    """Prompts per rollout (as the buffer's)."""
+    n_samples_per_prompt: int = Field(8, ge=1)
+    """Samples per prompt (as the buffer's)."""
+    global_batch_size: int = Field(256, ge=1)
+    """Samples per optimizer step, across data-parallel ranks."""
+    num_steps_per_rollout: int = Field(1, ge=1)
+    """Optimizer steps per rollout."""
+    micro_batch_size: int = Field(1, ge=1)
+    """Samples per micro-batch (without --use-dynamic-batch-size)."""
+    use_dynamic_batch_size: bool = False
+    """Micro-batches of as many samples as fit in --max-tokens-per-gpu (padded) tokens."""
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    """Token budget of one micro-batch with --use-dynamic-batch-size."""
+    num_rollout: int | None = Field(None, ge=1)
+    """Rollouts (buffer steps) to train; unset trains until the buffer runs out."""
+
+    # Algorithm (slime's names)
+    advantage_estimator: Literal[
+        "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+    ] = "grpo"
+    """How rewards become advantages."""
+    disable_grpo_std_normalization: bool = False
+    """Dr.GRPO: subtract the group mean only."""
+    normalize_advantages: bool = False
+    """Whiten advantages over the batch's trained tokens."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of reinforce++ and PPO returns."""
+    lambd: float = Field(1.0, ge=0, le=1)
+    """GAE lambda (PPO)."""
+    value_clip: float = Field(0.2, ge=0)
+    """Clip range of the PPO critic's value loss."""
+    num_critic_only_steps: int = Field(0, ge=0)
+    """PPO: train only the critic for this many first steps."""
+    loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
+    """The actor's loss."""
+    eps_clip: float = Field(0.2, ge=0)
+    """PPO clip range (lower side, and upper side unless --eps-clip-high)."""
+    eps_clip_high: float | None = Field(None, ge=0)
+    """Upper clip range (DAPO's clip-higher)."""
+    eps_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip constant for negative advantages."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    use_kl_loss: bool = False
+    """Add a KL to the frozen reference model (the --hf-checkpoint weights) to the loss."""
+    kl_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the KL loss."""
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator of the KL loss."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty in the reward (reinforce++ and PPO)."""
+    use_tis: bool = False
+    """Truncated importance sampling between the trainer's and the engine's log-probs."""
+    tis_clip: float = Field(2.0, gt=0)
+    """Upper clip of the TIS weights."""
+    tis_clip_low: float = Field(0.0, ge=0)
+    """Lower clip of the TIS weights."""
+    use_rollout_logprobs: bool = False
+    """Use the engine's log-probs as the old policy's instead of recomputing them."""
+    calculate_per_token_loss: bool = True
+    """Average the loss over all trained tokens of the batch (slime's flag); off, over each sample then samples."""
+
+    # Optimizer (Megatron's names)
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate at the end of the decay."""
+    lr_warmup_iters: int = Field(0, ge=0)
+    """Steps of linear warmup."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after the warmup."""
+    lr_decay_iters: int | None = Field(None, ge=1)
+    """Steps over which the lr decays to --min-lr."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay (not on norms and biases)."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    adam_beta2: float = Field(0.98, ge=0, lt=1)
+    """AdamW beta2."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    clip_grad: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this (0: off)."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard logs here."""
+
+    def batch_sizes(self, dp_size: int) -> BatchSizes:
+        return BatchSizes(
+            self.rollout_batch_size, self.n_samples_per_prompt, self.global_batch_size, self.num_steps_per_rollout,
+            dp_size, self.micro_batch_size,
+        )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu (e.g. --max-tokens-per-gpu 8192)")
+        try:
+            self.batch_sizes(dp_size=1).check()
+        except BatchSizeError as e:
+            raise ValueError(str(e)) from None
+        return self
