@@ -1,0 +1,102 @@
+"""The buffer's prompt groups as the trainer's tensors: each sample's tokens, its response span, loss mask, rollout
+log-probs and reward, checked once when the batch arrives; micro-batches are right-padded `[B, L]` token tensors
+and `[B, R]` response tensors (`R` the longest response), the layout `advantages.py` and `losses.py` use."""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slipstream import samples as arrays
+from slipstream.v1 import common_pb2
+
+
+class BatchError(ValueError):
+    """A batch that cannot be trained on; the message names the group, the sample and the numbers."""
+
+
+@dataclass
+class RolloutBatch:
+    """This rank's samples of one rollout, whole prompt groups of `group_size` consecutive samples."""
+
+    tokens: list[np.ndarray]
+    prompt_lengths: list[int]
+    loss_masks: list[np.ndarray]
+    rollout_logprobs: list[np.ndarray]
+    rewards_B: torch.Tensor
+    group_size: int
+    sample_ids: list[str]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+    def response_lengths(self) -> list[int]:
+        return [len(t) - p for t, p in zip(self.tokens, self.prompt_lengths, strict=True)]
+
+
+def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> RolloutBatch:
+    tokens, prompts, masks, logprobs, rewards, ids = [], [], [], [], [], []
+    for group in groups:
+        if len(group.samples) != group_size:
+            raise BatchError(f"group {group.group_id} has {len(group.samples)} samples, expected {group_size}")
+        for sample in group.samples:
+            where = f"group {group.group_id} sample {sample.index}"
+            sample_tokens = arrays.decode_tokens(sample.tokens)
+            mask = (
+                arrays.decode_mask(sample.loss_mask) if sample.loss_mask else np.ones(sample.response_length, np.uint8)
+            )
+            lps = arrays.decode_logprobs(sample.rollout_logprobs)
+            if len(sample_tokens) != sample.prompt_length + sample.response_length or sample.prompt_length < 1:
+                raise BatchError(
+                    f"{where}: {len(sample_tokens)} tokens, but prompt_length + response_length = "
+                    f"{sample.prompt_length} + {sample.response_length}"
+                )
+            if len(mask) != sample.response_length or len(lps) not in (0, sample.response_length):
+                raise BatchError(
+                    f"{where}: loss_mask has {len(mask)} and rollout_logprobs {len(lps)} entries for "
+                    f"{sample.response_length} response tokens"
+                )
+            if not math.isfinite(sample.reward):
+                raise BatchError(f"{where}: reward is {sample.reward}; fix the reward function or its --reward-key")
+            if sample.status in (common_pb2.SAMPLE_STATUS_FAILED, common_pb2.SAMPLE_STATUS_ABORTED):
+                mask = np.zeros_like(mask)  # kept for its group's statistics, not trained on
+            tokens.append(sample_tokens.astype(np.int64))
+            prompts.append(sample.prompt_length)
+            masks.append(mask.astype(np.float32))
+            logprobs.append(lps if len(lps) else np.zeros(sample.response_length, np.float32))
+            rewards.append(sample.reward)
+            ids.append(sample.sample_id)
+    return RolloutBatch(tokens, prompts, masks, logprobs, torch.tensor(rewards, dtype=torch.float32), group_size, ids)
+
+
+def pad_rows(rows: list[np.ndarray], width: int, dtype=torch.float32) -> torch.Tensor:
+    """Right-padded `[len(rows), width]` with zeros."""
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.from_numpy(np.asarray(row)).to(dtype)
+    return out
+
+
+def response_tensors(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """The whole rank's `[B, R]` response tensors (for advantages, which need every sample of a group)."""
+    width = max(batch.response_lengths(), default=0)
+    return {
+        "loss_mask_BR": pad_rows(batch.loss_masks, width),
+        "rollout_logprobs_BR": pad_rows(batch.rollout_logprobs, width),
+    }
+
+
+def input_tensors(batch: RolloutBatch, indices: list[int]) -> dict[str, torch.Tensor]:
+    """A micro-batch's model inputs: tokens `[b, L]` right-padded, positions, and where each response starts."""
+    rows = [batch.tokens[i] for i in indices]
+    width = max(len(r) for r in rows)
+    return {
+        "tokens_BL": pad_rows(rows, width, torch.long),
+        "positions_BL": torch.arange(width).expand(len(rows), width).contiguous(),
+        "prompt_lengths_B": torch.tensor([batch.prompt_lengths[i] for i in indices]),
+        "lengths_B": torch.tensor([len(r) for r in rows]),
+    }
