@@ -77,7 +77,7 @@ def pad_rows(rows: list[np.ndarray], width: int, dtype=torch.float32) -> torch.T
     """Right-padded `[len(rows), width]` with zeros."""
     out = torch.zeros(len(rows), width, dtype=dtype)
     for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.from_numpy(np.asarray(row)).to(dtype)
+        out[i, : len(row)] = torch.as_tensor(np.array(row, copy=True)).to(dtype)
     return out
 
 

@@ -7,6 +7,8 @@ Per-token tensors are right-padded `[B, T]` with `loss_mask_BT` (1 on trained to
 padding must hold finite numbers (0 is fine) so that masking by multiplication keeps gradients finite.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -20,25 +22,31 @@ LOSS_TYPES = ("policy_loss", "sft_loss")
 LOW_VAR_KL_BOUND = 10.0  # slime clamps low_var_kl to [-10, 10]: one token far off the reference cannot blow up a step
 
 
-def token_logprobs_and_entropy(logits_TV: Tensor, tokens_T: Tensor, chunk_size: int = 1024) -> tuple[Tensor, Tensor]:
+def token_logprobs_and_entropy(
+    logits_TV: Tensor, tokens_T: Tensor, chunk_size: int = 1024, vocab_start: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Float32 log-prob of `tokens_T[t]` under `logits_TV[t]` and the entropy of that row's distribution, `[T]` each.
 
     `tokens_T` is already aligned with the logits (the token each row predicts). The float32 log-softmax exists for
     one chunk of rows at a time: each chunk is upcast on its own, and under autograd it is recomputed in the backward
     pass instead of being kept, so peak extra memory is one `[chunk_size, V]` float32 block, not `[T, V]`. The
-    per-chunk math is `logprobs_and_entropy_chunk`; a vocab-parallel version replaces only that.
+    per-chunk math is `logprobs_and_entropy_chunk`; with `vocab_start` set, the logits are this tensor-parallel rank's
+    vocabulary columns `[vocab_start, vocab_start + V)` and `vocab_parallel_chunk` reduces over the TP group.
     """
     if logits_TV.dim() != 2 or tokens_T.shape != logits_TV.shape[:1]:
         raise ValueError(f"logits_TV {tuple(logits_TV.shape)} and tokens_T {tuple(tokens_T.shape)} must be [T, V], [T]")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     recompute = torch.is_grad_enabled() and logits_TV.requires_grad
+    chunk_fn = logprobs_and_entropy_chunk
+    if vocab_start is not None:
+        chunk_fn = functools.partial(vocab_parallel_chunk, vocab_start=vocab_start)
     logprobs, entropies = [], []
     for logits_CV, tokens_C in zip(logits_TV.split(chunk_size), tokens_T.split(chunk_size), strict=True):
         if recompute:
-            logprobs_C, entropy_C = checkpoint(logprobs_and_entropy_chunk, logits_CV, tokens_C, use_reentrant=False)
+            logprobs_C, entropy_C = checkpoint(chunk_fn, logits_CV, tokens_C, use_reentrant=False)
         else:
-            logprobs_C, entropy_C = logprobs_and_entropy_chunk(logits_CV, tokens_C)
+            logprobs_C, entropy_C = chunk_fn(logits_CV, tokens_C)
         logprobs.append(logprobs_C)
         entropies.append(entropy_C)
     if not logprobs:
@@ -52,6 +60,29 @@ def logprobs_and_entropy_chunk(logits_CV: Tensor, tokens_C: Tensor) -> tuple[Ten
     logp_CV = F.log_softmax(logits_CV.float(), dim=-1)
     entropy_C = -(logp_CV.exp() * logp_CV).sum(dim=-1)
     return logp_CV.gather(-1, tokens_C[:, None].long()).squeeze(-1), entropy_C
+
+
+def vocab_parallel_chunk(logits_CV: Tensor, tokens_C: Tensor, vocab_start: int) -> tuple[Tensor, Tensor]:
+    """`logprobs_and_entropy_chunk` with the vocabulary split over megatron's tensor-parallel group: the max, the
+    partition function, the target logit and E_p[logit] are reduced across ranks, never the `[C, V]` logits. The sums
+    go through megatron's reduce-from-TP mapping (all-reduce forward, identity backward), as its cross-entropy does."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_tp
+
+    logits_CV = logits_CV.float()
+    max_C = logits_CV.detach().max(dim=-1).values
+    torch.distributed.all_reduce(
+        max_C, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+    )
+    shifted_CV = logits_CV - max_C[:, None]
+    exp_CV = shifted_CV.exp()
+    sum_exp_C = reduce_tp(exp_CV.sum(dim=-1))
+    local_C = tokens_C.long() - vocab_start
+    inside_C = (local_C >= 0) & (local_C < logits_CV.shape[-1])
+    target_C = shifted_CV.gather(-1, local_C.clamp(0, logits_CV.shape[-1] - 1)[:, None]).squeeze(-1) * inside_C
+    log_z_C = sum_exp_C.log()
+    expected_C = reduce_tp((exp_CV * shifted_CV).sum(dim=-1)) / sum_exp_C
+    return reduce_tp(target_C) - log_z_C, log_z_C - expected_C
 
 
 def approx_kl(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, kl_type: str) -> Tensor:

@@ -1,0 +1,149 @@
+"""One rollout's training on this rank: log-probs of the old policy and the reference model, advantages, then
+`num_steps_per_rollout` optimizer steps over micro-batches, with gradients summed across data-parallel ranks.
+
+Every micro-batch's loss is scaled by its share of the step's trained tokens (or samples, for sequence-level
+aggregation) across all data-parallel ranks, so the summed gradient is that of the loss over the whole global batch,
+whatever the micro-batch and rank sizes.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from services.trainer.advantages import compute_advantages
+from services.trainer.batching import micro_batches, split_steps
+from services.trainer.config import TrainerConfig
+from services.trainer.data import RolloutBatch, input_tensors, response_tensors
+from services.trainer.losses import approx_kl, policy_loss, token_logprobs_and_entropy
+from services.trainer.optimizer import clip_gradients
+
+
+@dataclass
+class Groups:
+    """The process groups a step reduces over (None: a world of one)."""
+
+    dp: object = None
+    tp: object = None
+    tp_rank: int = 0
+    vocab_start: int | None = None  # set when the output layer is split over TP ranks
+
+
+class Actor:
+    def __init__(self, config: TrainerConfig, model, optimizer, scheduler, groups: Groups, ref_model=None):
+        self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
+        self.groups, self.ref_model = groups, ref_model
+        self.device = next(model.parameters()).device
+
+    # Log-probs
+
+    def logprobs(self, model, batch: RolloutBatch, indices: list[int], entropy: bool = False):
+        """`[b, R]` log-probs (and entropies) of the response tokens of samples `indices` under `model`."""
+        inputs = {k: v.to(self.device) for k, v in input_tensors(batch, indices).items()}
+        logits_BLV = model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None)
+        width = max(batch.response_lengths()[i] for i in indices)
+        logprobs, entropies = [], []
+        spans = zip(inputs["prompt_lengths_B"].tolist(), inputs["lengths_B"].tolist(), strict=True)
+        for b, (start, end) in enumerate(spans):
+            rows = logits_BLV[b, start - 1 : end - 1]  # the logits at t predict token t + 1
+            lp, ent = token_logprobs_and_entropy(
+                rows, inputs["tokens_BL"][b, start:end], vocab_start=self.groups.vocab_start
+            )
+            logprobs.append(torch.nn.functional.pad(lp, (0, width - len(lp))))
+            entropies.append(torch.nn.functional.pad(ent, (0, width - len(ent))))
+        return torch.stack(logprobs), (torch.stack(entropies) if entropy else None)
+
+    @torch.no_grad()
+    def full_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
+        """`[B, R]` log-probs of the whole rank's batch (old policy or reference), micro-batch by micro-batch."""
+        width = max(batch.response_lengths())
+        out = torch.zeros(len(batch), width)
+        for indices in self._micro_batches(batch, list(range(len(batch)))):
+            lp, _ = self.logprobs(model, batch, indices)
+            out[indices, : lp.shape[1]] = lp.float().cpu()
+        return out
+
+    # Training
+
+    def train_rollout(self, batch: RolloutBatch) -> list[dict[str, float]]:
+        """Trains on one rollout; returns each optimizer step's metrics."""
+        c = self.config
+        tensors = response_tensors(batch)
+        mask_BR = tensors["loss_mask_BR"]
+        self.model.eval()  # the old policy's log-probs: no dropout
+        old_BR = tensors["rollout_logprobs_BR"] if c.use_rollout_logprobs else self.full_logprobs(self.model, batch)
+        ref_BR = self.full_logprobs(self.ref_model, batch) if self.ref_model is not None else None
+        kl_BR = approx_kl(old_BR, ref_BR, "k1") * mask_BR if ref_BR is not None and c.kl_coef else None
+        advantages_BR, _ = compute_advantages(
+            c.advantage_estimator, batch.rewards_B, mask_BR, group_size=batch.group_size, kl_BT=kl_BR,
+            kl_coef=c.kl_coef, gamma=c.gamma, lambd=c.lambd, disable_std_normalization=c.disable_grpo_std_normalization,
+            normalize_advantages=c.normalize_advantages,
+        )  # fmt: skip
+        per_step = {
+            "old": old_BR,
+            "ref": ref_BR,
+            "adv": advantages_BR,
+            "mask": mask_BR,
+            "rollout": tensors["rollout_logprobs_BR"],
+        }
+        self.model.train()
+        return [
+            self._step(batch, idx, per_step) for idx in split_steps(list(range(len(batch))), c.num_steps_per_rollout)
+        ]
+
+    def _step(self, batch: RolloutBatch, indices: list[int], t: dict) -> dict[str, float]:
+        c = self.config
+        started = time.perf_counter()
+        token_level = c.calculate_per_token_loss
+        units = float(t["mask"][indices].sum()) if token_level else float(len(indices))
+        total = self._all_reduce_dp(torch.tensor(units, dtype=torch.float64))
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for mb in self._micro_batches(batch, indices):
+            logprobs_bR, entropy_bR = self.logprobs(self.model, batch, mb, entropy=True)
+            width = logprobs_bR.shape[1]
+            take = {k: (v[mb, :width].to(self.device) if v is not None else None) for k, v in t.items()}
+            loss, metrics = policy_loss(
+                logprobs_bR, take["mask"], old_logprobs_BT=take["old"], advantages_BT=take["adv"],
+                entropy_BT=entropy_bR, ref_logprobs_BT=take["ref"], rollout_logprobs_BT=take["rollout"],
+                loss_type=c.loss_type, advantage_estimator=c.advantage_estimator, eps_clip=c.eps_clip,
+                eps_clip_high=c.eps_clip_high, eps_clip_c=c.eps_clip_c, entropy_coef=c.entropy_coef,
+                use_kl_loss=c.use_kl_loss, kl_loss_coef=c.kl_loss_coef, kl_loss_type=c.kl_loss_type, use_tis=c.use_tis,
+                tis_clip=c.tis_clip, tis_clip_low=c.tis_clip_low, use_rollout_logprobs=c.use_rollout_logprobs,
+                loss_aggregation="token" if token_level else "sequence",
+            )  # fmt: skip
+            share = (float(take["mask"].sum()) if token_level else float(len(mb))) / float(total)
+            (loss * share).backward()
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * share
+        self._reduce_gradients()
+        grad_norm = clip_gradients(self.model, c.clip_grad, self.groups.tp, self.groups.tp_rank)
+        self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        metrics = {k: float(self._all_reduce_dp(torch.tensor(v, dtype=torch.float64))) for k, v in sums.items()}
+        tokens = self._all_reduce_dp(torch.tensor(float(sum(batch.lengths()[i] for i in indices)), dtype=torch.float64))
+        elapsed = time.perf_counter() - started
+        return {**metrics, "grad_norm": grad_norm, "lr": lr, "tokens": float(tokens), "step_time": elapsed,
+                "tokens_per_s": float(tokens) / elapsed}  # fmt: skip
+
+    def _micro_batches(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
+        c = self.config
+        lengths = [batch.lengths()[i] for i in indices]
+        max_tokens = c.max_tokens_per_gpu if c.use_dynamic_batch_size else None
+        return [[indices[j] for j in mb] for mb in micro_batches(lengths, c.micro_batch_size, max_tokens)]
+
+    def _reduce_gradients(self) -> None:
+        """Sums gradients over data-parallel ranks (each micro-batch loss is already scaled by its global share)."""
+        if self.groups.dp is None or dist.get_world_size(self.groups.dp) == 1:
+            return
+        for param in self.model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=self.groups.dp)
+
+    def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
+        if self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1:
+            value = value.to(self.device)
+            dist.all_reduce(value, group=self.groups.dp)
+        return value.cpu()

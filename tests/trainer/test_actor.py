@@ -1,0 +1,78 @@
+"""The actor's step on a small torch language model (the Megatron model is tested in test_models.py): gradients do
+not depend on how a step is cut into micro-batches, and a few GRPO steps on a fixed batch raise the log-probs of the
+rewarded responses and lower the loss."""
+
+import copy
+
+import pytest
+import torch
+
+from services.trainer.actor import Actor, Groups
+from services.trainer.config import TrainerConfig
+from services.trainer.data import from_groups
+from services.trainer.optimizer import build_optimizer, build_scheduler
+from tests.trainer.test_data import _group
+
+
+class TinyLM(torch.nn.Module):
+    """A test fixture with GPTModel's call signature: logits `[B, L, V]` from token ids."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, position_ids, attention_mask=None):
+        h = self.embed(input_ids)
+        h = torch.cumsum(h, dim=1) / (position_ids[..., None] + 1)  # a causal mix of the prefix
+        return self.head(torch.tanh(self.mix(h)))
+
+
+def _batch():
+    groups = [
+        _group("g0", [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]], [1.0, 0.0, 0.0, 1.0]),
+        _group("g1", [[3, 3], [11, 12, 13], [2], [5, 5, 5]], [0.0, 1.0, 1.0, 0.0]),
+    ]
+    return from_groups(groups, 4)
+
+
+def _actor(**settings) -> Actor:
+    config = TrainerConfig(**{"rollout_batch_size": 2, "n_samples_per_prompt": 4, "global_batch_size": 8, "lr": 1e-2,
+                              "clip_grad": 0.0, **settings})  # fmt: skip
+    model = TinyLM()
+    optimizer = build_optimizer(model, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8)
+    scheduler = build_scheduler(optimizer, 0, None, "constant", config.lr, 0.0)
+    return Actor(config, model, optimizer, scheduler, Groups())
+
+
+@pytest.mark.parametrize("aggregation", [True, False])
+def test_gradients_do_not_depend_on_micro_batching(aggregation):
+    grads = []
+    for settings in (
+        {"micro_batch_size": 1},
+        {"micro_batch_size": 4},
+        {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 12},
+    ):
+        actor = _actor(calculate_per_token_loss=aggregation, **settings)
+        actor.train_rollout(_batch())
+        grads.append([p.grad.clone() for p in actor.model.parameters()])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_grpo_steps_raise_the_rewarded_responses_and_lower_the_loss():
+    actor = _actor(micro_batch_size=2, use_rollout_logprobs=True, eps_clip=10.0)
+    batch = _batch()
+    before = actor.full_logprobs(copy.deepcopy(actor.model), batch)
+    batch.rollout_logprobs = [before[i, : len(m)].numpy() for i, m in enumerate(batch.loss_masks)]  # a fixed old policy
+    losses = [actor.train_rollout(batch)[0]["loss"] for _ in range(5)]
+    after = actor.full_logprobs(actor.model, batch)
+    mask = torch.tensor([len(r) for r in batch.loss_masks])
+    change = [(after[i, : mask[i]] - before[i, : mask[i]]).sum().item() for i in range(len(batch))]
+    rewarded = [i for i, r in enumerate(batch.rewards_B.tolist()) if r == 1.0]
+    assert all(change[i] > 0 for i in rewarded)
+    assert all(change[i] < 0 for i in range(len(batch)) if i not in rewarded)
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0]
