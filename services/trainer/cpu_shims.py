@@ -1,0 +1,44 @@
+"""Every shim that lets megatron-core 0.16.1 build and run a GPTModel on a machine without CUDA, in one place.
+
+The trainer runs the same Megatron code on the 2-core CPU test machines as on GPUs; megatron-core assumes CUDA in a
+few spots, and this module is the only place that papers over them. On a CUDA machine every function here is a no-op.
+What is *not* shimmed: `get_megatron_optimizer` and the pipeline schedules (they call `.cuda()` and
+`device="cuda"` directly); on CPU the trainer uses torch's AdamW and a plain micro-batch loop instead.
+"""
+
+import torch
+
+_applied = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _current_device_cpu() -> str:
+    # Megatron allocates its buffers with `device=torch.cuda.current_device()`; answering "cpu" puts them in RAM.
+    return "cpu"
+
+
+def apply_cpu_shims() -> None:
+    """Patches `torch.cuda.current_device` to return "cpu" when CUDA is absent. Idempotent; no-op on CUDA."""
+    global _applied
+    if _applied or cuda_available():
+        return
+    torch.cuda.current_device = _current_device_cpu
+    _applied = True
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seeds megatron's tensor-parallel RNG tracker.
+
+    On CPU the tracker is the inference one: the training tracker snapshots and restores CUDA RNG states
+    (`torch.cuda.get_rng_state`), which do not exist without CUDA. Its `fork()` is then a no-op, so dropout inside
+    tensor-parallel regions is not decorrelated across ranks on CPU; the supported models use no dropout.
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=not cuda_available(), force_reset_rng=True
+    )

@@ -1,0 +1,98 @@
+"""Brings up (and tears down) the process groups the trainer's Megatron model lives in: torch.distributed from the
+torchrun environment (gloo on CPU, nccl on GPU), then megatron's tensor/pipeline-parallel groups."""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from services.trainer.cpu_shims import apply_cpu_shims, cuda_available, seed_model_parallel_rng
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this process sits: its global rank, the world size, and its tensor-parallel rank and size."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    device: torch.device
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_s: float = 600) -> ParallelInfo:
+    """Initialises torch.distributed from torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a single process
+    without them becomes a world of one) and megatron's model-parallel groups. Idempotent per process."""
+    from megatron.core import parallel_state
+
+    apply_cpu_shims()
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    if world_size % (tp_size * pp_size) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor-parallel size {tp_size} times pipeline-parallel size "
+            f"{pp_size}; launch a multiple of {tp_size * pp_size} processes"
+        )
+    if cuda_available():
+        local_rank = _env_int("LOCAL_RANK", rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if cuda_available() else "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if cuda_available() else None,
+            store=_rendezvous_store(world_size),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size,
+            pipeline_model_parallel_size=pp_size,
+            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        )
+    initialised = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    if initialised != (tp_size, pp_size):
+        raise ValueError(
+            f"model parallelism is already initialised as (TP, PP) = {initialised}, not {(tp_size, pp_size)}"
+        )
+    seed_model_parallel_rng(seed)
+    return ParallelInfo(
+        rank=rank,
+        world_size=world_size,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        device=device,
+    )
+
+
+def destroy_parallel() -> None:
+    """Tears down megatron's groups and the default process group, so a process can initialise again."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rendezvous_store(world_size: int) -> "dist.Store | None":
+    """None (torch's env:// rendezvous) under torchrun; an in-memory store for a lone process started without it,
+    so tests and single-process tools need no port."""
+    if "MASTER_ADDR" in os.environ:
+        return None
+    if world_size > 1:
+        raise ValueError(f"WORLD_SIZE is {world_size} but MASTER_ADDR is unset; launch the trainer with torchrun")
+    return dist.HashStore()
