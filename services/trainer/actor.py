@@ -28,6 +28,7 @@ class Groups:
     tp: object = None
     tp_rank: int = 0
     vocab_start: int | None = None  # set when the output layer is split over TP ranks
+    vocab_size: int | None = None  # the real vocabulary: Megatron pads the output layer beyond it
 
 
 class Actor:
@@ -37,6 +38,13 @@ class Actor:
         self.device = next(model.parameters()).device
 
     # Log-probs
+
+    @property
+    def _num_valid(self) -> int | None:
+        """How many of this rank's output columns are real vocabulary (the rest is Megatron's padding)."""
+        if self.groups.vocab_size is None:
+            return None
+        return max(0, self.groups.vocab_size - (self.groups.vocab_start or 0))
 
     def logprobs(self, model, batch: RolloutBatch, indices: list[int], entropy: bool = False):
         """`[b, R]` log-probs (and entropies) of the response tokens of samples `indices` under `model`."""
@@ -48,7 +56,7 @@ class Actor:
         for b, (start, end) in enumerate(spans):
             rows = logits_BLV[b, start - 1 : end - 1]  # the logits at t predict token t + 1
             lp, ent = token_logprobs_and_entropy(
-                rows, inputs["tokens_BL"][b, start:end], vocab_start=self.groups.vocab_start
+                rows, inputs["tokens_BL"][b, start:end], vocab_start=self.groups.vocab_start, num_valid=self._num_valid
             )
             logprobs.append(torch.nn.functional.pad(lp, (0, width - len(lp))))
             entropies.append(torch.nn.functional.pad(ent, (0, width - len(ent))))

@@ -23,7 +23,11 @@ LOW_VAR_KL_BOUND = 10.0  # slime clamps low_var_kl to [-10, 10]: one token far o
 
 
 def token_logprobs_and_entropy(
-    logits_TV: Tensor, tokens_T: Tensor, chunk_size: int = 1024, vocab_start: int | None = None
+    logits_TV: Tensor,
+    tokens_T: Tensor,
+    chunk_size: int = 1024,
+    vocab_start: int | None = None,
+    num_valid: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Float32 log-prob of `tokens_T[t]` under `logits_TV[t]` and the entropy of that row's distribution, `[T]` each.
 
@@ -31,16 +35,17 @@ def token_logprobs_and_entropy(
     one chunk of rows at a time: each chunk is upcast on its own, and under autograd it is recomputed in the backward
     pass instead of being kept, so peak extra memory is one `[chunk_size, V]` float32 block, not `[T, V]`. The
     per-chunk math is `logprobs_and_entropy_chunk`; with `vocab_start` set, the logits are this tensor-parallel rank's
-    vocabulary columns `[vocab_start, vocab_start + V)` and `vocab_parallel_chunk` reduces over the TP group.
+    vocabulary columns `[vocab_start, vocab_start + V)` and `vocab_parallel_chunk` reduces over the TP group. Columns
+    from `num_valid` on (Megatron's vocabulary padding) take no probability.
     """
     if logits_TV.dim() != 2 or tokens_T.shape != logits_TV.shape[:1]:
         raise ValueError(f"logits_TV {tuple(logits_TV.shape)} and tokens_T {tuple(tokens_T.shape)} must be [T, V], [T]")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     recompute = torch.is_grad_enabled() and logits_TV.requires_grad
-    chunk_fn = logprobs_and_entropy_chunk
+    chunk_fn = functools.partial(logprobs_and_entropy_chunk, num_valid=num_valid)
     if vocab_start is not None:
-        chunk_fn = functools.partial(vocab_parallel_chunk, vocab_start=vocab_start)
+        chunk_fn = functools.partial(vocab_parallel_chunk, vocab_start=vocab_start, num_valid=num_valid)
     logprobs, entropies = [], []
     for logits_CV, tokens_C in zip(logits_TV.split(chunk_size), tokens_T.split(chunk_size), strict=True):
         if recompute:
@@ -55,21 +60,34 @@ def token_logprobs_and_entropy(
     return torch.cat(logprobs), torch.cat(entropies)
 
 
-def logprobs_and_entropy_chunk(logits_CV: Tensor, tokens_C: Tensor) -> tuple[Tensor, Tensor]:
+def _float_logits(logits_CV: Tensor, num_valid: int | None) -> Tensor:
+    """The chunk in float32, with padding columns at a very negative (finite: 0 * it stays 0) logit."""
+    logits_CV = logits_CV.float()
+    if num_valid is not None and num_valid < logits_CV.shape[-1]:
+        padding = torch.arange(logits_CV.shape[-1], device=logits_CV.device) >= num_valid
+        logits_CV = logits_CV.masked_fill(padding, -1e9)
+    return logits_CV
+
+
+def logprobs_and_entropy_chunk(
+    logits_CV: Tensor, tokens_C: Tensor, num_valid: int | None = None
+) -> tuple[Tensor, Tensor]:
     """One chunk: log p(token) and -sum p log p per row, in float32 whatever the logits' dtype."""
-    logp_CV = F.log_softmax(logits_CV.float(), dim=-1)
+    logp_CV = F.log_softmax(_float_logits(logits_CV, num_valid), dim=-1)
     entropy_C = -(logp_CV.exp() * logp_CV).sum(dim=-1)
     return logp_CV.gather(-1, tokens_C[:, None].long()).squeeze(-1), entropy_C
 
 
-def vocab_parallel_chunk(logits_CV: Tensor, tokens_C: Tensor, vocab_start: int) -> tuple[Tensor, Tensor]:
+def vocab_parallel_chunk(
+    logits_CV: Tensor, tokens_C: Tensor, vocab_start: int, num_valid: int | None = None
+) -> tuple[Tensor, Tensor]:
     """`logprobs_and_entropy_chunk` with the vocabulary split over megatron's tensor-parallel group: the max, the
     partition function, the target logit and E_p[logit] are reduced across ranks, never the `[C, V]` logits. The sums
     go through megatron's reduce-from-TP mapping (all-reduce forward, identity backward), as its cross-entropy does."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_tp
 
-    logits_CV = logits_CV.float()
+    logits_CV = _float_logits(logits_CV, num_valid)
     max_C = logits_CV.detach().max(dim=-1).values
     torch.distributed.all_reduce(
         max_C, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()

@@ -14,7 +14,8 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
         if param.requires_grad:
             (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    fused = all(p.is_cuda for p in decay + no_decay)  # one kernel for all parameters instead of one per tensor
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
 
 
 def lr_factor(step: int, warmup: int, decay_steps: int | None, style: str, min_ratio: float) -> float:

@@ -1,0 +1,173 @@
+"""The RL training step — log-probs of the sampled tokens, policy loss, backward, optimizer step — of the trainer
+(Megatron-core GPTModel, SDPA attention, chunked log-probs, `services.trainer.actor`) against HF transformers (sdpa)
+doing the same step on the same random model, batch and device, in the same run.
+
+Each step trains `--micro-batches` sequences of `--seq-len` tokens (the first `--prompt-len` are the prompt, the
+rest the response that is trained on); both sides compute the same PPO-clip loss (`services.trainer.losses`) and
+use AdamW on bf16 parameters. Tokens/s counts all tokens of the step; MFU uses the PaLM count, 6·N + 12·L·H·Q·S
+FLOPs per token, against the GPU's dense bf16 peak.
+
+Run (GPU):  python bench/trainer_step.py --shape qwen3-1.7b
+Run (CPU, a tiny model, to check the script): .venv/bin/python bench/trainer_step.py --shape tiny --seq-len 64
+"""
+
+import argparse
+import gc
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # Qwen3-1.7B's layers with an untied output layer (2.03 B parameters)
+    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=6144, vocab_size=151936),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=512),
+}  # fmt: skip
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4}
+
+
+def write_model(path: Path, shape: dict, device: str) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**shape, tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
+                         rms_norm_eps=1e-6, torch_dtype="bfloat16")  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def batch(args, vocab: int, device: str):
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (args.micro_batches, args.seq_len), generator=gen)
+    response = args.seq_len - args.prompt_len
+    old = -torch.rand(args.micro_batches, response, generator=gen) * 3  # an old policy's log-probs
+    adv = torch.randn(args.micro_batches, response, generator=gen)
+    return tokens.to(device), old.to(device), adv.to(device)
+
+
+def loss_of(logprobs, old, adv):
+    from services.trainer.losses import policy_loss
+
+    mask = torch.ones_like(logprobs)
+    return policy_loss(logprobs, mask, old_logprobs_BT=old, advantages_BT=adv)[0]
+
+
+def time_steps(step, args) -> float:
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return (time.perf_counter() - started) / args.steps
+
+
+def run_hf(path: Path, args, device: str) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    tokens, old, adv = batch(args, model.config.vocab_size, device)
+    p = args.prompt_len
+
+    def step():
+        for i in range(args.micro_batches):
+            ids = tokens[i : i + 1]
+            logits = model(input_ids=ids).logits[:, p - 1 : -1]
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, p:, None]).squeeze(-1)
+            loss_of(logprobs, old[i : i + 1], adv[i : i + 1]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return time_steps(step, args)
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def run_megatron(path: Path, args, device: str, compile_layers: bool) -> float:
+    from services.trainer.actor import Actor, Groups
+    from services.trainer.config import TrainerConfig
+    from services.trainer.data import RolloutBatch
+    from services.trainer.models import load_gpt_model
+    from services.trainer.optimizer import build_optimizer, build_scheduler
+    from services.trainer.parallel import init_parallel
+
+    init_parallel(1, 1)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, gpt = load_gpt_model(path, dtype=dtype)
+    if compile_layers:
+        for layer in model.decoder.layers:
+            layer.compile()
+    n = args.micro_batches
+    config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=n, global_batch_size=n, micro_batch_size=1,
+                           lr=1e-6, clip_grad=0.0, eps_clip=0.2)  # fmt: skip
+    optimizer = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    scheduler = build_scheduler(optimizer, 0, None, "constant", 1e-6, 0.0)
+    actor = Actor(config, model, optimizer, scheduler, Groups(vocab_size=gpt.shape.vocab_size))
+    tokens, old, adv = batch(args, gpt.shape.vocab_size, "cpu")
+    response = args.seq_len - args.prompt_len
+    rollout = RolloutBatch(
+        tokens=list(tokens.numpy()), prompt_lengths=[args.prompt_len] * n,
+        loss_masks=[torch.ones(response).numpy()] * n, rollout_logprobs=list(old.numpy()),
+        rewards_B=torch.zeros(n), group_size=n, sample_ids=[str(i) for i in range(n)],
+    )  # fmt: skip
+    tensors = {"old": old, "ref": None, "adv": adv, "mask": torch.ones(n, response), "rollout": old}
+    model.train()
+    return time_steps(lambda: actor._step(rollout, list(range(n)), tensors), args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-1.7b")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also time the trainer with torch.compile'd layers")
+    args = parser.parse_args()
+    args.prompt_len = min(args.prompt_len, args.seq_len // 2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(Path(tmp), shape, device)
+        results = [("HF transformers (sdpa)", run_hf(Path(tmp), args, device))]
+        free_memory()
+        results.append(("slipstream trainer (Megatron-core + SDPA)", run_megatron(Path(tmp), args, device, False)))
+        free_memory()
+        if args.compile:
+            results.append(("slipstream trainer, compiled layers", run_megatron(Path(tmp), args, device, True)))
+    report(results, args, shape, device)
+
+
+def report(results, args, shape: dict, device: str) -> None:
+    h, layers, v, q = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"], shape["head_dim"]
+    heads, kv, ffn = shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"]
+    params = 2 * v * h + layers * (h * q * (2 * heads + 2 * kv) + 3 * h * ffn)
+    flops_per_token = 6 * params + 12 * layers * heads * q * args.seq_len
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    peak = next((p for key, p in PEAK_TFLOPS.items() if key in name), None)
+    tokens = args.micro_batches * args.seq_len
+    print(f"\n{args.shape} ({params / 1e9:.2f} B params), {args.micro_batches} x {args.seq_len} tokens per step, "
+          f"bf16, AdamW; {name}")  # fmt: skip
+    print("path | step s | tokens/s | vs HF | MFU")
+    print("--- | --- | --- | --- | ---")
+    base = tokens / results[0][1]
+    for label, seconds in results:
+        rate = tokens / seconds
+        mfu = f"{rate * flops_per_token / (peak * 1e12):.1%}" if peak else "n/a"
+        print(f"{label} | {seconds:.3f} | {rate:,.0f} | {rate / base:.2f}x | {mfu}")
+    print(f"\nReproduce: python bench/trainer_step.py --shape {args.shape} --seq-len {args.seq_len} "
+          f"--micro-batches {args.micro_batches}{' --compile' if args.compile else ''}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
