@@ -55,9 +55,15 @@ def loss_of(logprobs, old, adv):
     return policy_loss(logprobs, mask, old_logprobs_BT=old, advantages_BT=adv)[0]
 
 
-def time_steps(step, args) -> float:
+def time_steps(step, args, label: str = "") -> float:
     for _ in range(args.warmup):
         step()
+    if args.profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(f"\n== {label}: top kernels of one step ==")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     started = time.perf_counter()
     for _ in range(args.steps):
@@ -84,7 +90,7 @@ def run_hf(path: Path, args, device: str) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return time_steps(step, args)
+    return time_steps(step, args, "HF")
 
 
 def free_memory() -> None:
@@ -92,7 +98,7 @@ def free_memory() -> None:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
-def run_megatron(path: Path, args, device: str, compile_layers: bool) -> float:
+def run_megatron(path: Path, args, device: str, compile_layers: bool = False, max_tokens: int | None = None) -> float:
     from services.trainer.actor import Actor, Groups
     from services.trainer.config import TrainerConfig
     from services.trainer.data import RolloutBatch
@@ -108,7 +114,8 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool) -> float:
             layer.compile()
     n = args.micro_batches
     config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=n, global_batch_size=n, micro_batch_size=1,
-                           lr=1e-6, clip_grad=0.0, eps_clip=0.2)  # fmt: skip
+                           lr=1e-6, clip_grad=0.0, eps_clip=0.2, use_dynamic_batch_size=max_tokens is not None,
+                           max_tokens_per_gpu=max_tokens)  # fmt: skip
     optimizer = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     scheduler = build_scheduler(optimizer, 0, None, "constant", 1e-6, 0.0)
     actor = Actor(config, model, optimizer, scheduler, Groups(vocab_size=gpt.shape.vocab_size))
@@ -121,7 +128,8 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool) -> float:
     )  # fmt: skip
     tensors = {"old": old, "ref": None, "adv": adv, "mask": torch.ones(n, response), "rollout": old}
     model.train()
-    return time_steps(lambda: actor._step(rollout, list(range(n)), tensors), args)
+    label = f"trainer{' compiled' if compile_layers else ''}{f' {max_tokens} tokens' if max_tokens else ''}"
+    return time_steps(lambda: actor._step(rollout, list(range(n)), tensors), args, label)
 
 
 def main() -> None:
@@ -133,6 +141,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also time the trainer with torch.compile'd layers")
+    parser.add_argument("--max-tokens-per-gpu", type=int, help="also time the trainer with dynamic micro-batches")
+    parser.add_argument("--profile", action="store_true", help="print each path's top GPU kernels")
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,10 +151,17 @@ def main() -> None:
         write_model(Path(tmp), shape, device)
         results = [("HF transformers (sdpa)", run_hf(Path(tmp), args, device))]
         free_memory()
-        results.append(("slipstream trainer (Megatron-core + SDPA)", run_megatron(Path(tmp), args, device, False)))
+        results.append(("slipstream trainer (Megatron-core + SDPA)", run_megatron(Path(tmp), args, device)))
         free_memory()
+        if args.max_tokens_per_gpu:
+            label = f"slipstream trainer, --max-tokens-per-gpu {args.max_tokens_per_gpu}"
+            results.append((label, run_megatron(Path(tmp), args, device, max_tokens=args.max_tokens_per_gpu)))
+            free_memory()
         if args.compile:
-            results.append(("slipstream trainer, compiled layers", run_megatron(Path(tmp), args, device, True)))
+            label = "slipstream trainer, compiled layers" + (
+                f", --max-tokens-per-gpu {args.max_tokens_per_gpu}" if args.max_tokens_per_gpu else ""
+            )
+            results.append((label, run_megatron(Path(tmp), args, device, True, args.max_tokens_per_gpu)))
     report(results, args, shape, device)
 
 
@@ -166,7 +183,8 @@ def report(results, args, shape: dict, device: str) -> None:
         mfu = f"{rate * flops_per_token / (peak * 1e12):.1%}" if peak else "n/a"
         print(f"{label} | {seconds:.3f} | {rate:,.0f} | {rate / base:.2f}x | {mfu}")
     print(f"\nReproduce: python bench/trainer_step.py --shape {args.shape} --seq-len {args.seq_len} "
-          f"--micro-batches {args.micro_batches}{' --compile' if args.compile else ''}")  # fmt: skip
+          f"--micro-batches {args.micro_batches}{' --compile' if args.compile else ''}"
+          f"{f' --max-tokens-per-gpu {args.max_tokens_per_gpu}' if args.max_tokens_per_gpu else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":
