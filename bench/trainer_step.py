@@ -109,13 +109,10 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
     init_parallel(1, 1)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, gpt = load_gpt_model(path, dtype=dtype)
-    if compile_layers:
-        for layer in model.decoder.layers:
-            layer.compile()
     n = args.micro_batches
     config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=n, global_batch_size=n, micro_batch_size=1,
                            lr=1e-6, clip_grad=0.0, eps_clip=0.2, use_dynamic_batch_size=max_tokens is not None,
-                           max_tokens_per_gpu=max_tokens)  # fmt: skip
+                           max_tokens_per_gpu=max_tokens, compile_model=compile_layers)  # fmt: skip
     optimizer = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     scheduler = build_scheduler(optimizer, 0, None, "constant", 1e-6, 0.0)
     actor = Actor(config, model, optimizer, scheduler, Groups(vocab_size=gpt.shape.vocab_size))
@@ -158,7 +155,7 @@ def main() -> None:
             results.append((label, run_megatron(Path(tmp), args, device, max_tokens=args.max_tokens_per_gpu)))
             free_memory()
         if args.compile:
-            label = "slipstream trainer, compiled layers" + (
+            label = "slipstream trainer, --compile-model" + (
                 f", --max-tokens-per-gpu {args.max_tokens_per_gpu}" if args.max_tokens_per_gpu else ""
             )
             results.append((label, run_megatron(Path(tmp), args, device, True, args.max_tokens_per_gpu)))

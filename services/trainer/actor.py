@@ -36,6 +36,9 @@ class Actor:
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups, self.ref_model = groups, ref_model
         self.device = next(model.parameters()).device
+        if config.compile_model:
+            for layer in getattr(getattr(model, "decoder", None), "layers", []):
+                layer.compile()
 
     # Log-probs
 
@@ -56,8 +59,9 @@ class Actor:
         for b, (start, end) in enumerate(spans):
             rows = logits_BLV[b, start - 1 : end - 1]  # the logits at t predict token t + 1
             lp, ent = token_logprobs_and_entropy(
-                rows, inputs["tokens_BL"][b, start:end], vocab_start=self.groups.vocab_start, num_valid=self._num_valid
-            )
+                rows, inputs["tokens_BL"][b, start:end], self.config.log_probs_chunk_size, self.groups.vocab_start,
+                self._num_valid, compiled=self.config.compile_model,
+            )  # fmt: skip
             logprobs.append(torch.nn.functional.pad(lp, (0, width - len(lp))))
             entropies.append(torch.nn.functional.pad(ent, (0, width - len(ent))))
         return torch.stack(logprobs), (torch.stack(entropies) if entropy else None)

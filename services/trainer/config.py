@@ -40,6 +40,11 @@ class TrainerConfig(ServiceConfig):
     """Recompute each layer's activations in the backward pass instead of keeping them."""
     bf16: bool = False
     """Train in bfloat16 (on GPU)."""
+    compile_model: bool = False
+    """torch.compile the decoder layers and the log-prob chunks (fuses norms, rotary embeddings, activations and the
+    log-softmax; worth it on GPU: see docs/BENCHMARKS.md)."""
+    log_probs_chunk_size: int = Field(4096, ge=1)
+    """Response tokens whose full-vocabulary log-softmax is formed at once."""
     seed: int = 1234
     """Seed of initialisation, dropout and data order."""
 

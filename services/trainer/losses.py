@@ -28,6 +28,7 @@ def token_logprobs_and_entropy(
     chunk_size: int = 1024,
     vocab_start: int | None = None,
     num_valid: int | None = None,
+    compiled: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Float32 log-prob of `tokens_T[t]` under `logits_TV[t]` and the entropy of that row's distribution, `[T]` each.
 
@@ -36,14 +37,15 @@ def token_logprobs_and_entropy(
     pass instead of being kept, so peak extra memory is one `[chunk_size, V]` float32 block, not `[T, V]`. The
     per-chunk math is `logprobs_and_entropy_chunk`; with `vocab_start` set, the logits are this tensor-parallel rank's
     vocabulary columns `[vocab_start, vocab_start + V)` and `vocab_parallel_chunk` reduces over the TP group. Columns
-    from `num_valid` on (Megatron's vocabulary padding) take no probability.
+    from `num_valid` on (Megatron's vocabulary padding) take no probability. `compiled` runs the chunk math through
+    torch.compile, which fuses the upcast, softmax, gather and entropy into a few passes over the chunk.
     """
     if logits_TV.dim() != 2 or tokens_T.shape != logits_TV.shape[:1]:
         raise ValueError(f"logits_TV {tuple(logits_TV.shape)} and tokens_T {tuple(tokens_T.shape)} must be [T, V], [T]")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     recompute = torch.is_grad_enabled() and logits_TV.requires_grad
-    chunk_fn = functools.partial(logprobs_and_entropy_chunk, num_valid=num_valid)
+    chunk_fn = functools.partial(_compiled_chunk() if compiled else logprobs_and_entropy_chunk, num_valid=num_valid)
     if vocab_start is not None:
         chunk_fn = functools.partial(vocab_parallel_chunk, vocab_start=vocab_start, num_valid=num_valid)
     logprobs, entropies = [], []
@@ -58,6 +60,11 @@ def token_logprobs_and_entropy(
         empty_T = logits_TV.new_zeros(0, dtype=torch.float32)
         return empty_T, empty_T
     return torch.cat(logprobs), torch.cat(entropies)
+
+
+@functools.cache
+def _compiled_chunk():
+    return torch.compile(logprobs_and_entropy_chunk, dynamic=True)
 
 
 def _float_logits(logits_CV: Tensor, num_valid: int | None) -> Tensor:
