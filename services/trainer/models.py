@@ -7,6 +7,7 @@ log-probabilities out of vocab-parallel logits, ignoring the vocab padding Megat
 """
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -337,16 +338,21 @@ def load_hf_weights(model: GPTModel, config: GPTConfig, weights: Mapping[str, to
 
 
 def load_gpt_model(
-    hf_dir: str | Path, dtype: torch.dtype = torch.float32, parallel_output: bool = True
+    hf_dir: str | Path, dtype: torch.dtype = torch.float32, parallel_output: bool = True, **transformer_settings
 ) -> tuple[GPTModel, GPTConfig]:
     """Builds the GPTModel for an HF checkpoint directory at the tensor/pipeline parallelism megatron was
-    initialised with (`parallel.init_parallel`) and loads this rank's shards of the weights."""
+    initialised with (`parallel.init_parallel`) and loads this rank's shards of the weights. `transformer_settings`
+    override TransformerConfig fields (sequence_parallel, recompute_granularity, …)."""
     config = gpt_config_from_hf(
         read_hf_config(hf_dir),
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         dtype=dtype,
     )
+    if transformer_settings:
+        config = dataclasses.replace(
+            config, transformer=dataclasses.replace(config.transformer, **transformer_settings)
+        )
     model = build_gpt_model(config, parallel_output=parallel_output)
     # The torch norms of the local spec are built on CPU in float32 whatever params_dtype says.
     model.to(device=torch.cuda.current_device() if cuda_available() else "cpu", dtype=dtype)

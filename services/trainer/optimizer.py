@@ -8,14 +8,52 @@ import torch.distributed as dist
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
-    """AdamW; norms and biases take no weight decay (as Megatron does)."""
+    """AdamW; norms and biases take no weight decay (as Megatron does). Parameters in bf16/fp16 get float32 master
+    weights (`MasterAdamW`): an update of lr 1e-6 is far below bf16's resolution and would be lost."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = all(p.is_cuda for p in decay + no_decay)  # one kernel for all parameters instead of one per tensor
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+    fused = all(p.is_cuda for p in decay + no_decay) or None  # one kernel for all parameters instead of one per tensor
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in decay + no_decay):
+        return MasterAdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """AdamW on float32 copies of low-precision parameters: gradients are copied up before the step and the updated
+    weights copied down after it. The masters are part of the state dict, so a resume continues exactly."""
+
+    def __init__(self, groups: list[dict], **settings):
+        self.model_params = [p for g in groups for p in g["params"]]
+        masters = [{**g, "params": [p.detach().float().clone() for p in g["params"]]} for g in groups]
+        super().__init__(masters, **settings)
+        self.masters = [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for param, master in zip(self.model_params, self.masters, strict=True):
+            master.grad = None if param.grad is None else param.grad.float()
+        super().step()
+        for param, master in zip(self.model_params, self.masters, strict=True):
+            param.copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.model_params:
+            param.grad = None
+        super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "masters": [m.detach().clone() for m in self.masters]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        for master, param, saved in zip(self.masters, self.model_params, state.pop("masters"), strict=True):
+            master.copy_(saved)
+            param.copy_(saved)
+        super().load_state_dict(state)
 
 
 def lr_factor(step: int, warmup: int, decay_steps: int | None, style: str, min_ratio: float) -> float:

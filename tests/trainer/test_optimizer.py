@@ -40,3 +40,19 @@ def test_clipping_scales_to_the_norm():
     model.weight.grad = torch.tensor([[0.3, 0.4]])
     assert clip_gradients(model, max_norm=1.0) == pytest.approx(0.5)
     assert model.weight.grad[0].tolist() == pytest.approx([0.3, 0.4])
+
+
+def test_bf16_parameters_keep_float32_masters_so_small_updates_add_up():
+    model = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    start = model.weight.detach().float().clone()
+    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    for _ in range(50):
+        model.weight.grad = torch.ones_like(model.weight)
+        optimizer.step()
+    moved = (optimizer.masters[0] - start).abs().mean().item()
+    assert moved == pytest.approx(50 * 1e-5, rel=0.05)  # each step moves by ~lr, far below bf16's resolution near 1
+    assert torch.equal(model.weight, optimizer.masters[0].to(torch.bfloat16))
+    saved = optimizer.state_dict()
+    other = build_optimizer(torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16), 1e-5, 0.0, (0.9, 0.999), 1e-8)
+    other.load_state_dict(saved)
+    assert torch.equal(other.masters[0], optimizer.masters[0])
