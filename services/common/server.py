@@ -55,6 +55,7 @@ class Service:
     servicers: list[Servicer]
     ready: Callable[[], Awaitable[None]] | None = None  # runs after the port is bound, before health says SERVING
     on_stop: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
+    finished: asyncio.Future | None = None  # a service that ends by itself (the trainer) resolves it; an error fails it
 
 
 def grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
@@ -179,7 +180,12 @@ async def _serve(build: Build, config: ServiceConfig) -> int:
     server = GrpcServer(service)
     try:
         await server.start()
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait())]
+        if service.finished is not None:
+            waits.append(service.finished)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if service.finished is not None and service.finished.done() and service.finished.exception() is not None:
+            raise StartupError(f"{service.name} failed: {service.finished.exception()}")
     finally:
         await server.stop()
     return 0

@@ -1,5 +1,8 @@
-"""`slipstream trainer`: runs the trainer service."""
+"""`slipstream trainer`: the trainer. One process, or every rank under torchrun
+(`torchrun --nproc-per-node 4 -m services.trainer --config run.yaml`): rank 0 serves the control surface, the other
+ranks run the training loop only."""
 
+import os
 import sys
 
 from services.common.server import main_for
@@ -8,7 +11,16 @@ from services.trainer.server import build
 
 
 def main(argv: list[str] | None = None) -> int:
-    return main_for("trainer", TrainerConfig, build, argv)
+    if int(os.environ.get("RANK", "0")) == 0:
+        return main_for("trainer", TrainerConfig, build, argv)
+    from services.common.config import load_config
+    from services.common.logs import setup_logging
+    from services.trainer.loop import Trainer
+
+    config = load_config(TrainerConfig, argv, prog="slipstream trainer")
+    setup_logging(config.log_level, config.log_format)
+    Trainer(config).run()
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,209 @@
+"""The trainer's main loop, on every rank: build the model (and the frozen reference), resume, then for each step
+take this data-parallel rank's part of the batch from the buffer, train on it, commit the step, and save on the
+interval. Rank 0 also answers the control surface (`TrainerService`); its requests reach every rank at the next step
+boundary, so a save or a stop is collective."""
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from services.common.clients import open_channel
+from services.trainer import checkpoint
+from services.trainer.actor import Actor, Groups
+from services.trainer.config import TrainerConfig
+from services.trainer.data import from_groups
+from services.trainer.optimizer import build_optimizer, build_scheduler
+from slipstream.v1 import buffer_pb2, buffer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+BATCH_WAIT_S = 60.0
+BATCH_POLL_S = 2.0  # how long rank 0 waits for a batch before it looks at control requests again
+
+
+@dataclass
+class Control:
+    """What rank 0's control surface asks for, and what it reports. Written by the gRPC thread, read by the loop."""
+
+    stop: bool = False
+    save_after_stop: bool = False
+    save_now: str | None = None  # a folder ("" for --save)
+    phase: str = "starting"
+    step: int = 0
+    policy_version: int = 0
+    world_size: int = 1
+    last_metrics: dict = field(default_factory=dict)
+    saved: list = field(default_factory=list)  # (path, step) of every save, newest last
+
+
+class Trainer:
+    def __init__(self, config: TrainerConfig, control: Control | None = None):
+        from megatron.core import parallel_state
+
+        from services.trainer.models import load_gpt_model
+        from services.trainer.parallel import init_parallel
+
+        self.config, self.control = config, control or Control()
+        self.info = init_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed)
+        dtype = torch.bfloat16 if config.bf16 else torch.float32
+        settings = {"sequence_parallel": config.sequence_parallel}
+        if config.recompute_activations:
+            settings.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        self.model, self.gpt = load_gpt_model(config.hf_checkpoint, dtype=dtype, **settings)
+        reference = None
+        if config.use_kl_loss or config.kl_coef:
+            reference, _ = load_gpt_model(config.hf_checkpoint, dtype=dtype)
+            reference.eval().requires_grad_(False)
+        self.optimizer = build_optimizer(
+            self.model, config.lr, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_eps
+        )
+        self.scheduler = build_scheduler(
+            self.optimizer,
+            config.lr_warmup_iters,
+            config.lr_decay_iters,
+            config.lr_decay_style,
+            config.lr,
+            config.min_lr,
+        )
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        config.batch_sizes(self.dp_size).check()
+        local_vocab = self.gpt.shape.padded_vocab_size // self.info.tp_size
+        groups = Groups(
+            dp=parallel_state.get_data_parallel_group(), tp=parallel_state.get_tensor_model_parallel_group(),
+            tp_rank=self.tp_rank, vocab_start=self.tp_rank * local_vocab if self.info.tp_size > 1 else None,
+            vocab_size=self.gpt.shape.vocab_size,
+        )  # fmt: skip
+        self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference)
+        self.step, self.policy_version = 0, 0
+        if config.load:
+            self._resume(Path(config.load))
+        self.channel = open_channel(config.buffer_addr)
+        self.buffer = buffer_pb2_grpc.BufferServiceStub(self.channel)
+        self.writer = self._tensorboard()
+        self.control.world_size = self.info.world_size
+
+    # Resume and save
+
+    def _resume(self, path: Path) -> None:
+        if checkpoint.latest_step(path) is None:  # an HF folder: start from its weights
+            from services.trainer.models import SafetensorsWeights, load_hf_weights
+
+            load_hf_weights(self.model, self.gpt, SafetensorsWeights(path))
+            log.info("started from the HF weights in %s", path)
+            return
+        state = checkpoint.load(path, self.tp_rank, self.pp_rank)
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.policy_version = state["step"], state["policy_version"]
+        log.info("resumed from %s at step %d (policy version %d)", path, self.step, self.policy_version)
+
+    def save(self, folder: str | None = None) -> Path:
+        root = Path(folder or self.config.save or "")
+        if not str(root):
+            raise ValueError("nowhere to save: pass --save, or give a path")
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "policy_version": self.policy_version}  # fmt: skip
+        path = checkpoint.save(root, self.step, state, self.tp_rank, self.pp_rank, self.dp_rank)
+        if self.config.save_hf:
+            from services.trainer.export import export_hf_checkpoint
+
+            export_hf_checkpoint(self.model, self.gpt, self.config.hf_checkpoint, self.config.save_hf)
+        self.control.saved.append((str(path), self.step))
+        return path
+
+    # The loop
+
+    def run(self) -> None:
+        c = self.config
+        try:
+            while c.num_rollout is None or self.step < c.num_rollout:
+                reply = self._next_batch()
+                if reply is None:
+                    break
+                self.train_step(reply)
+                if c.save and c.save_interval and self.step % c.save_interval == 0:
+                    self.save()
+            if c.save and (not self.control.saved or self.control.saved[-1][1] != self.step):
+                self.save()
+        finally:
+            self.control.phase = "stopped"
+            self.channel.close()
+
+    def train_step(self, reply: buffer_pb2.GetBatchResponse) -> dict:
+        batch = from_groups(list(reply.groups), self.config.n_samples_per_prompt)
+        self.control.phase = "train"
+        started = time.perf_counter()
+        steps = self.actor.train_rollout(batch)
+        if dist.get_rank() == 0:
+            self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=self.step), timeout=60)
+        self.step += 1
+        self.policy_version += 1
+        if dist.get_rank() == 0:  # until weights flow to the engines, the trainer's version is the policy's
+            self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=self.policy_version), timeout=60)
+        metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": time.perf_counter() - started,
+                   "response_length": sum(batch.response_lengths()) / len(batch)}  # fmt: skip
+        self._log(metrics)
+        return metrics
+
+    def _next_batch(self) -> buffer_pb2.GetBatchResponse | None:
+        """This rank's part of the step's batch, or None when asked to stop. Rank 0 asks the buffer and decides for
+        all ranks (with the control requests), so that every rank waits, saves or stops at the same point."""
+        c = self.control
+        while True:
+            c.phase = "waiting_batch"
+            reply = self._get_batch(BATCH_POLL_S) if dist.get_rank() == 0 else None
+            decision = [reply is not None, c.stop, c.save_after_stop, c.save_now]
+            c.save_now = None
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(decision, src=0)
+            ready, stop, save_after_stop, save_now = decision
+            if save_now is not None:
+                self.save(save_now or None)
+            if stop:
+                if save_after_stop:
+                    self.save()
+                return None
+            if ready:
+                return reply if reply is not None else self._get_batch(BATCH_WAIT_S)  # built now: answered at once
+
+    def _get_batch(self, wait_s: float) -> buffer_pb2.GetBatchResponse | None:
+        request = buffer_pb2.GetBatchRequest(step=self.step, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                             timeout_seconds=wait_s)  # fmt: skip
+        try:
+            return self.buffer.GetBatch(request, timeout=wait_s + 30)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            log.debug("step %d: waiting for the buffer (%s)", self.step, e.details())
+            return None
+
+    def _log(self, metrics: dict) -> None:
+        c = self.control
+        c.step, c.policy_version, c.last_metrics = self.step, self.policy_version, metrics
+        if dist.get_rank() != 0:
+            return
+        log.info(
+            "step %d: reward %.3f, loss %.4f, clipfrac %.3f, grad norm %.3f, %.0f tokens/s",
+            self.step, metrics["reward"], metrics.get("loss", 0.0), metrics.get("pg_clipfrac", 0.0),
+            metrics["grad_norm"], metrics["tokens_per_s"],
+        )  # fmt: skip
+        if self.writer is not None:
+            for name, value in metrics.items():
+                self.writer.add_scalar(f"train/{name}", value, self.step)
+            self.writer.flush()
+
+    def _tensorboard(self):
+        if not self.config.tensorboard_dir or self.info.rank != 0:
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(self.config.tensorboard_dir)
