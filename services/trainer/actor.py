@@ -147,11 +147,20 @@ class Actor:
         return [[indices[j] for j in mb] for mb in micro_batches(lengths, c.micro_batch_size, max_tokens)]
 
     def _reduce_gradients(self) -> None:
-        """Sums gradients over data-parallel ranks (each micro-batch loss is already scaled by its global share)."""
-        if self.groups.dp is None or dist.get_world_size(self.groups.dp) == 1:
-            return
-        for param in self.model.parameters():
-            if param.grad is not None:
+        """Sums gradients over data-parallel ranks (each micro-batch loss is already scaled by its global share), and
+        over tensor-parallel ranks for the replicated parameters that only see this rank's part of the activations:
+        Qwen3's per-head QK norms (each rank holds some heads) and, with sequence parallelism, the layer norms — as
+        megatron's finalize_model_grads does."""
+        tp = self.groups.tp is not None and dist.get_world_size(self.groups.tp) > 1
+        dp = self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1
+        for name, param in self.model.named_parameters():
+            if param.grad is None:
+                continue
+            partial = "q_layernorm" in name or "k_layernorm" in name
+            partial = partial or (self.config.sequence_parallel and getattr(param, "sequence_parallel", False))
+            if tp and partial:
+                dist.all_reduce(param.grad, group=self.groups.tp)
+            if dp:
                 dist.all_reduce(param.grad, group=self.groups.dp)
 
     def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:

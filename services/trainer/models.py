@@ -24,7 +24,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from services.trainer.cpu_shims import apply_cpu_shims, cuda_available
-from services.trainer.hf_names import ModelShape, gather_tp_param, hf_to_megatron, megatron_to_hf
+from services.trainer.hf_names import ModelShape, gather_tp_param, hf_to_megatron, megatron_to_hf, tp_split_dim
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -253,7 +253,7 @@ def layer_spec(config: GPTConfig) -> ModuleSpec:
 def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel:
     """An uninitialised GPTModel for this rank's pipeline stage (megatron's groups must be initialised)."""
     apply_cpu_shims()
-    return GPTModel(
+    model = GPTModel(
         config=config.transformer,
         transformer_layer_spec=layer_spec(config),
         vocab_size=config.shape.padded_vocab_size,
@@ -268,6 +268,13 @@ def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel
         rope_scaling_factor=config.rope_scaling_factor,
         seq_len_interpolation_factor=config.seq_len_interpolation_factor,
     )
+    # Megatron marks its tensor-parallel shards only when it initialises them, and these are loaded instead; the
+    # marks tell gradient-norm code which parameters count on every rank.
+    for name, param in model.named_parameters():
+        dim = tp_split_dim(name)
+        if dim is not None and config.transformer.tensor_model_parallel_size > 1:
+            tensor_parallel.set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
+    return model
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):

@@ -2,77 +2,20 @@
 policy version, saves on the interval, answers its control surface, and a stop-and-resume run ends with exactly the
 parameters of an uninterrupted one."""
 
-import json
-import random
+import re
 import time
 
 import grpc
-import pytest
 import torch
 
-from services.buffer.config import BufferConfig
-from services.buffer.server import build as build_buffer
-from services.common.tiny_checkpoint import write_tiny_model
-from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-
-NUM_STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("trainer-model"))
-
-
-@pytest.fixture
-def filled_buffer(grpc_service, channel_to, redis_url, model, tmp_path):
-    """`filled_buffer(name)`: a buffer whose groups for NUM_STEPS steps are already generated (the same ones for
-    the same name), as a rollout would leave them."""
-
-    def make(name: str) -> str:
-        data = tmp_path / f"{name}.jsonl"
-        data.write_text("".join(json.dumps({"prompt": f"Count to {i}"}) + "\n" for i in range(2 * NUM_STEPS)))
-        service = grpc_service(build_buffer, BufferConfig(
-            prompt_data=str(data), hf_checkpoint=str(model), num_data_workers=0, num_epoch=1, rollout_batch_size=2,
-            n_samples_per_prompt=2, max_staleness=100, redis={"url": redis_url, "prefix": f"{name}{time.time_ns()}"},
-        ))  # fmt: skip
-        buffer = buffer_pb2_grpc.BufferServiceStub(channel_to(service.address))
-        for _ in range(2 * NUM_STEPS):
-            (lease,) = buffer.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=1), timeout=30).leases
-            buffer.SubmitGroup(buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=_generated(lease.group)))
-        return service.address
-
-    return make
-
-
-def _generated(group):
-    rng = random.Random(group.group_id)
-    prompt = samples.decode_tokens(group.prompt_tokens).tolist()
-    for i in range(2):
-        response = [rng.randrange(5, 400) for _ in range(rng.randrange(3, 9))]
-        group.samples.add(
-            sample_id=f"{group.group_id}/{i}", index=i, tokens=samples.encode_tokens(prompt + response),
-            prompt_length=len(prompt), response_length=len(response), reward=float(i),
-            loss_mask=samples.encode_mask([1] * len(response)),
-            rollout_logprobs=samples.encode_logprobs([-1.0] * len(response)),
-        )  # fmt: skip
-    return group
-
-
-def _trainer_args(model, buffer: str, save, *extra: str) -> list[str]:
-    return ["trainer", "--port", "0", "--metrics-port", "null", "--hf-checkpoint", str(model), "--buffer-addr", buffer,
-            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--lr", "1e-3",
-            "--save", str(save), *extra]  # fmt: skip
-
-
-def _weights(folder, step: int) -> dict:
-    return torch.load(folder / f"iter_{step:07d}" / "mp_rank_00_000.pt", weights_only=False)["model"]
+from tests.trainer.conftest import NUM_STEPS, trainer_args, weights
 
 
 def test_trainer_trains_commits_and_saves(filled_buffer, service_process, channel_to, model, tmp_path):
     buffer = filled_buffer("run")
     extra = ["--num-rollout", str(NUM_STEPS), "--save-interval", "2", "--tensorboard-dir", str(tmp_path / "tb")]
-    proc = service_process(*_trainer_args(model, buffer, tmp_path / "ckpt", *extra))
+    proc = service_process(*trainer_args(model, buffer, tmp_path / "ckpt", *extra))
     assert proc.wait(timeout_s=240) == 0, proc.log
     assert [f"step {i}:" in proc.log for i in range(1, NUM_STEPS + 1)] == [True] * NUM_STEPS
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000002", "iter_0000004"]
@@ -82,25 +25,23 @@ def test_trainer_trains_commits_and_saves(filled_buffer, service_process, channe
 
 
 def test_stop_and_resume_equals_an_uninterrupted_run(filled_buffer, service_process, model, tmp_path):
-    straight = service_process(*_trainer_args(model, filled_buffer("a"), tmp_path / "a", "--num-rollout", "4"))
+    straight = service_process(*trainer_args(model, filled_buffer("a"), tmp_path / "a", "--num-rollout", "4"))
     assert straight.wait(timeout_s=240) == 0, straight.log
     second = filled_buffer("b")
-    first_half = service_process(*_trainer_args(model, second, tmp_path / "b", "--num-rollout", "2"))
+    first_half = service_process(*trainer_args(model, second, tmp_path / "b", "--num-rollout", "2"))
     assert first_half.wait(timeout_s=240) == 0, first_half.log
-    resumed = service_process(*_trainer_args(model, second, tmp_path / "b", "--num-rollout", "4", "--load",
+    resumed = service_process(*trainer_args(model, second, tmp_path / "b", "--num-rollout", "4", "--load",
                                              str(tmp_path / "b")))  # fmt: skip
     assert resumed.wait(timeout_s=240) == 0, resumed.log
     assert "resumed from" in resumed.log and "at step 2" in resumed.log
-    a, b = _weights(tmp_path / "a", 4), _weights(tmp_path / "b", 4)
+    a, b = weights(tmp_path / "a", 4), weights(tmp_path / "b", 4)
     tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
     assert tensors and all(torch.equal(a[k], b[k]) for k in tensors)
-    assert not all(torch.equal(a[k], _weights(tmp_path / "b", 2)[k]) for k in tensors)  # it did train
+    assert not all(torch.equal(a[k], weights(tmp_path / "b", 2)[k]) for k in tensors)  # it did train
 
 
 def test_control_surface_reports_saves_and_stops(filled_buffer, service_process, model, tmp_path):
-    import re
-
-    proc = service_process(*_trainer_args(model, filled_buffer("c"), tmp_path / "c"))  # no --num-rollout: it waits
+    proc = service_process(*trainer_args(model, filled_buffer("c"), tmp_path / "c"))  # no --num-rollout: it waits
     deadline = time.monotonic() + 120
     while not (match := re.search(r"trainer serving on [^:]+:(\d+)", proc.log)):
         assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log
