@@ -273,7 +273,7 @@ def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel
     for name, param in model.named_parameters():
         dim = tp_split_dim(name)
         if dim is not None and config.transformer.tensor_model_parallel_size > 1:
-            tensor_parallel.set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
     return model
 
 
