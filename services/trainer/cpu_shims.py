@@ -21,11 +21,17 @@ def _current_device_cpu() -> str:
 
 
 def apply_cpu_shims() -> None:
-    """Patches `torch.cuda.current_device` to return "cpu" when CUDA is absent. Idempotent; no-op on CUDA."""
+    """Patches `torch.cuda.current_device` to return "cpu" when CUDA is absent, and makes megatron's activation
+    recompute keep no CUDA RNG state (there is none; the CPU state it also keeps is the one that matters). Idempotent;
+    no-op on CUDA."""
     global _applied
     if _applied or cuda_available():
         return
+    from megatron.core.tensor_parallel import random as megatron_random
+
     torch.cuda.current_device = _current_device_cpu
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
     _applied = True
 
 

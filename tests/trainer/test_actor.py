@@ -76,3 +76,26 @@ def test_grpo_steps_raise_the_rewarded_responses_and_lower_the_loss():
     assert all(change[i] > 0 for i in rewarded)
     assert all(change[i] < 0 for i in range(len(batch)) if i not in rewarded)
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0]
+
+
+def test_a_few_steps_on_the_megatron_model_lower_the_loss(tmp_path):
+    """The same on the real model: a Qwen3 checkpoint as a Megatron GPTModel (TP=1, this process), a fixed batch and
+    a fixed old policy; with recompute on, as --recompute-activations runs it."""
+    from services.common.tiny_checkpoint import write_tiny_model
+    from services.trainer.models import load_gpt_model
+    from services.trainer.parallel import init_parallel
+
+    init_parallel(tp_size=1)
+    settings = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    model, gpt = load_gpt_model(write_tiny_model(tmp_path / "m"), **settings)
+    config = TrainerConfig(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8, lr=1e-3,
+                           micro_batch_size=4,
+                           use_rollout_logprobs=True, eps_clip=10.0)  # fmt: skip
+    optimizer = build_optimizer(model, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8)
+    actor = Actor(config, model, optimizer, build_scheduler(optimizer, 0, None, "constant", config.lr, 0.0),
+                  Groups(vocab_size=gpt.shape.vocab_size))  # fmt: skip
+    batch = _batch()
+    before = actor.full_logprobs(model, batch)
+    batch.rollout_logprobs = [before[i, : len(m)].numpy() for i, m in enumerate(batch.loss_masks)]
+    losses = [actor.train_rollout(batch)[0]["loss"] for _ in range(4)]
+    assert losses[1] < losses[0] and max(losses[2:]) < losses[0] - 1.0, losses
