@@ -41,6 +41,24 @@ class Control:
     saved: list = field(default_factory=list)  # (path, step) of every save, newest last
 
 
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16
+
+
+def mfu(shape, tokens_per_s_per_gpu: float, lengths: list[int]) -> float:
+    """Model FLOPs utilisation with the PaLM count: 6 N + 12 L H Q S per token (S the mean sequence length)."""
+    name = torch.cuda.get_device_name()
+    peak = next((p for key, p in PEAK_TFLOPS.items() if key in name), None)
+    if peak is None:
+        return float("nan")
+    h, q = shape.hidden_size, shape.head_dim
+    params = (1 if shape.tie_word_embeddings else 2) * shape.vocab_size * h + shape.num_layers * (
+        h * q * (2 * shape.num_attention_heads + 2 * shape.num_query_groups) + 3 * h * shape.ffn_hidden_size
+    )
+    seq = sum(lengths) / max(1, len(lengths))
+    flops = 6 * params + 12 * shape.num_layers * shape.num_attention_heads * q * seq
+    return tokens_per_s_per_gpu * flops / (peak * 1e12)
+
+
 class Trainer:
     def __init__(self, config: TrainerConfig, control: Control | None = None):
         from megatron.core import parallel_state
@@ -151,6 +169,8 @@ class Trainer:
             self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=self.policy_version), timeout=60)
         metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": time.perf_counter() - started,
                    "response_length": sum(batch.response_lengths()) / len(batch)}  # fmt: skip
+        if torch.cuda.is_available():
+            metrics["mfu"] = mfu(self.gpt.shape, metrics["tokens_per_s"] / self.info.world_size, batch.lengths())
         self._log(metrics)
         return metrics
 

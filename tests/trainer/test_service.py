@@ -14,7 +14,8 @@ from tests.trainer.conftest import NUM_STEPS, trainer_args, weights
 
 def test_trainer_trains_commits_and_saves(filled_buffer, service_process, channel_to, model, tmp_path):
     buffer = filled_buffer("run")
-    extra = ["--num-rollout", str(NUM_STEPS), "--save-interval", "2", "--tensorboard-dir", str(tmp_path / "tb")]
+    extra = ["--num-rollout", str(NUM_STEPS), "--save-interval", "2", "--tensorboard-dir", str(tmp_path / "tb"),
+             "--save-hf", str(tmp_path / "hf")]  # fmt: skip
     proc = service_process(*trainer_args(model, buffer, tmp_path / "ckpt", *extra))
     assert proc.wait(timeout_s=240) == 0, proc.log
     assert [f"step {i}:" in proc.log for i in range(1, NUM_STEPS + 1)] == [True] * NUM_STEPS
@@ -22,6 +23,11 @@ def test_trainer_trains_commits_and_saves(filled_buffer, service_process, channe
     state = buffer_pb2_grpc.BufferServiceStub(channel_to(buffer)).GetState(buffer_pb2.GetStateRequest(), timeout=10)
     assert state.last_committed_step == NUM_STEPS - 1 and state.policy_version == NUM_STEPS
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # the trained weights, as HF loads them
+    original = AutoModelForCausalLM.from_pretrained(model)
+    assert not torch.equal(exported.model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
 
 
 def test_stop_and_resume_equals_an_uninterrupted_run(filled_buffer, service_process, model, tmp_path):
