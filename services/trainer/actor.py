@@ -29,6 +29,7 @@ class Groups:
     tp_rank: int = 0
     vocab_start: int | None = None  # set when the output layer is split over TP ranks
     vocab_size: int | None = None  # the real vocabulary: Megatron pads the output layer beyond it
+    model_parallel: object = None  # TP x PP: where the gradient norm is summed (defaults to the TP group)
 
 
 class Actor:
@@ -49,13 +50,23 @@ class Actor:
             return None
         return max(0, self.groups.vocab_size - (self.groups.vocab_start or 0))
 
-    def logprobs(self, model, batch: RolloutBatch, indices: list[int], entropy: bool = False):
-        """`[b, R]` log-probs (and entropies) of the response tokens of samples `indices` under `model`."""
-        inputs = {k: v.to(self.device) for k, v in input_tensors(batch, indices).items()}
-        logits_BLV = model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None)
-        width = max(batch.response_lengths()[i] for i in indices)
+    def inputs(self, batch: RolloutBatch, indices: list[int], length: int | None = None) -> dict[str, torch.Tensor]:
+        """Model inputs of samples `indices` on this rank's device, right-padded to `length` when given."""
+        inputs = input_tensors(batch, indices)
+        if length is not None:
+            pad = length - inputs["tokens_BL"].shape[1]
+            inputs["tokens_BL"] = torch.nn.functional.pad(inputs["tokens_BL"], (0, pad))
+            inputs["positions_BL"] = torch.arange(length).expand(len(indices), length).contiguous()
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+    def forward(self, model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None)
+
+    def response_logprobs(self, logits_BLV: torch.Tensor, inputs: dict[str, torch.Tensor]):
+        """`[b, R]` log-probs and entropies of the response tokens, from the model's logits `[b, L, V]`."""
+        spans = list(zip(inputs["prompt_lengths_B"].tolist(), inputs["lengths_B"].tolist(), strict=True))
+        width = max(end - start for start, end in spans)
         logprobs, entropies = [], []
-        spans = zip(inputs["prompt_lengths_B"].tolist(), inputs["lengths_B"].tolist(), strict=True)
         for b, (start, end) in enumerate(spans):
             rows = logits_BLV[b, start - 1 : end - 1]  # the logits at t predict token t + 1
             lp, ent = token_logprobs_and_entropy(
@@ -64,14 +75,28 @@ class Actor:
             )  # fmt: skip
             logprobs.append(torch.nn.functional.pad(lp, (0, width - len(lp))))
             entropies.append(torch.nn.functional.pad(ent, (0, width - len(ent))))
-        return torch.stack(logprobs), (torch.stack(entropies) if entropy else None)
+        return torch.stack(logprobs), torch.stack(entropies)
+
+    def logprobs(self, model, batch: RolloutBatch, indices: list[int], entropy: bool = False):
+        """`[b, R]` log-probs (and entropies) of the response tokens of samples `indices` under `model`."""
+        inputs = self.inputs(batch, indices)
+        logprobs, entropies = self.response_logprobs(self.forward(model, inputs), inputs)
+        return logprobs, (entropies if entropy else None)
 
     @torch.no_grad()
     def full_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
-        """`[B, R]` log-probs of the whole rank's batch (old policy or reference), micro-batch by micro-batch."""
+        """`[B, R]` log-probs of the whole rank's batch (old policy or reference), micro-batch by micro-batch. With
+        pipeline parallelism only the last stage has them (the others get zeros, and do not need them)."""
         width = max(batch.response_lengths())
         out = torch.zeros(len(batch), width)
-        for indices in self._micro_batches(batch, list(range(len(batch)))):
+        mbs = self._micro_batches(batch, list(range(len(batch))))
+        if self.pipelined:
+            from services.trainer.pipeline import pipeline_logprobs
+
+            for indices, lp in zip(mbs, pipeline_logprobs(self, model, batch, mbs), strict=True):
+                out[indices, : lp.shape[1]] = lp.float().cpu()
+            return out
+        for indices in mbs:
             lp, _ = self.logprobs(model, batch, indices)
             out[indices, : lp.shape[1]] = lp.float().cpu()
         return out
@@ -111,26 +136,23 @@ class Actor:
         units = float(t["mask"][indices].sum()) if token_level else float(len(indices))
         total = self._all_reduce_dp(torch.tensor(units, dtype=torch.float64))
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for mb in self._micro_batches(batch, indices):
-            logprobs_bR, entropy_bR = self.logprobs(self.model, batch, mb, entropy=True)
-            width = logprobs_bR.shape[1]
-            take = {k: (v[mb, :width].to(self.device) if v is not None else None) for k, v in t.items()}
-            loss, metrics = policy_loss(
-                logprobs_bR, take["mask"], old_logprobs_BT=take["old"], advantages_BT=take["adv"],
-                entropy_BT=entropy_bR, ref_logprobs_BT=take["ref"], rollout_logprobs_BT=take["rollout"],
-                loss_type=c.loss_type, advantage_estimator=c.advantage_estimator, eps_clip=c.eps_clip,
-                eps_clip_high=c.eps_clip_high, eps_clip_c=c.eps_clip_c, entropy_coef=c.entropy_coef,
-                use_kl_loss=c.use_kl_loss, kl_loss_coef=c.kl_loss_coef, kl_loss_type=c.kl_loss_type, use_tis=c.use_tis,
-                tis_clip=c.tis_clip, tis_clip_low=c.tis_clip_low, use_rollout_logprobs=c.use_rollout_logprobs,
-                loss_aggregation="token" if token_level else "sequence",
-            )  # fmt: skip
-            share = (float(take["mask"].sum()) if token_level else float(len(mb))) / float(total)
-            (loss * share).backward()
-            for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(value) * share
+        mbs = self._micro_batches(batch, indices)
+        share = {"token_level": token_level, "total": float(total)}
+        if self.pipelined:
+            from services.trainer.pipeline import pipeline_train
+
+            sums = pipeline_train(self, batch, mbs, t, share)
+        else:
+            sums = {}
+            for mb in mbs:
+                loss, metrics = self.micro_loss(*self.logprobs(self.model, batch, mb, entropy=True), mb, t, share)
+                loss.backward()
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + value
         self._reduce_gradients()
-        grad_norm = clip_gradients(self.model, c.clip_grad, self.groups.tp, self.groups.tp_rank)
+        grad_norm = clip_gradients(
+            self.model, c.clip_grad, self.groups.model_parallel or self.groups.tp, self.groups.tp_rank
+        )
         self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
@@ -139,6 +161,28 @@ class Actor:
         elapsed = time.perf_counter() - started
         return {**metrics, "grad_norm": grad_norm, "lr": lr, "tokens": float(tokens), "step_time": elapsed,
                 "tokens_per_s": float(tokens) / elapsed}  # fmt: skip
+
+    def micro_loss(self, logprobs_bR, entropy_bR, mb: list[int], t: dict, share: dict):
+        """One micro-batch's loss, scaled by its share of the step's trained tokens (or samples) over all DP ranks,
+        and its metrics scaled alike (so that summing gives the step's means)."""
+        c = self.config
+        width = logprobs_bR.shape[1]
+        take = {k: (v[mb, :width].to(self.device) if v is not None else None) for k, v in t.items()}
+        loss, metrics = policy_loss(
+            logprobs_bR, take["mask"], old_logprobs_BT=take["old"], advantages_BT=take["adv"],
+            entropy_BT=entropy_bR, ref_logprobs_BT=take["ref"], rollout_logprobs_BT=take["rollout"],
+            loss_type=c.loss_type, advantage_estimator=c.advantage_estimator, eps_clip=c.eps_clip,
+            eps_clip_high=c.eps_clip_high, eps_clip_c=c.eps_clip_c, entropy_coef=c.entropy_coef,
+            use_kl_loss=c.use_kl_loss, kl_loss_coef=c.kl_loss_coef, kl_loss_type=c.kl_loss_type, use_tis=c.use_tis,
+            tis_clip=c.tis_clip, tis_clip_low=c.tis_clip_low, use_rollout_logprobs=c.use_rollout_logprobs,
+            loss_aggregation="token" if share["token_level"] else "sequence",
+        )  # fmt: skip
+        part = (float(take["mask"].sum()) if share["token_level"] else float(len(mb))) / share["total"]
+        return loss * part, {name: float(value) * part for name, value in metrics.items()}
+
+    @property
+    def pipelined(self) -> bool:
+        return self.config.pipeline_model_parallel_size > 1
 
     def _micro_batches(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
         c = self.config

@@ -144,6 +144,13 @@ class TrainerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
+        if self.pipeline_model_parallel_size > 1 and self.use_dynamic_batch_size:
+            raise ValueError(
+                "pipeline parallelism sends activations of one shape, so micro-batches have --micro-batch-size "
+                "samples: drop --use-dynamic-batch-size or use --pipeline-model-parallel-size 1"
+            )
+        if self.pipeline_model_parallel_size > 1 and self.save_hf:
+            raise ValueError("--save-hf needs every layer in one process: use --pipeline-model-parallel-size 1")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu (e.g. --max-tokens-per-gpu 8192)")
         try:

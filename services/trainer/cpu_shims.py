@@ -2,8 +2,8 @@
 
 The trainer runs the same Megatron code on the 2-core CPU test machines as on GPUs; megatron-core assumes CUDA in a
 few spots, and this module is the only place that papers over them. On a CUDA machine every function here is a no-op.
-What is *not* shimmed: `get_megatron_optimizer` and the pipeline schedules (they call `.cuda()` and
-`device="cuda"` directly); on CPU the trainer uses torch's AdamW and a plain micro-batch loop instead.
+What is *not* shimmed: `get_megatron_optimizer` (it calls `.cuda()`); the trainer uses torch's AdamW everywhere.
+The pipeline schedules are, narrowly: their token counter is allocated with `device="cuda"`.
 """
 
 import torch
@@ -21,18 +21,33 @@ def _current_device_cpu() -> str:
 
 
 def apply_cpu_shims() -> None:
-    """Patches `torch.cuda.current_device` to return "cpu" when CUDA is absent, and makes megatron's activation
-    recompute keep no CUDA RNG state (there is none; the CPU state it also keeps is the one that matters). Idempotent;
-    no-op on CUDA."""
+    """Patches `torch.cuda.current_device` to return "cpu" when CUDA is absent, makes megatron's activation
+    recompute keep no CUDA RNG state (there is none; the CPU state it also keeps is the one that matters), and the
+    pipeline schedules allocate their token counter on the CPU. Idempotent; no-op on CUDA."""
     global _applied
     if _applied or cuda_available():
         return
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as megatron_random
 
     torch.cuda.current_device = _current_device_cpu
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: None
     megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    schedules.torch = _TorchOnCpu()
     _applied = True
+
+
+class _TorchOnCpu:
+    """`torch` as the pipeline schedules see it: `torch.zeros(..., device="cuda")` lands on the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
 
 
 def seed_model_parallel_rng(seed: int) -> None:

@@ -97,7 +97,7 @@ class Trainer:
         groups = Groups(
             dp=parallel_state.get_data_parallel_group(), tp=parallel_state.get_tensor_model_parallel_group(),
             tp_rank=self.tp_rank, vocab_start=self.tp_rank * local_vocab if self.info.tp_size > 1 else None,
-            vocab_size=self.gpt.shape.vocab_size,
+            vocab_size=self.gpt.shape.vocab_size, model_parallel=parallel_state.get_model_parallel_group(),
         )  # fmt: skip
         self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference)
         self.step, self.policy_version = 0, 0

@@ -227,6 +227,7 @@ def gpt_config_from_hf(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not cuda_available(),
+        batch_p2p_comm=cuda_available(),  # batched p2p ends in torch.cuda.synchronize(); gloo sends one by one
         perform_initialization=False,  # every weight is overwritten by the checkpoint
     )
     return GPTConfig(

@@ -54,3 +54,19 @@ def test_dp2_training_equals_dp1(single, filled_buffer, model, tmp_path):
     for name, expected in weights(tmp_path / "dp", 2).items():
         if isinstance(expected, torch.Tensor):
             torch.testing.assert_close(expected, single[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_pp2_training_equals_pp1(single, filled_buffer, model, tmp_path):
+    """Two pipeline stages (one layer each) through Megatron's 1F1B schedule over gloo."""
+    args = trainer_args(model, filled_buffer("pp"), tmp_path / "pp", *STEPS, "--pipeline-model-parallel-size", "2",
+                        "--micro-batch-size", "2")  # fmt: skip
+    _torchrun(args, tmp_path / "pp.log")
+    stages = [torch.load(tmp_path / "pp" / "iter_0000002" / f"mp_rank_00_{r:03d}.pt", weights_only=False)["model"]
+              for r in range(2)]  # fmt: skip
+    merged = {}
+    for stage, state in enumerate(stages):  # local layer 0 of stage s is global layer s (one layer per stage)
+        for name, value in state.items():
+            merged[name.replace("decoder.layers.0.", f"decoder.layers.{stage}.")] = value
+    for name, expected in single.items():
+        if isinstance(expected, torch.Tensor):
+            torch.testing.assert_close(merged[name], expected, atol=1e-5, rtol=1e-4, msg=name)
