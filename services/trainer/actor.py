@@ -53,6 +53,9 @@ class Actor:
     def inputs(self, batch: RolloutBatch, indices: list[int], length: int | None = None) -> dict[str, torch.Tensor]:
         """Model inputs of samples `indices` on this rank's device, right-padded to `length` when given."""
         inputs = input_tensors(batch, indices)
+        tp = self.config.tensor_model_parallel_size
+        if self.config.sequence_parallel and tp > 1:  # the sequence is split over the TP ranks
+            length = -(-(length or inputs["tokens_BL"].shape[1]) // tp) * tp
         if length is not None:
             pad = length - inputs["tokens_BL"].shape[1]
             inputs["tokens_BL"] = torch.nn.functional.pad(inputs["tokens_BL"], (0, pad))

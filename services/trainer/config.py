@@ -144,6 +144,8 @@ class TrainerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("sequence_parallel splits sequences over tensor-parallel ranks: it needs TP > 1")
         if self.pipeline_model_parallel_size > 1 and self.use_dynamic_batch_size:
             raise ValueError(
                 "pipeline parallelism sends activations of one shape, so micro-batches have --micro-batch-size "

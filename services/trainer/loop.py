@@ -67,6 +67,8 @@ class Trainer:
         from services.trainer.parallel import init_parallel
 
         self.config, self.control = config, control or Control()
+        if config.sequence_parallel and not torch.cuda.is_available():
+            raise ValueError("--sequence-parallel needs GPUs: its reduce-scatter has no gloo (CPU) implementation")
         self.info = init_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed)
         dtype = torch.bfloat16 if config.bf16 else torch.float32
         settings = {"sequence_parallel": config.sequence_parallel}

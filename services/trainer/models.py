@@ -21,6 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from services.trainer.cpu_shims import apply_cpu_shims, cuda_available
@@ -239,7 +240,7 @@ def gpt_config_from_hf(
     )
 
 
-def layer_spec(config: GPTConfig) -> ModuleSpec:
+def layer_spec(config: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
     """Transformer Engine's layer spec where it is installed; otherwise megatron's local spec with the SDPA core
     attention. Both name parameters as megatron does (see hf_names for the layer-norm difference)."""
     if HAVE_TE:
@@ -248,7 +249,23 @@ def layer_spec(config: GPTConfig) -> ModuleSpec:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.shape.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.shape.qk_layernorm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+    if config.shape.qk_layernorm:
+        spec.submodules.self_attention.submodules.q_layernorm = TorchRMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = TorchRMSNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config.transformer), layer_norm=TorchRMSNorm
+    )
+
+
+class TorchRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm behind megatron's norm-builder signature (what the local spec builds, minus its refusal of
+    sequence parallelism): under sequence parallelism its weight is marked, and the trainer sums its gradient over
+    the tensor-parallel ranks, each of which saw a part of the sequence."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel:
