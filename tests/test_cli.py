@@ -9,6 +9,7 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.common.clients import health_status
+from services.common.tiny_checkpoint import write_tiny_model
 
 SERVICES = {
     "buffer": "slipstream.v1.BufferService",
@@ -43,6 +44,8 @@ def test_unknown_command():
 def test_service_process_serves_and_stops_on_sigterm(name, service_process, free_port, wait_serving, tmp_path):
     port = free_port()
     run_folder = ["--output-dir", str(tmp_path / "runs")] if name == "buffer" else []
+    if name == "trainer":  # it waits for a buffer that never comes, and stops when told
+        run_folder = ["--hf-checkpoint", str(write_tiny_model(tmp_path / "model"))]
     proc = service_process(name, "--host", "127.0.0.1", "--port", str(port), *run_folder)
     address = f"127.0.0.1:{port}"
     wait_serving(address, proc)
@@ -59,7 +62,7 @@ def test_busy_port_is_one_sentence(service_process, free_port, wait_serving):
     port = free_port()
     first = service_process("reward", "--host", "127.0.0.1", "--port", str(port))
     wait_serving(f"127.0.0.1:{port}", first)
-    second = service_process("trainer", "--host", "127.0.0.1", "--port", str(port))
+    second = service_process("rollout", "--host", "127.0.0.1", "--port", str(port))
     assert second.wait() == 1
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in second.log
     assert "Traceback" not in second.log

@@ -69,8 +69,7 @@ class Rollout:
             await slots.acquire()
             await self.pool.running.wait()  # no new groups while the engines are paused for a weight sync
             try:
-                request = buffer_pb2.LeasePromptsRequest(max_groups=1, lease_seconds=self.config.lease_seconds)
-                reply = await self.buffer.LeasePrompts(request, timeout=30)
+                reply = await self._lease()
             except grpc.aio.AioRpcError as e:
                 slots.release()
                 log.warning("leasing from the buffer failed: %s", e.details())
@@ -83,6 +82,19 @@ class Rollout:
             task = asyncio.create_task(self.run_group(reply.leases[0], self.sampling()))
             self._groups.add(task)
             task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
+
+    async def _lease(self) -> buffer_pb2.LeasePromptsResponse:
+        """One LeasePrompts call that a stop cannot cut in half: if the rollout stops while the call is out, what it
+        leased goes straight back to the buffer instead of waiting for its lease to expire."""
+        request = buffer_pb2.LeasePromptsRequest(max_groups=1, lease_seconds=self.config.lease_seconds)
+        call = asyncio.ensure_future(self.buffer.LeasePrompts(request, timeout=30))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                for lease in (await call).leases:
+                    await self._release(lease.lease_id, "rollout stopped")
+            raise
 
     async def run_group(self, lease: buffer_pb2.Lease, sampling: dict, n: int = 0):
         """Generates, scores and submits one leased group; returns it, or None when it went back to the buffer."""

@@ -203,9 +203,11 @@ class Trainer:
         try:
             return self.buffer.GetBatch(request, timeout=wait_s + 30)
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                 raise
-            log.debug("step %d: waiting for the buffer (%s)", self.step, e.details())
+            # not enough groups yet, or the buffer is down or restarting: its state is in Redis, so wait for it
+            log.log(logging.WARNING if e.code() == grpc.StatusCode.UNAVAILABLE else logging.DEBUG,
+                    "step %d: waiting for the buffer (%s)", self.step, e.details())  # fmt: skip
             return None
 
     def _log(self, metrics: dict) -> None:

@@ -12,7 +12,6 @@ from services.common.clients import health_status
 from services.common.config import ServiceConfig
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, StartupError
 from services.common.server import GrpcServer, Service, Servicer
-from services.trainer.server import build as build_trainer
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 
@@ -35,6 +34,11 @@ class FailingRollout(rollout_pb2_grpc.RolloutServiceServicer):
             yield rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index)
 
 
+async def build_trainer(config):
+    """A service whose servicer implements no RPC (the generated base class)."""
+    return Service("plain", config, [Servicer.of(trainer_pb2_grpc.TrainerServiceServicer())])
+
+
 async def build_failing(config):
     return Service("failing", config, [Servicer.of(FailingTrainer()), Servicer.of(FailingRollout())])
 
@@ -52,7 +56,7 @@ def test_health_and_reflection(grpc_service, channel_to):
     assert {"slipstream.v1.TrainerService", "grpc.health.v1.Health"} <= services
 
 
-def test_rpcs_of_issues_not_landed_answer_unimplemented(grpc_service, channel_to):
+def test_rpcs_a_servicer_lacks_answer_unimplemented(grpc_service, channel_to):
     stub = trainer_pb2_grpc.TrainerServiceStub(channel_to(grpc_service(build_trainer, config()).address))
     with pytest.raises(grpc.RpcError) as info:
         stub.GetStatus(trainer_pb2.GetStatusRequest(), timeout=5)
