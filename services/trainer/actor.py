@@ -36,6 +36,7 @@ class Actor:
     def __init__(self, config: TrainerConfig, model, optimizer, scheduler, groups: Groups, ref_model=None):
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups, self.ref_model = groups, ref_model
+        self.critic = None  # PPO: a Critic trained beside the policy
         self.device = next(model.parameters()).device
         if config.compile_model:
             for layer in getattr(getattr(model, "decoder", None), "layers", []):
@@ -106,31 +107,35 @@ class Actor:
 
     # Training
 
-    def train_rollout(self, batch: RolloutBatch) -> list[dict[str, float]]:
-        """Trains on one rollout; returns each optimizer step's metrics."""
+    def train_rollout(self, batch: RolloutBatch, rollout: int = 0) -> list[dict[str, float]]:
+        """Trains on one rollout (the `rollout`-th of the run); returns each optimizer step's metrics."""
         c = self.config
         tensors = response_tensors(batch)
         mask_BR = tensors["loss_mask_BR"]
         self.model.eval()  # the old policy's log-probs: no dropout
         old_BR = tensors["rollout_logprobs_BR"] if c.use_rollout_logprobs else self.full_logprobs(self.model, batch)
         ref_BR = self.full_logprobs(self.ref_model, batch) if self.ref_model is not None else None
+        values_BR = self.critic.full_values(batch) if self.critic is not None else None
         kl_BR = approx_kl(old_BR, ref_BR, "k1") * mask_BR if ref_BR is not None and c.kl_coef else None
-        advantages_BR, _ = compute_advantages(
+        advantages_BR, returns_BR = compute_advantages(
             c.advantage_estimator, batch.rewards_B, mask_BR, group_size=batch.group_size, kl_BT=kl_BR,
-            kl_coef=c.kl_coef, gamma=c.gamma, lambd=c.lambd, disable_std_normalization=c.disable_grpo_std_normalization,
-            normalize_advantages=c.normalize_advantages,
+            values_BT=values_BR, kl_coef=c.kl_coef, gamma=c.gamma, lambd=c.lambd,
+            disable_std_normalization=c.disable_grpo_std_normalization, normalize_advantages=c.normalize_advantages,
         )  # fmt: skip
-        per_step = {
-            "old": old_BR,
-            "ref": ref_BR,
-            "adv": advantages_BR,
-            "mask": mask_BR,
-            "rollout": tensors["rollout_logprobs_BR"],
-        }
+        per_step = {"old": old_BR, "ref": ref_BR, "adv": advantages_BR, "mask": mask_BR,
+                    "rollout": tensors["rollout_logprobs_BR"]}  # fmt: skip
+        critic_t = {"old_values": values_BR, "returns": returns_BR, "mask": mask_BR}
         self.model.train()
-        return [
-            self._step(batch, idx, per_step) for idx in split_steps(list(range(len(batch))), c.num_steps_per_rollout)
-        ]
+        results = []
+        for indices in split_steps(list(range(len(batch))), c.num_steps_per_rollout):
+            metrics = {}
+            if self.critic is not None:
+                critic = self.critic._step(batch, indices, critic_t)
+                metrics.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic.items()})
+            if self.critic is None or rollout >= c.num_critic_only_steps:
+                metrics.update(self._step(batch, indices, per_step))
+            results.append(metrics)
+        return results
 
     def _step(self, batch: RolloutBatch, indices: list[int], t: dict) -> dict[str, float]:
         c = self.config
@@ -148,7 +153,7 @@ class Actor:
         else:
             sums = {}
             for mb in mbs:
-                loss, metrics = self.micro_loss(*self.logprobs(self.model, batch, mb, entropy=True), mb, t, share)
+                loss, metrics = self.micro_batch_loss(batch, mb, t, share)
                 loss.backward()
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value
@@ -164,6 +169,9 @@ class Actor:
         elapsed = time.perf_counter() - started
         return {**metrics, "grad_norm": grad_norm, "lr": lr, "tokens": float(tokens), "step_time": elapsed,
                 "tokens_per_s": float(tokens) / elapsed}  # fmt: skip
+
+    def micro_batch_loss(self, batch: RolloutBatch, mb: list[int], t: dict, share: dict):
+        return self.micro_loss(*self.logprobs(self.model, batch, mb, entropy=True), mb, t, share)
 
     def micro_loss(self, logprobs_bR, entropy_bR, mb: list[int], t: dict, share: dict):
         """One micro-batch's loss, scaled by its share of the step's trained tokens (or samples) over all DP ranks,

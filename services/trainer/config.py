@@ -82,7 +82,9 @@ class TrainerConfig(ServiceConfig):
     value_clip: float = Field(0.2, ge=0)
     """Clip range of the PPO critic's value loss."""
     num_critic_only_steps: int = Field(0, ge=0)
-    """PPO: train only the critic for this many first steps."""
+    """PPO: train only the critic for this many first rollouts."""
+    critic_lr: float | None = Field(None, gt=0)
+    """PPO: the critic's learning rate; unset takes --lr."""
     loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
     """The actor's loss."""
     eps_clip: float = Field(0.2, ge=0)
@@ -144,6 +146,8 @@ class TrainerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
+        if self.advantage_estimator == "ppo" and self.pipeline_model_parallel_size > 1:
+            raise ValueError("the PPO critic runs without pipeline parallelism: use --pipeline-model-parallel-size 1")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel splits sequences over tensor-parallel ranks: it needs TP > 1")
         if self.pipeline_model_parallel_size > 1 and self.use_dynamic_batch_size:

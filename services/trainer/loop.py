@@ -102,6 +102,8 @@ class Trainer:
             vocab_size=self.gpt.shape.vocab_size, model_parallel=parallel_state.get_model_parallel_group(),
         )  # fmt: skip
         self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference)
+        if config.advantage_estimator == "ppo":
+            self.actor.critic = self._critic(config, dtype, settings, groups)
         self.step, self.policy_version = 0, 0
         if config.load:
             self._resume(Path(config.load))
@@ -109,6 +111,27 @@ class Trainer:
         self.buffer = buffer_pb2_grpc.BufferServiceStub(self.channel)
         self.writer = self._tensorboard()
         self.control.world_size = self.info.world_size
+
+    @staticmethod
+    def _critic(config: TrainerConfig, dtype, settings: dict, groups: Groups):
+        from services.trainer.critic import Critic, load_critic
+
+        model, _ = load_critic(config.hf_checkpoint, dtype, **settings)
+        lr = config.critic_lr or config.lr
+        optimizer = build_optimizer(
+            model, lr, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_eps
+        )
+        scheduler = build_scheduler(
+            optimizer, config.lr_warmup_iters, config.lr_decay_iters, config.lr_decay_style, lr, config.min_lr
+        )
+        return Critic(config, model, optimizer, scheduler, groups)
+
+    def _state(self) -> dict:
+        parts = {"": (self.model, self.optimizer, self.scheduler)}
+        if self.actor.critic is not None:
+            parts["critic_"] = (self.actor.critic.model, self.actor.critic.optimizer, self.actor.critic.scheduler)
+        return {f"{prefix}{name}": part for prefix, (m, o, s) in parts.items()
+                for name, part in (("model", m), ("optimizer", o), ("scheduler", s))}  # fmt: skip
 
     # Resume and save
 
@@ -120,9 +143,10 @@ class Trainer:
             log.info("started from the HF weights in %s", path)
             return
         state = checkpoint.load(path, self.tp_rank, self.pp_rank)
-        self.model.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        for name, part in self._state().items():
+            if name not in state:
+                raise ValueError(f"checkpoint {path} has no {name}: was it saved with another --advantage-estimator?")
+            part.load_state_dict(state[name])
         self.step, self.policy_version = state["step"], state["policy_version"]
         log.info("resumed from %s at step %d (policy version %d)", path, self.step, self.policy_version)
 
@@ -130,8 +154,8 @@ class Trainer:
         root = Path(folder or self.config.save or "")
         if not str(root):
             raise ValueError("nowhere to save: pass --save, or give a path")
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "policy_version": self.policy_version}  # fmt: skip
+        state = {name: part.state_dict() for name, part in self._state().items()}
+        state["policy_version"] = self.policy_version
         path = checkpoint.save(root, self.step, state, self.tp_rank, self.pp_rank, self.dp_rank)
         if self.config.save_hf:
             from services.trainer.export import export_hf_checkpoint
@@ -162,7 +186,7 @@ class Trainer:
         batch = from_groups(list(reply.groups), self.config.n_samples_per_prompt)
         self.control.phase = "train"
         started = time.perf_counter()
-        steps = self.actor.train_rollout(batch)
+        steps = self.actor.train_rollout(batch, rollout=self.step)
         if dist.get_rank() == 0:
             self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=self.step), timeout=60)
         self.step += 1
@@ -171,7 +195,7 @@ class Trainer:
             self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=self.policy_version), timeout=60)
         metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": time.perf_counter() - started,
                    "response_length": sum(batch.response_lengths()) / len(batch)}  # fmt: skip
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and "tokens_per_s" in metrics:
             metrics["mfu"] = mfu(self.gpt.shape, metrics["tokens_per_s"] / self.info.world_size, batch.lengths())
         self._log(metrics)
         return metrics
@@ -218,7 +242,7 @@ class Trainer:
         log.info(
             "step %d: reward %.3f, loss %.4f, clipfrac %.3f, grad norm %.3f, %.0f tokens/s",
             self.step, metrics["reward"], metrics.get("loss", 0.0), metrics.get("pg_clipfrac", 0.0),
-            metrics["grad_norm"], metrics["tokens_per_s"],
+            metrics.get("grad_norm", 0.0), metrics.get("tokens_per_s", metrics.get("critic/tokens_per_s", 0.0)),
         )  # fmt: skip
         if self.writer is not None:
             for name, value in metrics.items():

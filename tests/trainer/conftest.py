@@ -62,5 +62,5 @@ def trainer_args(model, buffer: str, save, *extra: str) -> list[str]:
             "--save", str(save), *extra]  # fmt: skip
 
 
-def weights(folder, step: int) -> dict:
-    return torch.load(folder / f"iter_{step:07d}" / "mp_rank_00_000.pt", weights_only=False)["model"]
+def weights(folder, step: int, part: str = "model") -> dict:
+    return torch.load(folder / f"iter_{step:07d}" / "mp_rank_00_000.pt", weights_only=False)[part]

@@ -99,3 +99,36 @@ def test_a_few_steps_on_the_megatron_model_lower_the_loss(tmp_path):
     batch.rollout_logprobs = [before[i, : len(m)].numpy() for i, m in enumerate(batch.loss_masks)]
     losses = [actor.train_rollout(batch)[0]["loss"] for _ in range(4)]
     assert losses[1] < losses[0] and max(losses[2:]) < losses[0] - 1.0, losses
+
+
+def test_ppo_trains_the_critic_first_then_the_policy(tmp_path):
+    """PPO on the Megatron model: GAE from the critic's values; during --num-critic-only-steps only the critic moves,
+    and its value loss falls."""
+    from services.common.tiny_checkpoint import write_tiny_model
+    from services.trainer.critic import Critic, load_critic
+    from services.trainer.models import load_gpt_model
+    from services.trainer.parallel import init_parallel
+
+    init_parallel(tp_size=1)
+    path = write_tiny_model(tmp_path / "m")
+    config = TrainerConfig(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8, lr=1e-3,
+                           advantage_estimator="ppo", num_critic_only_steps=2, micro_batch_size=4, gamma=1.0,
+                           lambd=0.95)  # fmt: skip
+    parts = []
+    for load in (load_gpt_model, lambda p: load_critic(p, torch.float32)):
+        model, gpt = load(path)
+        optimizer = build_optimizer(model, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8)
+        parts.append((model, optimizer, build_scheduler(optimizer, 0, None, "constant", config.lr, 0.0)))
+    groups = Groups(vocab_size=gpt.shape.vocab_size)
+    actor, critic = Actor(config, *parts[0], groups), Critic(config, *parts[1], groups)
+    actor.critic = critic
+    batch = _batch()
+    policy = [p.detach().clone() for p in actor.model.parameters()]
+    steps = [actor.train_rollout(batch, rollout=r)[0] for r in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(policy, actor.model.parameters(), strict=True))
+    steps += [actor.train_rollout(batch, rollout=r)[0] for r in range(2, 4)]
+    value_losses = [s["critic/value_loss"] for s in steps]
+    assert value_losses[-1] < value_losses[0]
+    assert "loss" not in steps[0] and "loss" not in steps[1] and "loss" in steps[2]  # critic-only, then both
+    moved = [not torch.equal(a, b) for a, b in zip(policy, actor.model.parameters(), strict=True)]
+    assert any(moved)

@@ -6,6 +6,7 @@ import re
 import time
 
 import grpc
+import pytest
 import torch
 
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -30,20 +31,26 @@ def test_trainer_trains_commits_and_saves(filled_buffer, service_process, channe
     assert not torch.equal(exported.model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
 
 
-def test_stop_and_resume_equals_an_uninterrupted_run(filled_buffer, service_process, model, tmp_path):
-    straight = service_process(*trainer_args(model, filled_buffer("a"), tmp_path / "a", "--num-rollout", "4"))
+@pytest.mark.parametrize("estimator", ["grpo", "ppo"])  # ppo: the critic is saved and resumed too
+def test_stop_and_resume_equals_an_uninterrupted_run(filled_buffer, service_process, model, tmp_path, estimator):
+    algorithm = ["--advantage-estimator", estimator]
+    straight = service_process(
+        *trainer_args(model, filled_buffer("a"), tmp_path / "a", "--num-rollout", "4", *algorithm)
+    )
     assert straight.wait(timeout_s=240) == 0, straight.log
     second = filled_buffer("b")
-    first_half = service_process(*trainer_args(model, second, tmp_path / "b", "--num-rollout", "2"))
+    first_half = service_process(*trainer_args(model, second, tmp_path / "b", "--num-rollout", "2", *algorithm))
     assert first_half.wait(timeout_s=240) == 0, first_half.log
-    resumed = service_process(*trainer_args(model, second, tmp_path / "b", "--num-rollout", "4", "--load",
-                                             str(tmp_path / "b")))  # fmt: skip
+    resumed = service_process(*trainer_args(model, second, tmp_path / "b", "--num-rollout", "4", *algorithm,
+                                            "--load", str(tmp_path / "b")))  # fmt: skip
     assert resumed.wait(timeout_s=240) == 0, resumed.log
     assert "resumed from" in resumed.log and "at step 2" in resumed.log
-    a, b = weights(tmp_path / "a", 4), weights(tmp_path / "b", 4)
-    tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
-    assert tensors and all(torch.equal(a[k], b[k]) for k in tensors)
-    assert not all(torch.equal(a[k], weights(tmp_path / "b", 2)[k]) for k in tensors)  # it did train
+    for part in ["model", "critic_model"] if estimator == "ppo" else ["model"]:
+        a, b = weights(tmp_path / "a", 4, part), weights(tmp_path / "b", 4, part)
+        tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
+        assert tensors and all(torch.equal(a[k], b[k]) for k in tensors), part
+    a, half = weights(tmp_path / "a", 4), weights(tmp_path / "b", 2)
+    assert not all(torch.equal(v, half[k]) for k, v in a.items() if isinstance(v, torch.Tensor))  # it did train
 
 
 def test_control_surface_reports_saves_and_stops(filled_buffer, service_process, model, tmp_path):
