@@ -55,6 +55,9 @@ class RolloutConfig(ServiceConfig):
     affinity_slack: int = Field(4, ge=0)
     """Samples of one prompt group go to the same engine (its prefix cache) unless it has this many more requests
     in flight than the least busy engine."""
+    weight_sync_timeout_s: float = Field(120.0, gt=0)
+    """Deadline of each engine call of a weight sync (joining the group, loading a bucket, committing); an engine
+    past it is evicted and the sync goes on without it."""
     partial_rollout: bool = False
     """Samples aborted by a pause keep their tokens and continue later with max_new_tokens reduced (slime's
     --partial-rollout); off, they are generated again from the prompt."""

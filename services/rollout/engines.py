@@ -175,8 +175,15 @@ class EnginePool:
                 self._fail(engine, f"{path} failed: {errors[engine.url]}", evict=True)
         return errors
 
-    async def _control(self, engine: Engine, path: str, payload: dict):
-        timeout = aiohttp.ClientTimeout(total=self.config.rollout_health_check_timeout)
+    def evict(self, engine: Engine, reason: str) -> None:
+        self._fail(engine, reason, evict=True)
+
+    async def post_control(self, engine: Engine, path: str, payload: dict, timeout_s: float) -> dict:
+        """One control call to one engine (never through the router), with its own deadline."""
+        return await self._control(engine, path, payload, timeout_s)
+
+    async def _control(self, engine: Engine, path: str, payload: dict, timeout_s: float | None = None):
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.config.rollout_health_check_timeout)
         try:
             async with self.session.post(f"{engine.url}{path}", json=payload, timeout=timeout) as response:
                 body = await response.read()

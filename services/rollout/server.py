@@ -12,6 +12,7 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.launch import launch_engines, launch_router, stop, wait_workers
 from services.rollout.servicer import RolloutServicer
+from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
 from slipstream.v1 import buffer_pb2_grpc, reward_pb2_grpc
 
@@ -57,7 +58,9 @@ async def build(config: RolloutConfig) -> Service:
         await reward_channel.close()
         await stop(children)
 
-    return Service("rollout", config, [Servicer.of(RolloutServicer(pool, rollout))], ready=ready, on_stop=[close])
+    sync = WeightSync(config, pool, rollout.buffer)
+    servicer = Servicer.of(RolloutServicer(pool, rollout, sync))
+    return Service("rollout", config, [servicer], ready=ready, on_stop=[close])
 
 
 def _tokenizer(path: str):

@@ -1,11 +1,11 @@
-"""gRPC face of the rollout gateway: translates RolloutService requests to the engine pool, the rollout workers and
-evaluation, and back. The weight-sync RPCs answer UNIMPLEMENTED until the weight sync lands.
-"""
+"""gRPC face of the rollout gateway: translates RolloutService requests to the engine pool, the rollout workers,
+evaluation and the weight-sync control plane, and back."""
 
 import logging
 
 from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool
 from services.rollout.evaluation import evaluate
+from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -31,9 +31,13 @@ def engine_info(engine: Engine) -> rollout_pb2.EngineInfo:
     )
 
 
+def _results(results) -> list[rollout_pb2.EngineResult]:
+    return [rollout_pb2.EngineResult(url=r.url, success=r.success, message=r.message) for r in results]
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, pool: EnginePool, rollout: Rollout):
-        self.pool, self.rollout = pool, rollout
+    def __init__(self, pool: EnginePool, rollout: Rollout, sync: WeightSync):
+        self.pool, self.rollout, self.sync = pool, rollout, sync
 
     async def StartRollout(self, request, context):
         return rollout_pb2.StartRolloutResponse(started=self.rollout.start())
@@ -63,3 +67,25 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             log.info("eval %s at step %d: mean reward %.4f over %d samples", name, request.step, mean, num)
             results.append(rollout_pb2.EvalResult(dataset=name, num_samples=num, mean_reward=mean, metrics=metrics))
         return rollout_pb2.EvaluateResponse(results=results)
+
+    async def PrepareWeightSync(self, request, context):
+        world_size, ranks, created = await self.sync.prepare(
+            request.version, request.master_address, request.master_port, request.group_name or "weight_update_group",
+            request.backend or "nccl",
+        )  # fmt: skip
+        engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
+        return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created)
+
+    async def SyncWeightBuckets(self, request_iterator, context):
+        async for bucket in request_iterator:
+            names = [t.name for t in bucket.tensors]
+            dtypes, shapes = [t.dtype for t in bucket.tensors], [list(t.shape) for t in bucket.tensors]
+            results = await self.sync.bucket(names, dtypes, shapes, bucket.load_format)
+            yield rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index, engines=_results(results))
+
+    async def CommitWeightSync(self, request, context):
+        return rollout_pb2.CommitWeightSyncResponse(engines=_results(await self.sync.commit(request.version)))
+
+    async def AbortWeightSync(self, request, context):
+        await self.sync.abort(request.version, request.reason)
+        return rollout_pb2.AbortWeightSyncResponse()

@@ -62,14 +62,15 @@ def test_group_rm_scores_each_group_in_one_call(make_system, tmp_path):
     assert [[s.reward for s in g.samples] for g in batch.groups] == [[0.0, 1.0]] * 4  # the group function's ranks
 
 
-def test_start_twice_and_unimplemented_parts(system):
+def test_start_twice_and_commit_without_a_sync(system):
     _, gateway, _ = system
     assert gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10).started
     assert not gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10).started
     gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=30)
     with pytest.raises(grpc.RpcError) as info:
         gateway.CommitWeightSync(rollout_pb2.CommitWeightSyncRequest(version=1), timeout=10)
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "call PrepareWeightSync first" in info.value.details()
 
 
 def test_killing_an_engine_mid_rollout_changes_only_the_time(system, start_engine):

@@ -1,0 +1,64 @@
+"""The gateway's weight-sync control plane with real reference engines over gloo; this test process plays the
+trainer (rank 0): it asks PrepareWeightSync, joins the group, broadcasts each bucket while SyncWeightBuckets forwards
+it, and commits. Engines then hold exactly the sent weights under the new version, and the buffer knows it."""
+
+import queue
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from services.common.weight_group import init_custom_process_group
+from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
+
+
+def _sync(system, port: int, version: int, tensors: dict[str, torch.Tensor], bucket_size: int = 3) -> tuple:
+    prepared = system.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
+        version=version, master_address="127.0.0.1", master_port=port, group_name="wsync", backend="gloo",
+    ), timeout=60)  # fmt: skip
+    if prepared.group_created:
+        init = f"tcp://127.0.0.1:{port}"
+        system.group = init_custom_process_group("gloo", init, prepared.world_size, 0, "wsync")
+    names = list(tensors)
+    buckets = [names[i : i + bucket_size] for i in range(0, len(names), bucket_size)]
+    requests: queue.Queue = queue.Queue()
+    responses = system.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=120)
+    results = []
+    for index, bucket in enumerate(buckets):
+        specs = [common_pb2.TensorSpec(name=n, dtype=str(tensors[n].dtype).removeprefix("torch."),
+                                       shape=list(tensors[n].shape)) for n in bucket]  # fmt: skip
+        requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs))
+        for name in bucket:  # broadcast in the bucket's order while the engines receive
+            torch.distributed.broadcast(tensors[name], src=0, group=system.group)
+        results.append(next(responses))
+    requests.put(None)
+    committed = system.gateway.CommitWeightSync(rollout_pb2.CommitWeightSyncRequest(version=version), timeout=60)
+    return prepared, results, committed
+
+
+def _weights_of(url: str, name: str) -> torch.Tensor:
+    values = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**9}, timeout=30).json()
+    return torch.tensor(values)
+
+
+def test_engines_load_the_sent_weights_and_serve_the_new_version(make_system, free_port, tiny_model):
+    system = make_system(num_engines=2)
+    hf = load_file(tiny_model / "model.safetensors")
+    port = free_port()  # the trainer keeps its end of the group across syncs
+    for version in (1, 2):
+        sent = {name: (t + 0.01 * version).contiguous() for name, t in sorted(hf.items())}
+        prepared, results, committed = _sync(system, port, version, sent)
+        assert prepared.world_size == 3 and [e.rank_offset for e in prepared.engines] == [1, 2]
+        assert prepared.group_created == (version == 1)  # the group is kept while the engines stay the same
+        assert all(e.success for r in results for e in r.engines) and len(results) == -(-len(sent) // 3)
+        assert all(e.success for e in committed.engines)
+        for url in system.engines:
+            for name in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight", "model.norm.weight"):
+                assert torch.equal(_weights_of(url, name), sent[name])  # bit for bit
+            info = httpx.get(f"{url}/model_info", timeout=10).json()
+            assert info["weight_version"] == str(version)
+        state = system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
+        assert state.policy_version == version
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
+    meta = httpx.post(f"{system.engines[0]}/generate", json=body, timeout=30).json()["meta_info"]
+    assert meta["weight_version"] == "2"  # generation runs on again, under the new version
