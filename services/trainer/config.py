@@ -16,6 +16,17 @@ class TrainerConfig(ServiceConfig):
     """gRPC port of rank 0's control surface; 0 picks a free one (logged at start)."""
     buffer_addr: str = "localhost:50051"
     """The buffer service (host:port) that hands out each step's batch."""
+    rollout_addr: str | None = None
+    """The rollout gateway (host:port): after each --update-weights-interval steps the weights go to its engines.
+    Unset, no weights are sent and the trainer sets the buffer's policy version itself."""
+    update_weights_interval: int = Field(1, ge=1)
+    """Send the weights every this many steps."""
+    update_weight_buffer_size: int = Field(512, ge=1)
+    """MiB of weights per bucket of a weight sync."""
+    update_weight_flattened_bucket: bool = False
+    """Send each bucket as one flattened uint8 tensor (SGLang's flattened_bucket) instead of tensor by tensor."""
+    weight_sync_address: str = "127.0.0.1"
+    """Address at which the engines reach this trainer's rank 0 to join the weight group."""
 
     # Model and checkpoints
     hf_checkpoint: str = ""
@@ -148,6 +159,8 @@ class TrainerConfig(ServiceConfig):
     def _check(self) -> "TrainerConfig":
         if self.advantage_estimator == "ppo" and self.pipeline_model_parallel_size > 1:
             raise ValueError("the PPO critic runs without pipeline parallelism: use --pipeline-model-parallel-size 1")
+        if self.rollout_addr and self.pipeline_model_parallel_size > 1:
+            raise ValueError("weight sync gathers every layer in one process: use --pipeline-model-parallel-size 1")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel splits sequences over tensor-parallel ranks: it needs TP > 1")
         if self.pipeline_model_parallel_size > 1 and self.use_dynamic_batch_size:

@@ -107,6 +107,11 @@ class Trainer:
         self.step, self.policy_version = 0, 0
         if config.load:
             self._resume(Path(config.load))
+        self.weights = None
+        if config.rollout_addr and self.dp_rank == 0:
+            from services.trainer.weight_sync import WeightSender
+
+            self.weights = WeightSender(config, self.model, self.gpt, sender=dist.get_rank() == 0)
         self.channel = open_channel(config.buffer_addr)
         self.buffer = buffer_pb2_grpc.BufferServiceStub(self.channel)
         self.writer = self._tensorboard()
@@ -169,6 +174,8 @@ class Trainer:
     def run(self) -> None:
         c = self.config
         try:
+            if self.weights is not None and self.policy_version > 0:  # resumed: the engines still have the start
+                self.weights.sync(self.policy_version)
             while c.num_rollout is None or self.step < c.num_rollout:
                 reply = self._next_batch()
                 if reply is None:
@@ -181,6 +188,8 @@ class Trainer:
         finally:
             self.control.phase = "stopped"
             self.channel.close()
+            if self.weights is not None:
+                self.weights.close()
 
     def train_step(self, reply: buffer_pb2.GetBatchResponse) -> dict:
         batch = from_groups(list(reply.groups), self.config.n_samples_per_prompt)
@@ -191,7 +200,11 @@ class Trainer:
             self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=self.step), timeout=60)
         self.step += 1
         self.policy_version += 1
-        if dist.get_rank() == 0:  # until weights flow to the engines, the trainer's version is the policy's
+        if self.config.rollout_addr:
+            if self.weights is not None and self.step % self.config.update_weights_interval == 0:
+                self.control.phase = "sync"
+                self.weights.sync(self.policy_version)  # the gateway's commit tells the buffer the version
+        elif dist.get_rank() == 0:  # no engines to update: the trainer's version is the policy's
             self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=self.policy_version), timeout=60)
         metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": time.perf_counter() - started,
                    "response_length": sum(batch.response_lengths()) / len(batch)}  # fmt: skip

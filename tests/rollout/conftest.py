@@ -95,6 +95,7 @@ class System:
     gateway: object
     thread: object  # the gateway's ServiceThread: `run(coro)` runs on its loop
     engines: list[str]
+    buffer_address: str = ""
 
     def __iter__(self):
         return iter((self.buffer, self.gateway, self))
@@ -136,6 +137,7 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, t
             rollout_pb2_grpc.RolloutServiceStub(channel_to(thread.address)),
             thread,
             engines,
+            buffer_service.address,
         )
 
     return make

@@ -62,3 +62,25 @@ def test_engines_load_the_sent_weights_and_serve_the_new_version(make_system, fr
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
     meta = httpx.post(f"{system.engines[0]}/generate", json=body, timeout=30).json()["meta_info"]
     assert meta["weight_version"] == "2"  # generation runs on again, under the new version
+
+
+def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path):
+    """The whole loop: the gateway rolls out, the trainer trains two steps and sends its weights after each; the
+    engines end with exactly the trainer's final weights (its HF export), under version 2."""
+    system = make_system(num_engines=2)
+    system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
+    trainer = service_process(
+        "trainer", "--port", "0", "--metrics-port", "null", "--hf-checkpoint", str(tiny_model),
+        "--buffer-addr", system.buffer_address, "--rollout-addr", system.thread.address, "--num-rollout", "2",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--lr", "1e-3",
+        "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "hf"), "--update-weight-buffer-size", "1",
+    )  # fmt: skip
+    assert trainer.wait(timeout_s=240) == 0, trainer.log
+    system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=60)
+    assert "weights of version 2 sent to 2 engine(s)" in trainer.log
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    for url in system.engines:
+        assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "2"
+        for name in ("model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(_weights_of(url, name), exported[name])
+    assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
