@@ -2,7 +2,9 @@
 trainer (rank 0): it asks PrepareWeightSync, joins the group, broadcasts each bucket while SyncWeightBuckets forwards
 it, and commits. Engines then hold exactly the sent weights under the new version, and the buffer knows it."""
 
+import os
 import queue
+from pathlib import Path
 
 import httpx
 import torch
@@ -17,6 +19,8 @@ def _sync(system, port: int, version: int, tensors: dict[str, torch.Tensor], buc
         version=version, master_address="127.0.0.1", master_port=port, group_name="wsync", backend="gloo",
     ), timeout=60)  # fmt: skip
     if prepared.group_created:
+        if getattr(system, "group", None) is not None:  # this end of the old group goes too
+            torch.distributed.destroy_process_group(system.group)
         init = f"tcp://127.0.0.1:{port}"
         system.group = init_custom_process_group("gloo", init, prepared.world_size, 0, "wsync")
     names = list(tensors)
@@ -84,3 +88,37 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
         for name in ("model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
             assert torch.equal(_weights_of(url, name), exported[name])
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
+
+
+def test_a_late_engine_gets_the_full_weights_and_100_syncs_leak_nothing(make_system, free_port, tiny_model,
+                                                                       start_engine):  # fmt: skip
+    system = make_system(num_engines=1)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    port = free_port()
+    _sync(system, port, 1, {n: t + 0.5 for n, t in hf.items()})
+    late = start_engine()
+    system.gateway.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=late), timeout=30)
+    sent = {n: t + 0.75 for n, t in hf.items()}
+    prepared, _, _ = _sync(system, free_port(), 2, sent)  # a new member: a new group (and a new trainer port)
+    assert prepared.group_created and prepared.world_size == 3
+    for url in (system.engines[0], late):
+        assert torch.equal(
+            _weights_of(url, "model.layers.0.mlp.up_proj.weight"), sent["model.layers.0.mlp.up_proj.weight"]
+        )
+    pid = start_engine.procs[late].proc.pid
+    small = {"model.norm.weight": hf["model.norm.weight"]}
+    port = free_port()
+    _sync(system, port, 3, small)
+    before = _usage(pid)
+    for version in range(4, 104):
+        prepared, _, committed = _sync(system, port, version, small)
+        assert not prepared.group_created and all(e.success for e in committed.engines)
+    after = _usage(pid)
+    assert after["fds"] <= before["fds"] + 2, (before, after)  # no descriptor per sync
+    assert after["rss_mb"] <= before["rss_mb"] + 40, (before, after)  # no tensor kept per sync
+
+
+def _usage(pid: int) -> dict:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kb = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "rss_mb": rss_kb / 1024}
