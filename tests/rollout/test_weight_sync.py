@@ -15,14 +15,15 @@ from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
 
 
 def _sync(system, port: int, version: int, tensors: dict[str, torch.Tensor], bucket_size: int = 3) -> tuple:
+    name = f"wsync-{id(system)}"  # group names are global to this process, which plays several trainers
     prepared = system.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
-        version=version, master_address="127.0.0.1", master_port=port, group_name="wsync", backend="gloo",
+        version=version, master_address="127.0.0.1", master_port=port, group_name=name, backend="gloo",
     ), timeout=60)  # fmt: skip
     if prepared.group_created:
         if getattr(system, "group", None) is not None:  # this end of the old group goes too
             torch.distributed.destroy_process_group(system.group)
         init = f"tcp://127.0.0.1:{port}"
-        system.group = init_custom_process_group("gloo", init, prepared.world_size, 0, "wsync")
+        system.group = init_custom_process_group("gloo", init, prepared.world_size, 0, name)
     names = list(tensors)
     buckets = [names[i : i + bucket_size] for i in range(0, len(names), bucket_size)]
     requests: queue.Queue = queue.Queue()
