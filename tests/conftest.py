@@ -111,7 +111,7 @@ class ServiceThread:
         if not self.loop.is_running():
             return
         if self.server is not None:
-            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(120)  # a loaded CI machine is slow
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 

@@ -204,7 +204,7 @@ class Rollout:
     async def _release(self, lease_id: str, reason: str, partial: list | None = None) -> None:
         request = buffer_pb2.ReleaseLeaseRequest(lease_id=lease_id, reason=reason, partial_samples=partial or [])
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.buffer.ReleaseLease(request, timeout=30)
+            await self.buffer.ReleaseLease(request, timeout=10)  # one Lua call: quick, and stops must not wait long
 
 
 class Window:
