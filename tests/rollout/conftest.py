@@ -175,3 +175,17 @@ def start_rollout(proc) -> bool:
     with grpc.insecure_channel(gateway_address(proc)) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         return stub.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30, wait_for_ready=True).started
+
+
+def assert_groups_come_back(system: System) -> None:
+    """Runs the rollout until three groups went back to the buffer, stops it, and checks that none was submitted
+    and every started group is pending again (none lost)."""
+    system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
+    deadline = time.monotonic() + 60
+    while system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).counters["released"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=60)
+    state = system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
+    assert state.counters.get("completed", 0) == 0 and state.num_leased_groups == 0
+    assert state.num_pending_prompts == state.counters["started"]

@@ -3,7 +3,6 @@ calls the calculator), and a failing or inconsistent function, whose groups go b
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -12,7 +11,7 @@ from transformers import AutoTokenizer
 
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
-from tests.rollout.conftest import wait_completed
+from tests.rollout.conftest import assert_groups_come_back, wait_completed
 from tests.rollout.scripted_model import write_scripted_model
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "multi_turn_tools"
@@ -111,15 +110,7 @@ def test_a_failing_generate_function_returns_groups_to_the_buffer(make_system, t
     path = tmp_path / "bad.py"
     path.write_text(f"from slipstream.v1 import common_pb2\n\nasync def generate(ctx, group):\n    {body}\n")
     system = make_system(num_engines=1, custom_generate_function_path=f"{path}:generate")
-    system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
-    deadline = time.monotonic() + 60
-    while system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).counters["released"] < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
-    state = system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
-    assert state.counters.get("completed", 0) == 0 and state.num_leased_groups == 0
-    assert state.num_pending_prompts == state.counters["started"]  # every group is back, none lost
+    assert_groups_come_back(system)
     assert any(logged in r.getMessage() and "train:e0:" in r.getMessage() for r in caplog.records)
 
 

@@ -3,14 +3,13 @@ a connection cut in the middle of the answer — beside a real reference engine:
 answered, and the misbehaving engine is evicted. And a reward service that is down: groups go back to the buffer."""
 
 import asyncio
-import time
 
 import pytest
 from aiohttp import web
 
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EVICTED, HEALTHY, EnginePool
-from slipstream.v1 import buffer_pb2, rollout_pb2
+from tests.rollout.conftest import assert_groups_come_back
 
 BODY = {"input_ids": [5, 17, 42], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 
@@ -67,12 +66,4 @@ async def test_a_misbehaving_engine_is_retried_elsewhere_and_evicted(fault, engi
 
 def test_a_reward_service_that_is_down_sends_groups_back(make_system, free_port):
     system = make_system(num_engines=1, reward_addr=f"127.0.0.1:{free_port()}")
-    system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
-    deadline = time.monotonic() + 60
-    while system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).counters["released"] < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=60)
-    state = system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
-    assert state.counters.get("completed", 0) == 0 and state.num_leased_groups == 0
-    assert state.num_pending_prompts == state.counters["started"]  # all back in the buffer, none lost
+    assert_groups_come_back(system)
