@@ -175,6 +175,15 @@ class EnginePool:
                 self._fail(engine, f"{path} failed: {errors[engine.url]}", evict=True)
         return errors
 
+    async def alive(self, engine: Engine) -> bool:
+        """Whether the engine's server answers at all (GET /model_info: /health answers 503 while paused)."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=5)
+            async with self.session.get(f"{engine.url}/model_info", timeout=timeout) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
     def evict(self, engine: Engine, reason: str) -> None:
         self._fail(engine, reason, evict=True)
 

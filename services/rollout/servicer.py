@@ -77,11 +77,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created)
 
     async def SyncWeightBuckets(self, request_iterator, context):
-        async for bucket in request_iterator:
-            names = [t.name for t in bucket.tensors]
-            dtypes, shapes = [t.dtype for t in bucket.tensors], [list(t.shape) for t in bucket.tensors]
-            results = await self.sync.bucket(names, dtypes, shapes, bucket.load_format)
-            yield rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index, engines=_results(results))
+        try:
+            async for bucket in request_iterator:
+                names = [t.name for t in bucket.tensors]
+                dtypes, shapes = [t.dtype for t in bucket.tensors], [list(t.shape) for t in bucket.tensors]
+                results = await self.sync.bucket(bucket.bucket_index, names, dtypes, shapes, bucket.load_format)
+                yield rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index, engines=_results(results))
+        finally:  # a trainer that died mid-stream ends it like one that is done: it must commit or prepare soon
+            self.sync.stream_ended()
 
     async def CommitWeightSync(self, request, context):
         return rollout_pb2.CommitWeightSyncResponse(engines=_results(await self.sync.commit(request.version)))

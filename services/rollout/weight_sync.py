@@ -18,6 +18,7 @@ from slipstream.v1 import buffer_pb2
 log = logging.getLogger(__name__)
 
 SESSION_VERSION = (0, 5, 21)  # SGLang from this version needs begin/end_weight_update around updates
+STREAM_END_GRACE_S = 15.0  # after its bucket stream, a trainer commits (or prepares again) within this
 
 
 @dataclass
@@ -37,72 +38,103 @@ class Result:
 class WeightSync:
     def __init__(self, config: RolloutConfig, pool: EnginePool, buffer):
         self.config, self.pool, self.buffer = config, pool, buffer
-        self.group: Group | None = None
-        self.engines: list[Engine] = []  # taking part in the current sync
-        self.version: int | None = None
+        self.group: Group | None = None  # None once a member left: the next Prepare builds a new one
+        self.engines: list[Engine] = []  # taking part in the current attempt
+        self.version: int | None = None  # of the open sync
+        self.partial = False  # engines hold part of an unfinished sync: generation waits for a complete one
         self._joining: asyncio.Task | None = None
+        self._deadline: asyncio.TimerHandle | None = None
 
     async def prepare(self, version: int, address: str, port: int, group_name: str, backend: str):
-        """Returns (world size, [(url, rank offset, tp size)], whether the trainer must join a new group)."""
-        if self.version is not None and self.version != version:
-            raise FailedPrecondition(f"the sync of version {self.version} is still open; commit or abort it first")
+        """Returns (world size, [(url, rank offset, tp size)], whether the trainer must join a new group). Called
+        again with the same version after an engine left, it starts the sync over with the engines still healthy."""
+        if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
+            await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
+        self._watch(0)
+        if self.version == version and self.group is not None:  # the trainer lost the group (it could not join)
+            if self._joining is not None:
+                self._joining.cancel()
+            await self._break("joining", [])
+        await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))  # a dead member would stall the group
         engines = self.pool.healthy()
         if not engines:
             raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
         members = tuple((e.url, e.tp_size) for e in engines)
-        created = self.group != Group(group_name, members, (address, port, backend))
+        group = Group(group_name, members, (address, port, backend))
         offsets = [1 + sum(tp for _, tp in members[:i]) for i in range(len(members))]
         world_size = 1 + sum(tp for _, tp in members)
+        created = self.group != group
         if created:
             if self.group is not None:
-                await self._each(
-                    self.engines or engines, "/destroy_weights_update_group", {"group_name": self.group.name}
-                )
-            self.group = Group(group_name, members, (address, port, backend))
+                await self._each(self._members(), "/destroy_weights_update_group", {"group_name": self.group.name})
+            self.group = group
             common = {"master_address": address, "master_port": port, "world_size": world_size,
                       "group_name": group_name, "backend": backend}  # fmt: skip
             per_engine = {e.url: {**common, "rank_offset": o} for e, o in zip(engines, offsets, strict=True)}
             # Each engine's call returns only once the trainer has joined too: it runs while Prepare answers.
             self._joining = asyncio.create_task(self._each(engines, "/init_weights_update_group", {}, per_engine))
         self.engines, self.version = engines, version
-        await self.pool.pause(self.config.pause_mode)
-        await self._each(self._session_engines(), "/begin_weight_update", {"selector": "all"})
+        if self.pool.running.is_set():
+            await self.pool.pause(self.config.pause_mode)
+        await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
+        self._watch()
         ranks = [(url, offset, tp) for (url, tp), offset in zip(members, offsets, strict=True)]
         return world_size, ranks, created
 
-    async def bucket(self, names: list[str], dtypes: list[str], shapes: list[list[int]], load_format: str) -> list:
-        """Posts one bucket to every engine at once; answers once each has loaded it (or failed and was evicted)."""
+    async def bucket(self, index: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                     load_format: str) -> list[Result]:  # fmt: skip
+        """Posts one bucket to every engine at once; answers once each has loaded it or failed. After a failure the
+        group is gone (a collective needs all its members): the trainer prepares again and sends from the start."""
         self._check_open()
-        failed = await self._joined()
+        self._watch(0)
+        results = await self._joined()
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group.name,
                 "load_format": load_format or None, "flush_cache": False}  # fmt: skip
-        results = await self._each(self.engines, "/update_weights_from_distributed", body)
-        return failed + results
+        if not results:
+            results = await self._each(self.engines, "/update_weights_from_distributed", body)
+        self.partial = self.partial or any(r.success for r in results)
+        if not all(r.success for r in results):
+            await self._break(f"bucket {index}", results)
+        self._watch()
+        return results
 
     async def commit(self, version: int) -> list[Result]:
         self._check_open(version)
+        self._watch(0)
         failed = await self._joined()
-        await self._each(self._session_engines(), "/end_weight_update", {})
+        if failed:
+            await self._break("commit", failed)
+            raise FailedPrecondition(f"engines left the weight sync of version {version}; prepare it again")
+        ended = await self._each(_sessions(self.engines), "/end_weight_update", {})
         body = {"new_version": str(version), "abort_all_requests": False}
         results = await self._each(self.engines, "/update_weight_version", body)
-        await self.pool.resume()
+        for result in (r for r in ended + results if not r.success):  # its state is unknown: a full sync re-admits it
+            self.pool.evict(self.pool.engines[result.url], f"commit of weight version {version} failed: {result.message}")
         for engine in self.engines:
             engine.weight_version = str(version)
+        self._end()
+        await self.pool.resume()
         await self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=version), timeout=30)
-        self.version = None
         log.info("weights of version %d are live on %d engine(s)", version, sum(r.success for r in results))
-        return failed + results
+        return results
 
     async def abort(self, version: int, reason: str) -> None:
-        """Ends the open sync: engines keep their old weights and generate again; the next sync rebuilds the group."""
-        log.warning("weight sync of version %d aborted: %s", version, reason or "no reason given")
+        """Ends the open sync: engines keep their version; the next sync builds a new group. Engines that loaded part
+        of it stay paused until a sync completes, so no sample is generated by weights of no version."""
+        if self.version is None or version != self.version:
+            return
+        log.warning("weight sync of version %d aborted: %s", self.version, reason or "no reason given")
         if self._joining is not None:
             self._joining.cancel()
-        if self.engines:
-            await self._each(self._session_engines(), "/end_weight_update", {})
-            await self._each(self.engines, "/destroy_weights_update_group", {"group_name": self.group.name})
-        await self.pool.resume()
-        self.group, self._joining, self.version = None, None, None
+        if self.group is not None:
+            await self._leave(self.engines)
+            self.group = None
+        partial = self.partial
+        self._end()
+        if partial:
+            log.warning("engines hold part of version %d: generation waits for the next complete sync", version)
+        else:
+            await self.pool.resume()
 
     # Plumbing
 
@@ -111,35 +143,82 @@ class WeightSync:
             raise FailedPrecondition(
                 f"no weight sync of version {version or '?'} is open; call PrepareWeightSync first"
             )
+        if self.group is None:
+            raise FailedPrecondition(
+                f"an engine left the weight sync of version {self.version}; call PrepareWeightSync again"
+            )
 
-    def _session_engines(self) -> list[Engine]:
-        return [e for e in self.engines if _version(e.version) >= SESSION_VERSION]
+    def _end(self) -> None:
+        self._joining, self.version, self.partial = None, None, False
+        if self._deadline is not None:
+            self._deadline.cancel()
+
+    def stream_ended(self) -> None:
+        """The trainer's bucket stream ended: a live trainer commits or prepares again at once."""
+        if self.version is not None:
+            self._watch(STREAM_END_GRACE_S)
+
+    def _watch(self, timeout: float | None = None) -> None:
+        """(Re)arms the sync's deadline after each answer: a trainer silent for that long is gone, and the sync is
+        aborted. 0 disarms it."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+        timeout, version = self.config.weight_sync_timeout_s if timeout is None else timeout, self.version
+        if not timeout:
+            return
+        reason = f"no word from the trainer for {timeout:.0f} s"
+        self._deadline = asyncio.get_running_loop().call_later(
+            timeout, lambda: asyncio.create_task(self.abort(version, reason))
+        )
+
+    async def _break(self, where: str, results: list[Result]) -> None:
+        """An engine failed: evict the engines at fault and take the group down on the others. When an engine died
+        or every engine failed at once, the live ones that failed only lost their peer (or the trainer): they stay."""
+        failed = [self.pool.engines[r.url] for r in results if not r.success and r.url in self.pool.engines]
+        alive = await asyncio.gather(*(self.pool.alive(e) for e in failed))
+        dead = [e for e, ok in zip(failed, alive, strict=True) if not ok]
+        at_fault = dead or ([] if len(failed) == len(self.engines) else failed)
+        messages = {r.url: r.message for r in results}
+        for engine in at_fault:
+            self.pool.evict(engine, f"weight sync of version {self.version} failed at {where}: {messages[engine.url]}")
+        log.warning("weight sync of version %d: %s failed on %s; the trainer starts over",
+                    self.version, where, ", ".join(e.url for e in failed))  # fmt: skip
+        await self._leave([e for e in self.engines if e not in at_fault])
+        self.group = None
+
+    async def _leave(self, engines: list[Engine]) -> None:
+        await self._each(_sessions(engines), "/end_weight_update", {})
+        await self._each(engines, "/destroy_weights_update_group", {"group_name": self.group.name})
+
+    def _members(self) -> list[Engine]:
+        return [self.pool.engines[url] for url, _ in self.group.members if url in self.pool.engines]
+
+    async def _probe(self, engine: Engine) -> None:
+        if not await self.pool.alive(engine):
+            self.pool.evict(engine, "it does not answer /health")
 
     async def _joined(self) -> list[Result]:
-        """Waits for the group to be formed; engines that could not join are dropped from this sync."""
+        """Waits for the group to be formed; returns the failures of engines that could not join."""
         if self._joining is None:
             return []
         results, self._joining = await self._joining, None
         return [r for r in results if not r.success]
 
     async def _each(self, engines: list[Engine], path: str, body: dict, per_engine: dict | None = None) -> list[Result]:
-        """Posts `body` (or `per_engine[url]`) to every engine concurrently; an engine that fails is evicted and
-        leaves the current sync."""
-        engines = list(engines)  # a copy: failures leave self.engines while the results are read
+        """Posts `body` (or `per_engine[url]`) to every engine concurrently, each call with the sync's deadline."""
         calls = [self._call(e, path, (per_engine or {}).get(e.url, body)) for e in engines]
-        results = await asyncio.gather(*calls)
-        for engine, result in zip(engines, results, strict=True):
-            if not result.success and engine in self.engines:
-                self.engines.remove(engine)
-                self.pool.evict(engine, f"{path} failed: {result.message}")
-        return results
+        return list(await asyncio.gather(*calls))
 
     async def _call(self, engine: Engine, path: str, body: dict) -> Result:
         try:
             reply = await self.pool.post_control(engine, path, body, self.config.weight_sync_timeout_s)
         except EngineFailure as e:
-            return Result(engine.url, False, str(e))
+            return Result(engine.url, False, f"{path}: {e}")
         return Result(engine.url, bool(reply.get("success", True)), str(reply.get("message", "")))
+
+
+def _sessions(engines: list[Engine]) -> list[Engine]:
+    return [e for e in engines if _version(e.version) >= SESSION_VERSION]
 
 
 def _version(text: str) -> tuple:

@@ -27,6 +27,8 @@ class TrainerConfig(ServiceConfig):
     """Send each bucket as one flattened uint8 tensor (SGLang's flattened_bucket) instead of tensor by tensor."""
     weight_sync_address: str = "127.0.0.1"
     """Address at which the engines reach this trainer's rank 0 to join the weight group."""
+    weight_sync_timeout_s: float = Field(120.0, gt=0)
+    """Deadline of each step of a weight sync (joining the group, each bucket's broadcast, each gateway call)."""
 
     # Model and checkpoints
     hf_checkpoint: str = ""

@@ -109,9 +109,13 @@ class Trainer:
             self._resume(Path(config.load))
         self.weights = None
         if config.rollout_addr and self.dp_rank == 0:
+            from services.trainer.models import hf_weights_of
             from services.trainer.weight_sync import WeightSender
 
-            self.weights = WeightSender(config, self.model, self.gpt, sender=dist.get_rank() == 0)
+            peers = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            self.weights = WeightSender(
+                config, lambda: hf_weights_of(self.model, self.gpt), sender=dist.get_rank() == 0, peers=peers
+            )
         self.channel = open_channel(config.buffer_addr)
         self.buffer = buffer_pb2_grpc.BufferServiceStub(self.channel)
         self.writer = self._tensorboard()

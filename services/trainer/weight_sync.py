@@ -6,6 +6,8 @@ import contextlib
 import logging
 import queue
 import socket
+from collections.abc import Callable, Iterable
+from datetime import timedelta
 
 import grpc
 import torch
@@ -18,38 +20,93 @@ from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 log = logging.getLogger(__name__)
 
 GROUP_NAME = "slipstream_weights"
+ATTEMPTS = 3  # an engine that leaves mid-sync costs one attempt; the others get the weights from the start again
+
+
+class EnginesLeft(Exception):
+    """An engine left the weight group mid-sync: the group is gone, and the sync starts over without it."""
 
 
 class WeightSender:
     """Every rank of data-parallel replica 0 iterates the weights (the TP gather is collective); its global rank 0
-    talks to the gateway and broadcasts."""
+    talks to the gateway and broadcasts. `weights()` yields (HF name, full tensor) in order; `peers` is the group of
+    the ranks iterating with the sender (None when it is alone)."""
 
-    def __init__(self, config, model, gpt, sender: bool):
-        self.config, self.model, self.gpt, self.sender = config, model, gpt, sender
-        self.group = None
-        self.port = _free_port() if sender else 0
+    def __init__(self, config, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], sender: bool, peers=None):
+        self.config, self.weights, self.sender, self.peers = config, weights, sender, peers
+        self.group, self.port = None, 0
+        self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
         self.channel = open_channel(config.rollout_addr) if sender else None
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None
 
-    def sync(self, version: int) -> None:
-        from services.trainer.models import hf_weights_of
+    def sync(self, version: int) -> bool:
+        """Sends the weights as `version`; returns whether the engines serve it. Never raises for the engines'
+        sake: a failed sync leaves them on their version, and training goes on."""
+        for attempt in range(1, ATTEMPTS + 1):
+            buckets = self._buckets(self.weights())
+            failure = self._attempt(version, buckets) if self.sender else _drain(buckets)
+            if not self._agree(isinstance(failure, EnginesLeft) and attempt < ATTEMPTS):
+                break
+            if self.sender:
+                log.warning("weight sync of version %d, attempt %d: %s; starting over", version, attempt, failure)
+        if failure is None or not self.sender:
+            return failure is None
+        log.warning("weight sync of version %d failed (%s); the engines keep their weights", version, failure)
+        self._drop_group()
+        with contextlib.suppress(grpc.RpcError):
+            self.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=version, reason=str(failure)))
+        return False
 
-        buckets = self._buckets(hf_weights_of(self.model, self.gpt))
-        if not self.sender:
-            for _ in buckets:  # the TP peers take part in the gathers, and only in them
-                pass
-            return
+    def _attempt(self, version: int, buckets) -> Exception | None:
         try:
             self._send(version, buckets)
-        except (grpc.RpcError, RuntimeError) as e:
-            reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
-            log.warning("weight sync of version %d failed (%s); the engines keep the previous weights", version, reason)
-            if self.group is not None:  # the next sync starts from a fresh group
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group(self.group)
-                self.group = None
-            with contextlib.suppress(grpc.RpcError):
-                self.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=version, reason=reason))
+        except EnginesLeft as e:
+            self._drop_group()
+            return e
+        except grpc.RpcError as e:
+            return RuntimeError(f"the gateway answered {e.code().name}: {e.details()}")
+        except RuntimeError as e:  # joining the group failed
+            return e
+        finally:
+            _drain(buckets)  # the peers take part in every gather, whatever happened here
+        return None
+
+    def _send(self, version: int, buckets) -> None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if self.group is None:
+            self.port = _free_port()  # a new address: the gateway builds a new group
+        prepared = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
+            version=version, master_address=self.config.weight_sync_address, master_port=self.port,
+            group_name=GROUP_NAME, backend=backend,
+        ), timeout=self.timeout.total_seconds())  # fmt: skip
+        if prepared.group_created or self.group is None:
+            self._drop_group()
+            init = f"tcp://{self.config.weight_sync_address}:{self.port}"
+            self.group = init_custom_process_group(backend, init, prepared.world_size, 0, GROUP_NAME, self.timeout)
+        flat = self.config.update_weight_flattened_bucket
+        requests: queue.Queue = queue.Queue()
+        responses = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
+        try:
+            for index, bucket in enumerate(buckets):
+                specs = [common_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+                         for n, t in bucket]  # fmt: skip
+                requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
+                                                      load_format="flattened_bucket" if flat else ""))  # fmt: skip
+                try:
+                    for tensor in [flatten([t for _, t in bucket])] if flat else [t for _, t in bucket]:
+                        dist.broadcast(tensor, src=0, group=self.group)
+                except RuntimeError:  # a member is gone: free the others' receives, then hear which one
+                    self._drop_group()
+                failed = [e for e in next(responses).engines if not e.success]
+                if failed:
+                    raise EnginesLeft(f"at bucket {index}: " + "; ".join(f"{e.url}: {e.message}" for e in failed))
+        finally:
+            requests.put(None)
+        committed = self.gateway.CommitWeightSync(
+            rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.timeout.total_seconds()
+        )
+        live = sum(e.success for e in committed.engines)
+        log.info("weights of version %d sent to %d engine(s)", version, live)
 
     def _buckets(self, pairs):
         """Lists of (HF name, tensor) of about --update-weight-buffer-size MiB each, in order."""
@@ -64,40 +121,29 @@ class WeightSender:
         if bucket:
             yield bucket
 
-    def _send(self, version: int, buckets) -> None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        prepared = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
-            version=version, master_address=self.config.weight_sync_address, master_port=self.port,
-            group_name=GROUP_NAME, backend=backend,
-        ), timeout=120)  # fmt: skip
-        if prepared.group_created or self.group is None:
-            if self.group is not None:
+    def _agree(self, again: bool) -> bool:
+        """The sender's decision to start over, shared with the peers (they gather with it once more)."""
+        if self.peers is None:
+            return again
+        flag = torch.tensor([int(again)], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.broadcast(flag, src=dist.get_global_rank(self.peers, 0), group=self.peers)
+        return bool(flag.item())
+
+    def _drop_group(self) -> None:
+        if self.group is not None:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group(self.group)
-            init = f"tcp://{self.config.weight_sync_address}:{self.port}"
-            self.group = init_custom_process_group(backend, init, prepared.world_size, 0, GROUP_NAME)
-        flat = self.config.update_weight_flattened_bucket
-        requests: queue.Queue = queue.Queue()
-        responses = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
-        try:
-            for index, bucket in enumerate(buckets):
-                specs = [common_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
-                         for n, t in bucket]  # fmt: skip
-                requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
-                                                      load_format="flattened_bucket" if flat else ""))  # fmt: skip
-                for tensor in [flatten([t for _, t in bucket])] if flat else [t for _, t in bucket]:
-                    dist.broadcast(tensor, src=0, group=self.group)
-                failed = [e for e in next(responses).engines if not e.success]
-                for engine in failed:
-                    log.warning("engine %s left the weight sync at bucket %d: %s", engine.url, index, engine.message)
-        finally:
-            requests.put(None)
-        committed = self.gateway.CommitWeightSync(rollout_pb2.CommitWeightSyncRequest(version=version), timeout=120)
-        live = sum(e.success for e in committed.engines)
-        log.info("weights of version %d sent to %d engine(s)", version, live)
+            self.group = None
 
     def close(self) -> None:
+        self._drop_group()
         if self.channel is not None:
             self.channel.close()
+
+
+def _drain(buckets) -> None:
+    for _ in buckets:
+        pass
 
 
 def _free_port() -> int:

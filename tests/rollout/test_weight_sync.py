@@ -4,13 +4,19 @@ it, and commits. Engines then hold exactly the sent weights under the new versio
 
 import os
 import queue
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import torch
 from safetensors.torch import load_file
 
 from services.common.weight_group import init_custom_process_group
+from services.trainer.weight_sync import WeightSender
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
 
 
@@ -123,3 +129,93 @@ def _usage(pid: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kb = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "rss_mb": rss_kb / 1024}
+
+
+def _sender(system, bucket_mib: float = 0.1) -> WeightSender:
+    config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=bucket_mib,
+                             update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
+                             weight_sync_timeout_s=60)  # fmt: skip
+    return WeightSender(config, weights=None, sender=True)
+
+
+def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(make_system, start_engine, tiny_model,
+                                                                             caplog):  # fmt: skip
+    system = make_system(num_engines=2)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    victim, survivor = system.engines
+    sent = {n: t + 0.25 for n, t in hf.items()}
+    passes = []
+
+    def weights():  # the first pass kills an engine once a few buckets have gone out
+        passes.append(len(passes))
+        for index, (name, tensor) in enumerate(sent.items()):
+            if len(passes) == 1 and index == len(sent) - 3:
+                start_engine.procs[victim].proc.kill()
+            yield name, tensor
+
+    sender = _sender(system)
+    sender.weights = weights
+    try:
+        assert sender.sync(1)
+    finally:
+        sender.close()
+    assert len(passes) == 2 and "starting over" in caplog.text  # the survivor got every bucket from the start again
+    engines = {e.url: e for e in system.gateway.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10).engines}
+    assert engines[victim].state == rollout_pb2.ENGINE_STATE_EVICTED and "weight sync" in engines[victim].last_error
+    assert engines[survivor].state == rollout_pb2.ENGINE_STATE_HEALTHY and engines[survivor].weight_version == "1"
+    for name in sent:
+        assert torch.equal(_weights_of(survivor, name), sent[name])
+    assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 1
+
+
+TRAINER_DIES = """
+import os, signal, sys
+from types import SimpleNamespace
+import torch
+from safetensors.torch import load_file
+from services.trainer.weight_sync import WeightSender
+
+hf = sorted(load_file(sys.argv[2]).items())
+config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=0.1, update_weight_flattened_bucket=False,
+                         weight_sync_address="127.0.0.1", weight_sync_timeout_s=60)
+
+def weights():
+    for index, (name, tensor) in enumerate(hf):
+        if index == len(hf) - 3:  # some buckets are loaded by now
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield name, (tensor + 1.0).contiguous()
+
+WeightSender(config, weights, sender=True).sync(7)
+"""
+
+
+def test_a_trainer_killed_mid_sync_leaves_the_engines_on_their_version_and_the_next_sync_works(make_system,
+                                                                                              tiny_model):  # fmt: skip
+    system = make_system(num_engines=2)
+    model = str(tiny_model / "model.safetensors")
+    trainer = subprocess.run([sys.executable, "-c", TRAINER_DIES, system.thread.address, model], timeout=120)
+    assert trainer.returncode == -signal.SIGKILL
+    for url in system.engines:  # part of version 7 is loaded: no generation until a sync completes
+        assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "default"
+    sync = system.thread.server.service.servicers[0].impl.sync
+    _wait(lambda: sync.version is None)  # the trainer's stream ended without a commit
+    assert not system.rollout.pool.running.is_set()
+    hf = {name: t.contiguous() for name, t in sorted(load_file(model).items())}
+    sent = {n: t - 0.5 for n, t in hf.items()}
+    sender = _sender(system)
+    sender.weights = lambda: iter(sent.items())
+    try:
+        assert sender.sync(8)  # a new trainer
+    finally:
+        sender.close()
+    for url in system.engines:
+        assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "8"
+        assert torch.equal(_weights_of(url, "lm_head.weight"), sent["lm_head.weight"])
+    assert system.rollout.pool.running.is_set()
+
+
+def _wait(condition, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)

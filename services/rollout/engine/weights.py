@@ -17,6 +17,7 @@ class WeightReceiver:
         self.engine = engine
         self.groups: dict[str, object] = {}
         self.session_open = False
+        self.receiving = asyncio.Lock()  # a group is destroyed only between receives
 
     async def init_group(self, request: Request) -> Response:
         body = await request.json()
@@ -37,10 +38,14 @@ class WeightReceiver:
 
     async def destroy_group(self, request: Request) -> Response:
         name = (await request.json()).get("group_name", "weight_update_group")
-        group = self.groups.pop(name, None)
-        if group is None:
-            return control(False, "The group to be destroyed does not exist.")
-        torch.distributed.destroy_process_group(group)
+        async with self.receiving:
+            group = self.groups.pop(name, None)
+            if group is None:
+                return control(False, "The group to be destroyed does not exist.")
+            try:
+                torch.distributed.destroy_process_group(group)
+            except Exception as e:  # a group whose peer is gone: its resources are freed all the same
+                return control(True, f"Destroyed the custom process group ({e}).")
         return control(True, "Succeeded to destroy custom process group.")
 
     async def begin(self, request: Request) -> Response:
@@ -73,7 +78,11 @@ class WeightReceiver:
         flat = body.get("load_format") == "flattened_bucket"
         device = self.engine.device
         # Receive first, whatever happens next: the sender's broadcasts must always be matched.
-        tensors = await asyncio.to_thread(_receive, group, torch_dtypes, shapes, flat, device)
+        try:
+            async with self.receiving:
+                tensors = await asyncio.to_thread(_receive, group, torch_dtypes, shapes, flat, device)
+        except Exception as e:  # the trainer or another member is gone
+            return control(False, f"Failed to update weights: the weight update group broke: {e}.")
         problem = self._check(names, tensors)
         if problem:
             return control(False, f"Failed to update weights: {problem}.")
