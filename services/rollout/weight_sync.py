@@ -109,7 +109,8 @@ class WeightSync:
         body = {"new_version": str(version), "abort_all_requests": False}
         results = await self._each(self.engines, "/update_weight_version", body)
         for result in (r for r in ended + results if not r.success):  # its state is unknown: a full sync re-admits it
-            self.pool.evict(self.pool.engines[result.url], f"commit of weight version {version} failed: {result.message}")
+            reason = f"commit of weight version {version} failed: {result.message}"
+            self.pool.evict(self.pool.engines[result.url], reason)
         for engine in self.engines:
             engine.weight_version = str(version)
         self._end()
