@@ -5,6 +5,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -139,11 +140,17 @@ def grpc_service() -> Iterator[Callable]:
 class ServiceProcess:
     """`slipstream <name> …` as a real child process, with its log in a file."""
 
-    def __init__(self, args: list[str], log_path: Path, cwd: Path):
+    def __init__(self, args: list[str], log_path: Path, cwd: Path, nproc: int = 1):
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "slipstream", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd)
+        cmd, env = [sys.executable, "-m", "slipstream", *args], None
+        if nproc > 1:  # ranks under torchrun (the trainer)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+                   "127.0.0.1", "--master-port", str(_free_port()), "-m", f"services.{args[0]}", *args[1:]]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True
+        )
 
     @property
     def log(self) -> str:
@@ -158,7 +165,7 @@ class ServiceProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)  # with its children (torchrun's ranks)
             self.proc.wait()
         self._log.close()
 
@@ -168,8 +175,8 @@ def service_process(tmp_path) -> Iterator[Callable]:
     """Starts `slipstream <args>` as a separate process: `proc = service_process("buffer", "--port", "0")`."""
     started: list[ServiceProcess] = []
 
-    def start(*args: str) -> ServiceProcess:
-        proc = ServiceProcess(list(args), tmp_path / f"{args[0]}-{len(started)}.log", cwd=tmp_path)
+    def start(*args: str, nproc: int = 1) -> ServiceProcess:
+        proc = ServiceProcess(list(args), tmp_path / f"{args[0]}-{len(started)}.log", cwd=tmp_path, nproc=nproc)
         started.append(proc)
         return proc
 
@@ -178,18 +185,16 @@ def service_process(tmp_path) -> Iterator[Callable]:
         proc.stop()
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Returns a function that finds a free TCP port on 127.0.0.1."""
-
-    def find() -> int:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
-
-    return find
+    return _free_port
 
 
 @pytest.fixture

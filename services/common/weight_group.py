@@ -7,6 +7,7 @@ the store prefix.
 """
 
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 from torch.distributed import distributed_c10d as c10d
@@ -17,8 +18,9 @@ def init_custom_process_group(
 ):
     """Joins (rank 0 hosts the TCP store) and returns the process group `group_name`; blocks until all ranks joined."""
     timeout = timeout or c10d.default_pg_timeout
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store is built here rather than by c10d.rendezvous, which under torchrun would join torchrun's own store.
+    address = urlparse(init_method)
+    store = torch.distributed.TCPStore(address.hostname, address.port, world_size, rank == 0, timeout)
     store = c10d.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout, device_id=None

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -75,9 +76,11 @@ def test_engines_load_the_sent_weights_and_serve_the_new_version(make_system, fr
     assert meta["weight_version"] == "2"  # generation runs on again, under the new version
 
 
-def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path):
-    """The whole loop: the gateway rolls out, the trainer trains two steps and sends its weights after each; the
-    engines end with exactly the trainer's final weights (its HF export), under version 2."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path, tp):
+    """The whole loop: the gateway rolls out, the trainer (TP=1, or TP=2 under torchrun: the sender gathers the
+    shards) trains two steps and sends its weights after each; the engines end with exactly the trainer's final
+    weights (its HF export), under version 2."""
     system = make_system(num_engines=2)
     system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
     trainer = service_process(
@@ -85,8 +88,9 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
         "--buffer-addr", system.buffer_address, "--rollout-addr", system.thread.address, "--num-rollout", "2",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--lr", "1e-3",
         "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "hf"), "--update-weight-buffer-size", "1",
+        "--tensor-model-parallel-size", str(tp), nproc=tp,
     )  # fmt: skip
-    assert trainer.wait(timeout_s=240) == 0, trainer.log
+    assert trainer.wait(timeout_s=300) == 0, trainer.log[-4000:]
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=60)
     assert "weights of version 2 sent to 2 engine(s)" in trainer.log
     exported = load_file(tmp_path / "hf" / "model.safetensors")
