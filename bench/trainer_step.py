@@ -28,10 +28,10 @@ SHAPES = {  # Qwen3-1.7B's layers with an untied output layer (2.03 B parameters
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4}
 
 
-def write_model(path: Path, shape: dict, device: str) -> None:
+def write_model(path: Path, shape: dict, device: str, tie: bool = False) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**shape, tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
+    config = Qwen3Config(**shape, tie_word_embeddings=tie, rope_theta=1e6, max_position_embeddings=40960,
                          rms_norm_eps=1e-6, torch_dtype="bfloat16")  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):

@@ -55,7 +55,11 @@ class WeightSync:
             if self._joining is not None:
                 self._joining.cancel()
             await self._break("joining", [])
-        await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))  # a dead member would stall the group
+        # A dead member would stall the group: pausing weeds them out (a failed control call evicts), or a probe.
+        if self.pool.running.is_set():
+            await self.pool.pause(self.config.pause_mode)
+        else:
+            await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))
         engines = self.pool.healthy()
         if not engines:
             raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
@@ -74,8 +78,6 @@ class WeightSync:
             # Each engine's call returns only once the trainer has joined too: it runs while Prepare answers.
             self._joining = asyncio.create_task(self._each(engines, "/init_weights_update_group", {}, per_engine))
         self.engines, self.version = engines, version
-        if self.pool.running.is_set():
-            await self.pool.pause(self.config.pause_mode)
         await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
         self._watch()
         ranks = [(url, offset, tp) for (url, tp), offset in zip(members, offsets, strict=True)]
@@ -105,17 +107,21 @@ class WeightSync:
         if failed:
             await self._break("commit", failed)
             raise FailedPrecondition(f"engines left the weight sync of version {version}; prepare it again")
-        ended = await self._each(_sessions(self.engines), "/end_weight_update", {})
         body = {"new_version": str(version), "abort_all_requests": False}
-        results = await self._each(self.engines, "/update_weight_version", body)
+        ended, results = await asyncio.gather(  # independent calls: at once
+            self._each(_sessions(self.engines), "/end_weight_update", {}),
+            self._each(self.engines, "/update_weight_version", body),
+        )
         for result in (r for r in ended + results if not r.success):  # its state is unknown: a full sync re-admits it
             reason = f"commit of weight version {version} failed: {result.message}"
             self.pool.evict(self.pool.engines[result.url], reason)
         for engine in self.engines:
             engine.weight_version = str(version)
         self._end()
-        await self.pool.resume()
-        await self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=version), timeout=30)
+        await asyncio.gather(
+            self.pool.resume(),
+            self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=version), timeout=30),
+        )
         log.info("weights of version %d are live on %d engine(s)", version, sum(r.success for r in results))
         return results
 

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import queue
 import socket
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
@@ -35,6 +36,7 @@ class WeightSender:
     def __init__(self, config, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], sender: bool, peers=None):
         self.config, self.weights, self.sender, self.peers = config, weights, sender, peers
         self.group, self.port = None, 0
+        self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
         self.channel = open_channel(config.rollout_addr) if sender else None
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None
@@ -73,6 +75,7 @@ class WeightSender:
 
     def _send(self, version: int, buckets) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        started = time.perf_counter()
         if self.group is None:
             self.port = _free_port()  # a new address: the gateway builds a new group
         prepared = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
@@ -83,10 +86,12 @@ class WeightSender:
             self._drop_group()
             init = f"tcp://{self.config.weight_sync_address}:{self.port}"
             self.group = init_custom_process_group(backend, init, prepared.world_size, 0, GROUP_NAME, self.timeout)
+        self.timings = {"prepare_s": time.perf_counter() - started}
         flat = self.config.update_weight_flattened_bucket
         requests: queue.Queue = queue.Queue()
         responses = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
         try:
+            sent = False
             for index, bucket in enumerate(buckets):
                 specs = [common_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
                          for n, t in bucket]  # fmt: skip
@@ -95,18 +100,31 @@ class WeightSender:
                 try:
                     for tensor in [flatten([t for _, t in bucket])] if flat else [t for _, t in bucket]:
                         dist.broadcast(tensor, src=0, group=self.group)
-                except RuntimeError:  # a member is gone: free the others' receives, then hear which one
+                except RuntimeError as e:  # a member is gone: free the others' receives, then hear which one
                     self._drop_group()
-                failed = [e for e in next(responses).engines if not e.success]
-                if failed:
-                    raise EnginesLeft(f"at bucket {index}: " + "; ".join(f"{e.url}: {e.message}" for e in failed))
+                    for _ in range(2 if index else 1):  # this bucket's answer and the one before
+                        self._check(next(responses))
+                    raise EnginesLeft(f"at bucket {index}: {e}") from None
+                if index:  # one bucket ahead: the next is converted while the engines load this one
+                    self._check(next(responses))
+                sent = True
+            if sent:
+                self._check(next(responses))
         finally:
             requests.put(None)
+        self.timings["send_s"] = time.perf_counter() - started - self.timings["prepare_s"]
         committed = self.gateway.CommitWeightSync(
             rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.timeout.total_seconds()
         )
+        self.timings["commit_s"] = time.perf_counter() - started - sum(self.timings.values())
         live = sum(e.success for e in committed.engines)
         log.info("weights of version %d sent to %d engine(s)", version, live)
+
+    @staticmethod
+    def _check(result: rollout_pb2.WeightBucketResult) -> None:
+        failed = [e for e in result.engines if not e.success]
+        if failed:
+            raise EnginesLeft(f"at bucket {result.bucket_index}: " + "; ".join(f"{e.url}: {e.message}" for e in failed))
 
     def _buckets(self, pairs):
         """Lists of (HF name, tensor) of about --update-weight-buffer-size MiB each, in order."""

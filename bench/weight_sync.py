@@ -1,0 +1,221 @@
+"""Weight sync end to end against a raw NCCL broadcast of the same bytes, in the same run.
+
+The trainer side is this process: a Megatron-core GPTModel (random Qwen3-4B-shaped bf16 weights) on GPU 0, sending
+through `services.trainer.weight_sync.WeightSender` — Megatron → HF names, buckets, PrepareWeightSync /
+SyncWeightBuckets / CommitWeightSync on a real gateway, NCCL broadcast to a `slipstream engine` on GPU 1, which loads
+every bucket, takes the new weight version and generates again; the gateway also tells a real buffer the version.
+A sync is timed from the trainer's call to CommitWeightSync's answer (the engine then serves the new version).
+The raw figure broadcasts the same tensors (the same names, dtypes and shapes, one broadcast each, received as the
+engine receives them) between this process and a bare receiver process on GPU 1.
+
+Run (2 GPUs):  python bench/weight_sync.py --shape qwen3-4b
+Run (CPU, tiny, to check the script): .venv/bin/python bench/weight_sync.py --shape tiny --syncs 2
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_step import write_model
+
+SHAPES = {  # Qwen3-4B: 36 layers, tied embeddings, 4.02 B parameters (8.05 GB in bf16, 398 tensors)
+    "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=9728, vocab_size=151936),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=512),
+}  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    out = log.open("wb")
+    return subprocess.Popen([sys.executable, "-m", "slipstream", *args], stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path) -> None:
+    for _ in range(1200):
+        if proc.poll() is not None:
+            sys.exit(f"{url} exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    sys.exit(f"{url} did not come up:\n{log.read_text()[-3000:]}")
+
+
+def start_system(model: Path, folder: Path, cuda: bool) -> tuple[str, str, list]:
+    """A buffer (embedded Redis), one engine (GPU 1 on CUDA) and the gateway; returns (engine URL, gateway addr)."""
+    from services.common.clients import wait_until_serving
+
+    engine_port, buffer_port, gateway_port = free_port(), free_port(), free_port()
+    device = ["--device", "cuda", "--dtype", "bfloat16"] if cuda else []
+    engine = start(["engine", "--model-path", str(model), "--port", str(engine_port), *device], folder / "engine.log",
+                   {"CUDA_VISIBLE_DEVICES": "1"} if cuda else None)  # fmt: skip
+    buffer = start(["buffer", "--port", str(buffer_port), "--metrics-port", "null", "--output-dir", str(folder)],
+                   folder / "buffer.log")  # fmt: skip
+    url = f"http://127.0.0.1:{engine_port}"
+    wait_http(url, engine, folder / "engine.log")
+    gateway = start(["rollout", "--port", str(gateway_port), "--metrics-port", "null", "--engine-urls", url,
+                     "--buffer-addr", f"127.0.0.1:{buffer_port}", "--reward-addr", f"127.0.0.1:{free_port()}"],
+                    folder / "gateway.log")  # fmt: skip
+    for port in (buffer_port, gateway_port):
+        wait_until_serving(f"127.0.0.1:{port}", timeout_s=120)
+    return url, f"127.0.0.1:{gateway_port}", [engine, buffer, gateway]
+
+
+def receive_raw(port: int, specs: list, reps: int) -> None:
+    """The raw receiver (GPU 1): every tensor by its own broadcast, as the engine receives, `reps` times."""
+    from services.common.weight_group import init_custom_process_group
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 1) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    group = init_custom_process_group("nccl" if cuda else "gloo", f"tcp://127.0.0.1:{port}", 2, 1, "raw")
+    for _ in range(reps):
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
+        handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+        for handle in handles:
+            handle.wait()
+        done = torch.ones(1, device=device)
+        torch.distributed.broadcast(done, src=1, group=group)  # tells the sender all arrived
+        del tensors
+    torch.distributed.destroy_process_group(group)
+
+
+def raw_broadcast(tensors: list[torch.Tensor], reps: int) -> list[float]:
+    from services.common.weight_group import init_custom_process_group
+
+    port = free_port()
+    specs = [(t.dtype, list(t.shape)) for t in tensors]
+    receiver = mp.get_context("spawn").Process(target=receive_raw, args=(port, specs, reps + 1))
+    receiver.start()
+    cuda = torch.cuda.is_available()
+    group = init_custom_process_group("nccl" if cuda else "gloo", f"tcp://127.0.0.1:{port}", 2, 0, "raw")
+    done = torch.zeros(1, device=tensors[0].device)
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        sync()
+        started = time.perf_counter()
+        for tensor in tensors:
+            torch.distributed.broadcast(tensor, src=0, group=group)
+        torch.distributed.broadcast(done, src=1, group=group)
+        sync()
+        times.append(time.perf_counter() - started)
+    receiver.join()
+    torch.distributed.destroy_process_group(group)
+    return times[1:]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-4b")
+    parser.add_argument("--bucket-mib", type=int, nargs="+", default=[512, 2048, 16384])
+    parser.add_argument("--syncs", type=int, default=5, help="timed syncs per bucket size (after one warm-up)")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.device_count() < 2:
+        sys.exit("needs 2 GPUs: the trainer on GPU 0, the engine on GPU 1")
+    from services.trainer.models import hf_weights_of, load_gpt_model
+    from services.trainer.parallel import init_parallel
+    from services.trainer.weight_sync import WeightSender
+
+    folder = Path(tempfile.mkdtemp(prefix="weight-sync-"))
+    model_dir = folder / "model"
+    shape = SHAPES[args.shape]
+    write_model(model_dir, shape, "cuda" if cuda else "cpu", tie=True)
+    url, gateway, procs = start_system(model_dir, folder, cuda)
+    try:
+        init_parallel(1, 1)
+        model, gpt = load_gpt_model(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
+        tensors = [t.contiguous() for _, t in hf_weights_of(model, gpt)]
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        raw = raw_broadcast(tensors, args.syncs)
+        del tensors
+        rows, version = [], 0
+        for mib in args.bucket_mib:
+            config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=mib,
+                                     update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
+                                     weight_sync_timeout_s=300)  # fmt: skip
+            sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True)
+            times, phases = [], []
+            for rep in range(args.syncs + 1):  # the first builds the group
+                version += 1
+                with torch.no_grad():
+                    next(model.parameters()).add_(1.0)  # new weights each time
+                sync()
+                started = time.perf_counter()
+                assert sender.sync(version), f"sync of version {version} failed: see {folder}/gateway.log"
+                if rep:
+                    times.append(time.perf_counter() - started)
+                    phases.append(sender.timings)
+            sender.close()
+            check(url, model, gpt, version)
+            rows.append((mib, times, phases))
+        report(args, size, len(list(hf_weights_of(model, gpt))), raw, rows)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
+def check(url: str, model, gpt, version: int) -> None:
+    """The engine serves `version` with exactly the trainer's weights (first rows of a few tensors)."""
+    from services.trainer.models import hf_weights_of
+
+    info = httpx.get(f"{url}/model_info", timeout=30).json()
+    assert info["weight_version"] == str(version), info
+    wanted = {"model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight"}
+    for name, tensor in hf_weights_of(model, gpt):
+        if name in wanted:
+            got = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 2}, timeout=60).json()
+            assert torch.equal(torch.tensor(got), tensor[:2].float().cpu()), name
+
+
+def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (gloo)"
+    gb = size / 1e9
+    best_raw = min(raw)
+    print(f"\nWeight sync, {args.shape}: {gb:.2f} GB in {count} tensors; trainer GPU 0 → engine GPU 1; {device}; "
+          f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
+    print(f"command: python bench/weight_sync.py --shape {args.shape} --bucket-mib "
+          f"{' '.join(map(str, args.bucket_mib))} --syncs {args.syncs}\n")  # fmt: skip
+    print("| path | bucket | time (median, min) | GB/s (best) | share of raw | prepare / send / commit (median) |")
+    print("|---|---|---|---|---|---|")
+    print(f"| raw NCCL broadcast | - | {statistics.median(raw) * 1e3:.1f} ms, {best_raw * 1e3:.1f} ms | "
+          f"{gb / best_raw:.1f} | 100% | - |")  # fmt: skip
+    for mib, times, phases in rows:
+        parts = " / ".join(f"{statistics.median(p[k] for p in phases) * 1e3:.1f}"
+                           for k in ("prepare_s", "send_s", "commit_s"))  # fmt: skip
+        print(f"| end to end | {mib} MiB | {statistics.median(times) * 1e3:.1f} ms, {min(times) * 1e3:.1f} ms | "
+              f"{gb / min(times):.1f} | {best_raw / min(times):.0%} | {parts} ms |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
