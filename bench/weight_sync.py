@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +37,9 @@ SHAPES = {  # Qwen3-4B: 36 layers, tied embeddings, 4.02 B parameters (8.05 GB i
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512),
 }  # fmt: skip
+
+
+TIMEOUT = timedelta(seconds=120)
 
 
 def free_port() -> int:
@@ -91,14 +95,13 @@ def receive_raw(port: int, specs: list, reps: int) -> None:
     device = torch.device("cuda", 1) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    group = init_custom_process_group("nccl" if cuda else "gloo", f"tcp://127.0.0.1:{port}", 2, 1, "raw")
+    group = init_custom_process_group("nccl" if cuda else "gloo", f"tcp://127.0.0.1:{port}", 2, 1, "raw", TIMEOUT)
     for _ in range(reps):
         tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
         handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
         for handle in handles:
             handle.wait()
-        done = torch.ones(1, device=device)
-        torch.distributed.broadcast(done, src=1, group=group)  # tells the sender all arrived
+        torch.distributed.all_reduce(torch.ones(1, device=device), group=group)  # tells the sender all arrived
         del tensors
     torch.distributed.destroy_process_group(group)
 
@@ -108,10 +111,10 @@ def raw_broadcast(tensors: list[torch.Tensor], reps: int) -> list[float]:
 
     port = free_port()
     specs = [(t.dtype, list(t.shape)) for t in tensors]
-    receiver = mp.get_context("spawn").Process(target=receive_raw, args=(port, specs, reps + 1))
+    receiver = mp.get_context("spawn").Process(target=receive_raw, args=(port, specs, reps + 1), daemon=True)
     receiver.start()
     cuda = torch.cuda.is_available()
-    group = init_custom_process_group("nccl" if cuda else "gloo", f"tcp://127.0.0.1:{port}", 2, 0, "raw")
+    group = init_custom_process_group("nccl" if cuda else "gloo", f"tcp://127.0.0.1:{port}", 2, 0, "raw", TIMEOUT)
     done = torch.zeros(1, device=tensors[0].device)
     times = []
     for _ in range(reps + 1):  # the first is a warm-up
@@ -119,7 +122,7 @@ def raw_broadcast(tensors: list[torch.Tensor], reps: int) -> list[float]:
         started = time.perf_counter()
         for tensor in tensors:
             torch.distributed.broadcast(tensor, src=0, group=group)
-        torch.distributed.broadcast(done, src=1, group=group)
+        torch.distributed.all_reduce(done, group=group)
         sync()
         times.append(time.perf_counter() - started)
     receiver.join()
@@ -155,7 +158,9 @@ def main() -> None:
         model, gpt = load_gpt_model(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
         tensors = [t.contiguous() for _, t in hf_weights_of(model, gpt)]
         size = sum(t.numel() * t.element_size() for t in tensors)
+        print(f"raw broadcast of {len(tensors)} tensors", flush=True)
         raw = raw_broadcast(tensors, args.syncs)
+        print(f"raw: {[round(t * 1e3, 1) for t in raw]} ms", flush=True)
         del tensors
         rows, version = [], 0
         for mib in args.bucket_mib:
@@ -175,6 +180,7 @@ def main() -> None:
                     times.append(time.perf_counter() - started)
                     phases.append(sender.timings)
             sender.close()
+            print(f"{mib} MiB buckets: {[round(t * 1e3, 1) for t in times]} ms", flush=True)
             check(url, model, gpt, version)
             rows.append((mib, times, phases))
         report(args, size, len(list(hf_weights_of(model, gpt))), raw, rows)

@@ -22,9 +22,19 @@ def init_custom_process_group(
     address = urlparse(init_method)
     store = torch.distributed.TCPStore(address.hostname, address.port, world_size, rank == 0, timeout)
     store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout, device_id=None
-    )
+    # A default group bound to a GPU (the trainer's) would make NCCL split this group from it, leaving out the
+    # engines: the group is built as if there were none.
+    default = c10d._world.default_pg
+    bound = default.bound_device_id if default is not None else None
+    if bound is not None:
+        default.bound_device_id = None
+    try:
+        group, _ = c10d._new_process_group_helper(
+            world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout, device_id=None
+        )
+    finally:
+        if bound is not None:
+            default.bound_device_id = bound
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
