@@ -67,14 +67,14 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path) -> None:
     sys.exit(f"{url} did not come up:\n{log.read_text()[-3000:]}")
 
 
-def start_system(model: Path, folder: Path, cuda: bool) -> tuple[str, str, list]:
+def start_system(model: Path, folder: Path, cuda: bool, gpu: str) -> tuple[str, str, list]:
     """A buffer (embedded Redis), one engine (GPU 1 on CUDA) and the gateway; returns (engine URL, gateway addr)."""
     from services.common.clients import wait_until_serving
 
     engine_port, buffer_port, gateway_port = free_port(), free_port(), free_port()
     device = ["--device", "cuda", "--dtype", "bfloat16"] if cuda else []
     engine = start(["engine", "--model-path", str(model), "--port", str(engine_port), *device], folder / "engine.log",
-                   {"CUDA_VISIBLE_DEVICES": "1"} if cuda else None)  # fmt: skip
+                   {"CUDA_VISIBLE_DEVICES": gpu} if cuda else None)  # fmt: skip
     buffer = start(["buffer", "--port", str(buffer_port), "--metrics-port", "null", "--output-dir", str(folder)],
                    folder / "buffer.log")  # fmt: skip
     url = f"http://127.0.0.1:{engine_port}"
@@ -130,6 +130,23 @@ def raw_broadcast(tensors: list[torch.Tensor], reps: int) -> list[float]:
     return times[1:]
 
 
+def engine_memory(pid: int, action) -> tuple:
+    """The engine's GPU memory (MiB, from nvidia-smi) before and after `action()`; empty without nvidia-smi."""
+
+    def used() -> int | None:
+        try:
+            query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+            out = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        rows = dict(line.split(", ") for line in out.strip().splitlines() if ", " in line)
+        return int(rows[str(pid)]) if str(pid) in rows else None
+
+    before = used()
+    action()
+    return before, used()
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -140,9 +157,10 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="qwen3-4b")
     parser.add_argument("--bucket-mib", type=int, nargs="+", default=[512, 2048, 16384])
     parser.add_argument("--syncs", type=int, default=5, help="timed syncs per bucket size (after one warm-up)")
+    parser.add_argument("--colocate", action="store_true", help="the engine on GPU 0 with the trainer: CUDA IPC")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    if cuda and torch.cuda.device_count() < 2:
+    if cuda and torch.cuda.device_count() < 2 and not args.colocate:
         sys.exit("needs 2 GPUs: the trainer on GPU 0, the engine on GPU 1")
     from services.trainer.models import hf_weights_of, load_gpt_model
     from services.trainer.parallel import init_parallel
@@ -152,19 +170,19 @@ def main() -> None:
     model_dir = folder / "model"
     shape = SHAPES[args.shape]
     write_model(model_dir, shape, "cuda" if cuda else "cpu", tie=True)
-    url, gateway, procs = start_system(model_dir, folder, cuda)
+    url, gateway, procs = start_system(model_dir, folder, cuda, gpu="0" if args.colocate else "1")
     try:
         init_parallel(1, 1)
         model, gpt = load_gpt_model(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
         tensors = [t.contiguous() for _, t in hf_weights_of(model, gpt)]
         size = sum(t.numel() * t.element_size() for t in tensors)
         print(f"raw broadcast of {len(tensors)} tensors", flush=True)
-        raw = raw_broadcast(tensors, args.syncs)
+        raw = raw_broadcast(tensors, args.syncs) if not args.colocate else [float("nan")]
         print(f"raw: {[round(t * 1e3, 1) for t in raw]} ms", flush=True)
         del tensors
         rows, version = [], 0
         for mib in args.bucket_mib:
-            config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=mib,
+            config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=mib, colocate=args.colocate,
                                      update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
                                      weight_sync_timeout_s=300)  # fmt: skip
             sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True)
@@ -173,6 +191,8 @@ def main() -> None:
                 version += 1
                 with torch.no_grad():
                     next(model.parameters()).add_(1.0)  # new weights each time
+                if args.colocate:  # the trainer's step starts by taking the engine's memory
+                    released = engine_memory(procs[0].pid, sender.release)
                 sync()
                 started = time.perf_counter()
                 assert sender.sync(version), f"sync of version {version} failed: see {folder}/gateway.log"
@@ -181,6 +201,8 @@ def main() -> None:
                     phases.append(sender.timings)
             sender.close()
             print(f"{mib} MiB buckets: {[round(t * 1e3, 1) for t in times]} ms", flush=True)
+            if args.colocate:
+                print(f"engine GPU memory before and after ReleaseEngineMemory: {released} MiB", flush=True)
             check(url, model, gpt, version)
             rows.append((mib, times, phases))
         report(args, size, len(list(hf_weights_of(model, gpt))), raw, rows)

@@ -81,7 +81,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             async for bucket in request_iterator:
                 names = [t.name for t in bucket.tensors]
                 dtypes, shapes = [t.dtype for t in bucket.tensors], [list(t.shape) for t in bucket.tensors]
-                results = await self.sync.bucket(bucket.bucket_index, names, dtypes, shapes, bucket.load_format)
+                results = await self.sync.bucket(bucket.bucket_index, names, dtypes, shapes, bucket.load_format,
+                                                  list(bucket.serialized_named_tensors))  # fmt: skip
                 yield rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index, engines=_results(results))
         finally:  # a trainer that died mid-stream ends it like one that is done: it must commit or prepare soon
             self.sync.stream_ended()
@@ -92,3 +93,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def AbortWeightSync(self, request, context):
         await self.sync.abort(request.version, request.reason)
         return rollout_pb2.AbortWeightSyncResponse()
+
+    async def ReleaseEngineMemory(self, request, context):
+        return rollout_pb2.ReleaseEngineMemoryResponse(engines=_results(await self.sync.release()))

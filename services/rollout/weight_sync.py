@@ -7,6 +7,7 @@ kept across syncs and rebuilt only when the engines taking part change.
 """
 
 import asyncio
+import base64
 import logging
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class WeightSync:
         self.engines: list[Engine] = []  # taking part in the current attempt
         self.version: int | None = None  # of the open sync
         self.partial = False  # engines hold part of an unfinished sync: generation waits for a complete one
+        self.released = False  # colocated: the engines gave their GPU memory to the trainer
         self._joining: asyncio.Task | None = None
         self._deadline: asyncio.TimerHandle | None = None
 
@@ -67,7 +69,9 @@ class WeightSync:
         group = Group(group_name, members, (address, port, backend))
         offsets = [1 + sum(tp for _, tp in members[:i]) for i in range(len(members))]
         world_size = 1 + sum(tp for _, tp in members)
-        created = self.group != group
+        created = self.group != group and backend != "ipc"  # colocated: tensors travel as handles, no group
+        if backend == "ipc":
+            self.group = group
         if created:
             if self.group is not None:
                 await self._each(self._members(), "/destroy_weights_update_group", {"group_name": self.group.name})
@@ -78,22 +82,30 @@ class WeightSync:
             # Each engine's call returns only once the trainer has joined too: it runs while Prepare answers.
             self._joining = asyncio.create_task(self._each(engines, "/init_weights_update_group", {}, per_engine))
         self.engines, self.version = engines, version
+        if self.released:  # the weights come back first, to be overwritten in place
+            await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
         await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
         self._watch()
         ranks = [(url, offset, tp) for (url, tp), offset in zip(members, offsets, strict=True)]
         return world_size, ranks, created
 
     async def bucket(self, index: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                     load_format: str) -> list[Result]:  # fmt: skip
+                     load_format: str, payloads: list[bytes]) -> list[Result]:  # fmt: skip
         """Posts one bucket to every engine at once; answers once each has loaded it or failed. After a failure the
-        group is gone (a collective needs all its members): the trainer prepares again and sends from the start."""
+        group is gone (a collective needs all its members): the trainer prepares again and sends from the start.
+        Colocated, the bucket is `payloads` (tensor handles, one per TP rank), posted to /update_weights_from_tensor."""
         self._check_open()
         self._watch(0)
         results = await self._joined()
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group.name,
                 "load_format": load_format or None, "flush_cache": False}  # fmt: skip
+        path = "/update_weights_from_distributed"
+        if payloads:
+            path, body = "/update_weights_from_tensor", {
+                "serialized_named_tensors": [base64.b64encode(p).decode() for p in payloads], "flush_cache": False,
+            }  # fmt: skip
         if not results:
-            results = await self._each(self.engines, "/update_weights_from_distributed", body)
+            results = await self._each(self.engines, path, body)
         self.partial = self.partial or any(r.success for r in results)
         if not all(r.success for r in results):
             await self._break(f"bucket {index}", results)
@@ -118,6 +130,7 @@ class WeightSync:
         for engine in self.engines:
             engine.weight_version = str(version)
         self._end()
+        await self._reclaim()
         await asyncio.gather(
             self.pool.resume(),
             self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=version), timeout=30),
@@ -141,7 +154,22 @@ class WeightSync:
         if partial:
             log.warning("engines hold part of version %d: generation waits for the next complete sync", version)
         else:
+            await self._reclaim()
             await self.pool.resume()
+
+    async def release(self) -> list[Result]:
+        """Colocated training: generation pauses and the engines free their GPU memory; the next commit takes it
+        back (weights at Prepare, the KV cache at Commit) and generation continues."""
+        if self.pool.running.is_set():
+            await self.pool.pause(self.config.pause_mode)
+        results = await self._each(self.pool.healthy(), "/release_memory_occupation", {"tags": None})
+        self.released = True
+        return results
+
+    async def _reclaim(self) -> None:
+        if self.released:
+            await self._each(self.pool.healthy(), "/resume_memory_occupation", {"tags": None})
+            self.released = False
 
     # Plumbing
 
@@ -195,7 +223,8 @@ class WeightSync:
 
     async def _leave(self, engines: list[Engine]) -> None:
         await self._each(_sessions(engines), "/end_weight_update", {})
-        await self._each(engines, "/destroy_weights_update_group", {"group_name": self.group.name})
+        if self.group.address[2] != "ipc":
+            await self._each(engines, "/destroy_weights_update_group", {"group_name": self.group.name})
 
     def _members(self) -> list[Engine]:
         return [self.pool.engines[url] for url, _ in self.group.members if url in self.pool.engines]
@@ -221,6 +250,7 @@ class WeightSync:
             reply = await self.pool.post_control(engine, path, body, self.config.weight_sync_timeout_s)
         except EngineFailure as e:
             return Result(engine.url, False, f"{path}: {e}")
+        reply = reply if isinstance(reply, dict) else {}  # memory calls answer `null`
         return Result(engine.url, bool(reply.get("success", True)), str(reply.get("message", "")))
 
 

@@ -27,6 +27,9 @@ class TrainerConfig(ServiceConfig):
     """Send each bucket as one flattened uint8 tensor (SGLang's flattened_bucket) instead of tensor by tensor."""
     weight_sync_address: str = "127.0.0.1"
     """Address at which the engines reach this trainer's rank 0 to join the weight group."""
+    colocate: bool = False
+    """Trainer and engines share the GPUs: the engines free their memory while the trainer trains, and weights go as
+    CUDA IPC handles (/update_weights_from_tensor) instead of a broadcast. Needs --rollout-addr and a sync each step."""
     weight_sync_timeout_s: float = Field(120.0, gt=0)
     """Deadline of each step of a weight sync (joining the group, each bucket's broadcast, each gateway call)."""
 
@@ -161,6 +164,9 @@ class TrainerConfig(ServiceConfig):
     def _check(self) -> "TrainerConfig":
         if self.advantage_estimator == "ppo" and self.pipeline_model_parallel_size > 1:
             raise ValueError("the PPO critic runs without pipeline parallelism: use --pipeline-model-parallel-size 1")
+        if self.colocate and (not self.rollout_addr or self.update_weights_interval != 1):
+            raise ValueError("colocate hands the GPU back to the engines at each sync: it needs --rollout-addr and "
+                             "--update-weights-interval 1")  # fmt: skip
         if self.rollout_addr and self.pipeline_model_parallel_size > 1:
             raise ValueError("weight sync gathers every layer in one process: use --pipeline-model-parallel-size 1")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:

@@ -198,6 +198,8 @@ class Trainer:
     def train_step(self, reply: buffer_pb2.GetBatchResponse) -> dict:
         batch = from_groups(list(reply.groups), self.config.n_samples_per_prompt)
         self.control.phase = "train"
+        if self.config.colocate and self.weights is not None:
+            self.weights.release()  # the engines' GPU memory is the trainer's until the sync after this step
         started = time.perf_counter()
         steps = self.actor.train_rollout(batch, rollout=self.step)
         if dist.get_rank() == 0:

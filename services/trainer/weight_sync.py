@@ -9,10 +9,12 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 
 import grpc
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 
 from services.common.clients import open_channel
 from services.common.weight_group import flatten, init_custom_process_group
@@ -37,8 +39,11 @@ class WeightSender:
         self.config, self.weights, self.sender, self.peers = config, weights, sender, peers
         self.group, self.port = None, 0
         self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
+        self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
         self.channel = open_channel(config.rollout_addr) if sender else None
+        if config.colocate and not torch.cuda.is_available():  # CPU tensors go by shared-memory file name
+            torch.multiprocessing.set_sharing_strategy("file_system")
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None
 
     def sync(self, version: int) -> bool:
@@ -74,15 +79,16 @@ class WeightSender:
         return None
 
     def _send(self, version: int, buckets) -> None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        colocated = self.config.colocate
+        backend = "ipc" if colocated else "nccl" if torch.cuda.is_available() else "gloo"
         started = time.perf_counter()
-        if self.group is None:
+        if self.group is None and not colocated:
             self.port = _free_port()  # a new address: the gateway builds a new group
         prepared = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
             version=version, master_address=self.config.weight_sync_address, master_port=self.port,
             group_name=GROUP_NAME, backend=backend,
         ), timeout=self.timeout.total_seconds())  # fmt: skip
-        if prepared.group_created or self.group is None:
+        if not colocated and (prepared.group_created or self.group is None):
             self._drop_group()
             init = f"tcp://{self.config.weight_sync_address}:{self.port}"
             self.group = init_custom_process_group(backend, init, prepared.world_size, 0, GROUP_NAME, self.timeout)
@@ -93,12 +99,14 @@ class WeightSender:
         try:
             sent = False
             for index, bucket in enumerate(buckets):
-                specs = [common_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
-                         for n, t in bucket]  # fmt: skip
+                if colocated:
+                    self._hand_over(version, index, *bucket, requests, responses)
+                    continue
+                specs, tensors = bucket
                 requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
                                                       load_format="flattened_bucket" if flat else ""))  # fmt: skip
                 try:
-                    for tensor in [flatten([t for _, t in bucket])] if flat else [t for _, t in bucket]:
+                    for tensor in [flatten(list(tensors))] if flat else tensors:
                         dist.broadcast(tensor, src=0, group=self.group)
                 except RuntimeError as e:  # a member is gone: free the others' receives, then hear which one
                     self._drop_group()
@@ -120,6 +128,20 @@ class WeightSender:
         live = sum(e.success for e in committed.engines)
         log.info("weights of version %d sent to %d engine(s)", version, live)
 
+    def _hand_over(self, version: int, index: int, specs: list, tensors, requests: queue.Queue, responses) -> None:
+        """Colocated: the bucket goes as tensor handles (CUDA IPC); it must live until the engines copied it."""
+        named = list(zip([s.name for s in specs], tensors, strict=True))
+        payload = bytes(ForkingPickler.dumps(named))
+        requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
+                                              serialized_named_tensors=[payload]))  # fmt: skip
+        self._check(next(responses))
+
+    def release(self) -> None:
+        """Colocated: the engines free their GPU memory while this trainer trains (the next sync takes it back)."""
+        if self.sender:
+            request = rollout_pb2.ReleaseEngineMemoryRequest()
+            self.gateway.ReleaseEngineMemory(request, timeout=self.timeout.total_seconds())
+
     @staticmethod
     def _check(result: rollout_pb2.WeightBucketResult) -> None:
         failed = [e for e in result.engines if not e.success]
@@ -127,17 +149,29 @@ class WeightSender:
             raise EnginesLeft(f"at bucket {result.bucket_index}: " + "; ".join(f"{e.url}: {e.message}" for e in failed))
 
     def _buckets(self, pairs):
-        """Lists of (HF name, tensor) of about --update-weight-buffer-size MiB each, in order."""
+        """(tensor specs, tensors) of about --update-weight-buffer-size MiB per bucket, in order. The first sync
+        groups the converted tensors and keeps the layout; later ones send a bucket's specs first and convert each
+        tensor just before its broadcast, so that conversion overlaps the transfer."""
+        if self.layout is not None:
+            pairs = iter(pairs)
+            for specs in self.layout:
+                yield specs, (_matching(spec, *next(pairs)) for spec in specs)
+            return
         limit = self.config.update_weight_buffer_size * 1024 * 1024
-        bucket, size = [], 0
+        layout, specs, tensors, size = [], [], [], 0
         for name, tensor in pairs:
-            if bucket and size + tensor.numel() * tensor.element_size() > limit:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor.contiguous()))
+            if specs and size + tensor.numel() * tensor.element_size() > limit:
+                layout.append(specs)
+                yield specs, tensors
+                specs, tensors, size = [], [], 0
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            specs.append(common_pb2.TensorSpec(name=name, dtype=dtype, shape=list(tensor.shape)))
+            tensors.append(tensor.contiguous())
             size += tensor.numel() * tensor.element_size()
-        if bucket:
-            yield bucket
+        if specs:
+            layout.append(specs)
+            yield specs, tensors
+        self.layout = layout
 
     def _agree(self, again: bool) -> bool:
         """The sender's decision to start over, shared with the peers (they gather with it once more)."""
@@ -160,8 +194,16 @@ class WeightSender:
 
 
 def _drain(buckets) -> None:
-    for _ in buckets:
-        pass
+    for _, tensors in buckets:
+        for _ in tensors:
+            pass
+
+
+def _matching(spec: common_pb2.TensorSpec, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if name != spec.name or list(tensor.shape) != list(spec.shape):
+        raise ValueError(f"weights changed layout since the last sync: {name} {list(tensor.shape)} where "
+                         f"{spec.name} {list(spec.shape)} was")  # fmt: skip
+    return tensor.contiguous()
 
 
 def _free_port() -> int:

@@ -157,16 +157,18 @@ class PrepareWeightSyncResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("version", "bucket_index", "tensors", "load_format")
+    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     version: int
     bucket_index: int
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
     load_format: str
-    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ...) -> None: ...
+    serialized_named_tensors: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EngineResult(_message.Message):
     __slots__ = ("url", "success", "message")
@@ -209,3 +211,13 @@ class AbortWeightSyncRequest(_message.Message):
 class AbortWeightSyncResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ReleaseEngineMemoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseEngineMemoryResponse(_message.Message):
+    __slots__ = ("engines",)
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...

@@ -84,6 +84,11 @@ class RolloutServiceStub:
                 request_serializer=slipstream_dot_v1_dot_rollout__pb2.AbortWeightSyncRequest.SerializeToString,
                 response_deserializer=slipstream_dot_v1_dot_rollout__pb2.AbortWeightSyncResponse.FromString,
                 _registered_method=True)
+        self.ReleaseEngineMemory = channel.unary_unary(
+                '/slipstream.v1.RolloutService/ReleaseEngineMemory',
+                request_serializer=slipstream_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryRequest.SerializeToString,
+                response_deserializer=slipstream_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -150,6 +155,13 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseEngineMemory(self, request, context):
+        """Colocated training: pause generation and free the engines' GPU memory until the next sync's commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +214,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.AbortWeightSync,
                     request_deserializer=slipstream_dot_v1_dot_rollout__pb2.AbortWeightSyncRequest.FromString,
                     response_serializer=slipstream_dot_v1_dot_rollout__pb2.AbortWeightSyncResponse.SerializeToString,
+            ),
+            'ReleaseEngineMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseEngineMemory,
+                    request_deserializer=slipstream_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryRequest.FromString,
+                    response_serializer=slipstream_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -474,6 +491,33 @@ class RolloutService:
             '/slipstream.v1.RolloutService/AbortWeightSync',
             slipstream_dot_v1_dot_rollout__pb2.AbortWeightSyncRequest.SerializeToString,
             slipstream_dot_v1_dot_rollout__pb2.AbortWeightSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseEngineMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slipstream.v1.RolloutService/ReleaseEngineMemory',
+            slipstream_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryRequest.SerializeToString,
+            slipstream_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -135,9 +135,9 @@ def _usage(pid: int) -> dict:
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "rss_mb": rss_kb / 1024}
 
 
-def _sender(system, bucket_mib: float = 0.1) -> WeightSender:
+def _sender(system, bucket_mib: float = 0.1, colocate: bool = False) -> WeightSender:
     config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=bucket_mib,
-                             update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
+                             update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1", colocate=colocate,
                              weight_sync_timeout_s=60)  # fmt: skip
     return WeightSender(config, weights=None, sender=True)
 
@@ -181,7 +181,7 @@ from services.trainer.weight_sync import WeightSender
 
 hf = sorted(load_file(sys.argv[2]).items())
 config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=0.1, update_weight_flattened_bucket=False,
-                         weight_sync_address="127.0.0.1", weight_sync_timeout_s=60)
+                         weight_sync_address="127.0.0.1", weight_sync_timeout_s=60, colocate=False)
 
 def weights():
     for index, (name, tensor) in enumerate(hf):
@@ -216,6 +216,33 @@ def test_a_trainer_killed_mid_sync_leaves_the_engines_on_their_version_and_the_n
         assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "8"
         assert torch.equal(_weights_of(url, "lm_head.weight"), sent["lm_head.weight"])
     assert system.rollout.pool.running.is_set()
+
+
+def test_colocated_weights_go_as_tensor_handles_while_the_engines_gave_back_their_memory(make_system, tiny_model):
+    """--colocate: the trainer's step starts with ReleaseEngineMemory (generation pauses, engines free memory); the
+    sync takes the memory back and hands each bucket over as torch.multiprocessing handles
+    (/update_weights_from_tensor, shared memory on CPU, CUDA IPC on GPU) instead of a broadcast."""
+    system = make_system(num_engines=2)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sync = system.thread.server.service.servicers[0].impl.sync
+    sender = _sender(system, colocate=True)
+    try:
+        for version in (1, 2):
+            sender.release()
+            assert sync.released and not system.rollout.pool.running.is_set()
+            sent = {n: t * (1 + version) for n, t in hf.items()}
+            sender.weights = lambda sent=sent: iter(sent.items())
+            assert sender.sync(version) and sender.group is None  # no process group
+            assert not sync.released and system.rollout.pool.running.is_set()
+            for url in system.engines:
+                assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == str(version)
+                for name in ("model.layers.1.self_attn.o_proj.weight", "lm_head.weight"):
+                    assert torch.equal(_weights_of(url, name), sent[name])
+    finally:
+        sender.close()
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}
+    meta = httpx.post(f"{system.engines[1]}/generate", json=body, timeout=30).json()["meta_info"]
+    assert meta["weight_version"] == "2"
 
 
 def _wait(condition, timeout_s: float = 60) -> None:

@@ -210,7 +210,13 @@ class EngineAPI:
     async def release_memory(self, request: Request) -> Response:
         if self.engine.batcher.rows:
             return error("release_memory_occupation needs an idle engine; pause or abort generation first")
-        await asyncio.wrap_future(self.engine.call(lambda: self.engine.model.to("cpu")))
+
+        def release() -> None:
+            self.engine.model.to("cpu")
+            if self.engine.device.type == "cuda":
+                torch.cuda.empty_cache()  # back to the device, for the trainer on the same GPU
+
+        await asyncio.wrap_future(self.engine.call(release))
         return json_response(None)
 
     async def resume_memory(self, request: Request) -> Response:

@@ -3,8 +3,11 @@ one flattened uint8 bucket) arrives by broadcast in `names` order and is loaded 
 steps. Updates must run inside a begin/end session, as in SGLang 0.5.21 and newer."""
 
 import asyncio
+import base64
+from multiprocessing.reduction import ForkingPickler
 
 import torch
+import torch.multiprocessing  # registers the tensor reductions ForkingPickler reads
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -83,6 +86,27 @@ class WeightReceiver:
                 tensors = await asyncio.to_thread(_receive, group, torch_dtypes, shapes, flat, device)
         except Exception as e:  # the trainer or another member is gone
             return control(False, f"Failed to update weights: the weight update group broke: {e}.")
+        return await self._load(names, tensors, body)
+
+    async def update_from_tensor(self, request: Request) -> Response:
+        """Colocated updates: the tensors themselves, pickled by torch.multiprocessing (CUDA ones as IPC handles into
+        the sender's memory), one payload per TP rank; this engine has one rank."""
+        body = await request.json()
+        if not self.session_open:
+            return control(False, "update_weights_from_tensor must run between begin_weight_update() and "
+                                   "end_weight_update().")  # fmt: skip
+        payloads = body.get("serialized_named_tensors") or []
+        if body.get("load_format") or not payloads:
+            return control(False, "Failed to update weights: send serialized_named_tensors, one per TP rank "
+                                  "(flattened buckets are not supported here).")  # fmt: skip
+        try:
+            named = ForkingPickler.loads(base64.b64decode(payloads[0]))
+            names, tensors = [n for n, _ in named], [t for _, t in named]
+        except Exception as e:
+            return control(False, f"Failed to update weights: cannot read serialized_named_tensors ({e}).")
+        return await self._load(names, tensors, body)
+
+    async def _load(self, names: list[str], tensors: list[torch.Tensor], body: dict) -> Response:
         problem = self._check(names, tensors)
         if problem:
             return control(False, f"Failed to update weights: {problem}.")
@@ -139,6 +163,7 @@ class WeightReceiver:
             ("/begin_weight_update", self.begin, ["POST"]),
             ("/end_weight_update", self.end, ["POST"]),
             ("/update_weights_from_distributed", self.update_from_distributed, ["POST"]),
+            ("/update_weights_from_tensor", self.update_from_tensor, ["POST"]),
             ("/update_weight_version", self.update_weight_version, ["POST"]),
             ("/get_weights_by_name", self.get_weights_by_name, ["GET", "POST"]),
         ]
