@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from services.common.weight_group import init_custom_process_group
 from services.trainer.weight_sync import WeightSender
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
+from tests.rollout.conftest import wait_completed
 
 
 def _sync(system, port: int, version: int, tensors: dict[str, torch.Tensor], bucket_size: int = 3) -> tuple:
@@ -71,9 +72,12 @@ def test_engines_load_the_sent_weights_and_serve_the_new_version(make_system, fr
             assert info["weight_version"] == str(version)
         state = system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
         assert state.policy_version == version
-    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
-    meta = httpx.post(f"{system.engines[0]}/generate", json=body, timeout=30).json()["meta_info"]
-    assert meta["weight_version"] == "2"  # generation runs on again, under the new version
+    system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)  # generation runs under version 2
+    wait_completed(system.buffer, 4)
+    batch = system.buffer.GetBatch(buffer_pb2.GetBatchRequest(step=0, dp_size=1, timeout_seconds=30), timeout=60)
+    samples = [s for g in batch.groups for s in g.samples]
+    assert samples and all([(v.version, v.start) for v in s.weight_versions] == [("2", 0)] for s in samples)
+    system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=60)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
