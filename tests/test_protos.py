@@ -38,7 +38,7 @@ def test_services_are_drafted_whole():
         },
         "RolloutService": {
             "RegisterEngine", "DeregisterEngine", "ListEngines", "StartRollout", "StopRollout", "Evaluate",
-            "PrepareWeightSync", "SyncWeightBuckets", "CommitWeightSync", "AbortWeightSync",
+            "PrepareWeightSync", "SyncWeightBuckets", "CommitWeightSync", "AbortWeightSync", "ReleaseEngineMemory",
         },
         "RewardService": {"Score", "ScoreGroup", "ListRewardFunctions"},
         "TrainerService": {"GetStatus", "SaveCheckpoint", "Stop"},
