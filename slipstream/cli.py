@@ -12,8 +12,8 @@ COMMANDS = {
     "reward": ("services.reward.__main__", "run the reward service (verifiers, custom and remote rewards; 50053)"),
     "trainer": ("services.trainer.__main__", "run the trainer's control service (50054)"),
     "engine": ("services.rollout.engine.__main__", "run the reference engine (SGLang's HTTP API on HF models; 30000)"),
-    "train": (None, "start the whole system locally and train"),
-    "demo": (None, "train a tiny model on a toy task and show that it learns"),
+    "train": ("services.train.run", "start the whole system locally (or join running services) and train"),
+    "demo": ("services.train.demo", "train a tiny model on a toy task and show that it learns"),
 }
 
 USAGE = """usage: slipstream <command> [options]
@@ -43,9 +43,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slipstream: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, _ = COMMANDS[name]
-    if module is None:
-        print(f"slipstream {name}: not implemented yet", file=sys.stderr)
-        return 3
     return importlib.import_module(module).main(rest)
 
 

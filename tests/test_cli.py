@@ -101,8 +101,15 @@ def test_unknown_config_key_is_one_sentence(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", ["train", "demo"])
-def test_commands_of_later_issues_say_so(name):
-    result = run_cli(name)
-    assert result.returncode != 0
-    assert "not implemented yet" in result.stderr
+def test_train_checks_slimes_batch_constraint_before_starting_anything(tmp_path):
+    result = run_cli("train", "--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rollout-batch-size", "4",
+                     "--n-samples-per-prompt", "8", "--global-batch-size", "30", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2
+    assert "global_batch_size" in result.stderr or "global-batch-size" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_names_the_closest_option(tmp_path):
+    result = run_cli("train", "--rollout-batch-sise", "4", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "unknown option --rollout-batch-sise; did you mean --rollout-batch-size?" in result.stderr

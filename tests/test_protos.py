@@ -34,7 +34,7 @@ def test_services_are_drafted_whole():
     expected = {
         "BufferService": {
             "LeasePrompts", "ExtendLease", "ReleaseLease", "SubmitGroup",
-            "GetBatch", "CommitBatch", "SetPolicyVersion", "GetState",
+            "GetBatch", "CommitBatch", "SetPolicyVersion", "Rewind", "GetState",
         },
         "RolloutService": {
             "RegisterEngine", "DeregisterEngine", "ListEngines", "StartRollout", "StopRollout", "Evaluate",

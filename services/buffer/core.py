@@ -333,6 +333,35 @@ class Buffer:
             raise
         return max(deleted, 0)
 
+    async def rewind(self, step: int, version: int) -> int:
+        """Back to the state a trainer resumed at `step` (policy `version`) expects: what the lost steps were trained
+        on, what newer policies generated and every leased group are generated again; returns how many went back."""
+        if step < 0 or version < 0:
+            raise InvalidArgument("step", f"step and policy_version must be >= 0, got {step} and {version}")
+        async with self._lease_lock, self._batch_lock:
+            last = await self.store.meta_int("last_committed_step", -1)
+            if step <= last:
+                raise FailedPrecondition(
+                    f"the buffer already deleted the groups of step {last} (committed), after the checkpoint's step "
+                    f"{step}: resume from a checkpoint of step {last + 1} or later, or start a new --run-id"
+                )
+            top = await self.store.meta_int("top_step", -1)
+            gids = [gid for k in range(step, top + 1) for gid in await self.store.batch(k) or []]
+            gids += [gid for gid, v in await self.store.completed() if v > version]
+            payloads = await self.store.completed_groups(gids)
+            leased = await self.store.leased()
+            payloads += [await self.store.leased_group(gid) for gid in leased]
+            back = []
+            for gid, payload in zip(gids + leased, payloads, strict=True):
+                group = common_pb2.PromptGroup.FromString(payload or b"")
+                del group.samples[:]
+                group.min_weight_version = 0
+                group.timings.clear()
+                back.append((gid, group.SerializeToString()))
+            returned = await self.store.rewind(step, version, back)
+        log.info("rewound to step %d, policy version %d: %d groups go back to the prompts", step, version, returned)
+        return returned
+
     # Versions and state
 
     async def policy_version(self) -> int:

@@ -87,5 +87,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
     async def SetPolicyVersion(self, request, context):
         return buffer_pb2.SetPolicyVersionResponse(version=await self.buffer.set_policy_version(request.version))
 
+    async def Rewind(self, request, context):
+        returned = await self.buffer.rewind(request.step, request.policy_version)
+        return buffer_pb2.RewindResponse(num_returned_groups=returned)
+
     async def GetState(self, request, context):
         return buffer_pb2.BufferState(**await self.buffer.state())

@@ -205,6 +205,32 @@ redis.call('HINCRBY', ns .. ':counters', 'trained', #gids)
 return #gids
 """
 
+# ARGV: ns, step, version, then (gid, prompt payload) pairs of the groups that go back
+_REWIND = """
+local ns, step, version = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local last = tonumber(redis.call('HGET', ns .. ':meta', 'last_committed_step') or '-1')
+if step <= last then return redis.error_reply('step ' .. last .. ' was already committed') end
+local top = tonumber(redis.call('HGET', ns .. ':meta', 'top_step') or '-1')
+for k = step, top do redis.call('DEL', ns .. ':batch:' .. k) end
+if top >= step then redis.call('HSET', ns .. ':meta', 'top_step', step - 1) end
+local back = 0
+for i = #ARGV - 1, 4, -2 do  -- backwards, so that LPUSH leaves them in their order
+  local gid, payload = ARGV[i], ARGV[i + 1]
+  redis.call('ZREM', ns .. ':done', gid)
+  redis.call('ZREM', ns .. ':leases', gid)
+  redis.call('DEL', ns .. ':done:' .. gid)
+  redis.call('HDEL', ns .. ':done_version', gid)
+  redis.call('HDEL', ns .. ':done_tokens', gid)
+  redis.call('SET', ns .. ':group:' .. gid, payload)
+  redis.call('HSET', ns .. ':status', gid, 'pending')
+  redis.call('LPUSH', ns .. ':pending:' .. dataset_of(gid), gid)
+  back = back + 1
+end
+redis.call('HSET', ns .. ':meta', 'policy_version', version)
+redis.call('HINCRBY', ns .. ':counters', 'rewound', back)
+return back
+"""
+
 
 class BufferStore:
     """Typed access to one run's keys; every multi-key change is one atomic script."""
@@ -224,6 +250,7 @@ class BufferStore:
                 ("record_batch", _RECORD_BATCH),
                 ("drop", _DROP),
                 ("commit", _COMMIT),
+                ("rewind", _REWIND),
             ]
         }
 
@@ -314,6 +341,14 @@ class BufferStore:
     async def commit(self, step: int) -> int:
         """Deletes what step `step` consumed; -1 if it was committed before."""
         return int(await self._run("commit", step))
+
+    async def rewind(self, step: int, version: int, groups: list[tuple[str, bytes]]) -> int:
+        """Drops the batches of `step` and later, puts `groups` back as pending with the given payloads and sets the
+        policy version, in one transition."""
+        return int(await self._run("rewind", step, version, *(x for pair in groups for x in pair)))
+
+    async def leased(self) -> list[str]:
+        return [gid.decode() for gid in await self.redis.zrange(self.key("leases"), 0, -1)]
 
     async def meta_int(self, field: str, default: int) -> int:
         value = await self.redis.hget(self.key("meta"), field)

@@ -106,12 +106,15 @@ class Rollout:
             done = common_pb2.PromptGroup()
             done.CopyFrom(group)
             del done.samples[:]
+            done.timings["leased"] = time.time()
             done.samples.extend(await self._generate(group, sampling))
             if any(s.status == common_pb2.SAMPLE_STATUS_ABORTED for s in done.samples):
                 GROUPS.labels("partial").inc()  # paused mid-response: the buffer keeps what was generated
                 await self._release(lease.lease_id, "aborted by a pause", list(done.samples))
                 return None
+            done.timings["generated"] = time.time()
             await self._score(done)
+            done.timings["scored"] = time.time()
             await self.buffer.SubmitGroup(
                 buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=done), timeout=60
             )

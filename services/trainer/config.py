@@ -153,6 +153,9 @@ class TrainerConfig(ServiceConfig):
     """Clip the global gradient norm to this (0: off)."""
     tensorboard_dir: str | None = None
     """Write TensorBoard logs here."""
+    steps_file: str | None = None
+    """Append one JSON line per step here: step, policy version, the trained group ids, the metrics and the step's
+    time split (what `slipstream train` shows and plots)."""
 
     def batch_sizes(self, dp_size: int) -> BatchSizes:
         return BatchSizes(

@@ -3,6 +3,7 @@ take this data-parallel rank's part of the batch from the buffer, train on it, c
 interval. Rank 0 also answers the control surface (`TrainerService`); its requests reach every rank at the next step
 boundary, so a save or a stop is collective."""
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,23 @@ class Control:
 
 
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16
+
+
+def _rollout_times(groups) -> dict[str, float]:
+    """Wall-clock seconds during which the batch's groups were being generated, and being scored (the union of their
+    intervals on the gateway's clock): the rollout and reward parts of a step."""
+
+    def union(spans):
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    t = [g.timings for g in groups if "scored" in g.timings]
+    return {"rollout_s": union((x["leased"], x["generated"]) for x in t),
+            "reward_s": union((x["generated"], x["scored"]) for x in t)} if t else {}  # fmt: skip
 
 
 def mfu(shape, tokens_per_s_per_gpu: float, lengths: list[int]) -> float:
@@ -105,6 +123,9 @@ class Trainer:
         if config.advantage_estimator == "ppo":
             self.actor.critic = self._critic(config, dtype, settings, groups)
         self.step, self.policy_version = 0, 0
+        self.uncommitted: list[int] = []  # steps trained but not yet covered by a checkpoint (with --save)
+        self.channel = open_channel(config.buffer_addr)
+        self.buffer = buffer_pb2_grpc.BufferServiceStub(self.channel)
         if config.load:
             self._resume(Path(config.load))
         self.weights = None
@@ -116,9 +137,8 @@ class Trainer:
             self.weights = WeightSender(
                 config, lambda: hf_weights_of(self.model, self.gpt), sender=dist.get_rank() == 0, peers=peers
             )
-        self.channel = open_channel(config.buffer_addr)
-        self.buffer = buffer_pb2_grpc.BufferServiceStub(self.channel)
         self.writer = self._tensorboard()
+        self.last_step_end = time.perf_counter()
         self.control.world_size = self.info.world_size
 
     @staticmethod
@@ -158,6 +178,10 @@ class Trainer:
             part.load_state_dict(state[name])
         self.step, self.policy_version = state["step"], state["policy_version"]
         log.info("resumed from %s at step %d (policy version %d)", path, self.step, self.policy_version)
+        if dist.get_rank() == 0:  # what the buffer holds from steps after the checkpoint is generated again
+            request = buffer_pb2.RewindRequest(step=self.step, policy_version=self.policy_version)
+            returned = self.buffer.Rewind(request, timeout=60).num_returned_groups
+            log.info("the buffer rewound to step %d: %d groups go back to the prompts", self.step, returned)
 
     def save(self, folder: str | None = None) -> Path:
         root = Path(folder or self.config.save or "")
@@ -171,7 +195,15 @@ class Trainer:
 
             export_hf_checkpoint(self.model, self.gpt, self.config.hf_checkpoint, self.config.save_hf)
         self.control.saved.append((str(path), self.step))
+        if not folder or Path(folder) == Path(self.config.save or ""):
+            self._commit(self.uncommitted)  # a resume from this checkpoint no longer needs these steps' groups
         return path
+
+    def _commit(self, steps: list[int]) -> None:
+        if dist.get_rank() == 0:
+            for step in steps:
+                self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=60)
+        steps.clear()
 
     # The loop
 
@@ -202,8 +234,11 @@ class Trainer:
             self.weights.release()  # the engines' GPU memory is the trainer's until the sync after this step
         started = time.perf_counter()
         steps = self.actor.train_rollout(batch, rollout=self.step)
-        if dist.get_rank() == 0:
-            self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=self.step), timeout=60)
+        # With --save, a step's groups are deleted once a checkpoint covers it: a resume trains them again.
+        self.uncommitted.append(self.step)
+        if not self.config.save:
+            self._commit(self.uncommitted)
+        trained = time.perf_counter()
         self.step += 1
         self.policy_version += 1
         if self.config.rollout_addr:
@@ -212,12 +247,30 @@ class Trainer:
                 self.weights.sync(self.policy_version)  # the gateway's commit tells the buffer the version
         elif dist.get_rank() == 0:  # no engines to update: the trainer's version is the policy's
             self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=self.policy_version), timeout=60)
-        metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": time.perf_counter() - started,
-                   "response_length": sum(batch.response_lengths()) / len(batch)}  # fmt: skip
+        now = time.perf_counter()
+        metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": trained - started,
+                   "sync_s": now - trained, "step_s": now - self.last_step_end, "wait_s": started - self.last_step_end,
+                   "response_length": sum(batch.response_lengths()) / len(batch), **_rollout_times(reply.groups)}  # fmt: skip
+        metrics["samples_per_s"] = len(batch) * max(1, self.dp_size) / metrics["step_s"]
+        self.last_step_end = now
+        self._record(reply, metrics)
         if torch.cuda.is_available() and "tokens_per_s" in metrics:
             metrics["mfu"] = mfu(self.gpt.shape, metrics["tokens_per_s"] / self.info.world_size, batch.lengths())
         self._log(metrics)
         return metrics
+
+    def _record(self, reply: buffer_pb2.GetBatchResponse, metrics: dict) -> None:
+        """One line of --steps-file per step (rank 0 writes its own groups; with DP > 1, each rank's line has its
+        part of the batch)."""
+        if not self.config.steps_file or self.tp_rank != 0 or self.pp_rank != 0:
+            return
+        path = Path(self.config.steps_file)
+        if self.dp_rank:
+            path = path.with_name(f"{path.stem}.dp{self.dp_rank}{path.suffix}")
+        line = {"step": self.step - 1, "policy_version": self.policy_version, "time": time.time(),
+                "groups": [g.group_id for g in reply.groups], "metrics": metrics}  # fmt: skip
+        with path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def _next_batch(self) -> buffer_pb2.GetBatchResponse | None:
         """This rank's part of the step's batch, or None when asked to stop. Rank 0 asks the buffer and decides for

@@ -152,6 +152,20 @@ class SetPolicyVersionResponse(_message.Message):
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
+class RewindRequest(_message.Message):
+    __slots__ = ("step", "policy_version")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    policy_version: int
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class RewindResponse(_message.Message):
+    __slots__ = ("num_returned_groups",)
+    NUM_RETURNED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    num_returned_groups: int
+    def __init__(self, num_returned_groups: _Optional[int] = ...) -> None: ...
+
 class GetStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

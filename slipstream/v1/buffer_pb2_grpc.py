@@ -69,6 +69,11 @@ class BufferServiceStub:
                 request_serializer=slipstream_dot_v1_dot_buffer__pb2.SetPolicyVersionRequest.SerializeToString,
                 response_deserializer=slipstream_dot_v1_dot_buffer__pb2.SetPolicyVersionResponse.FromString,
                 _registered_method=True)
+        self.Rewind = channel.unary_unary(
+                '/slipstream.v1.BufferService/Rewind',
+                request_serializer=slipstream_dot_v1_dot_buffer__pb2.RewindRequest.SerializeToString,
+                response_deserializer=slipstream_dot_v1_dot_buffer__pb2.RewindResponse.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/slipstream.v1.BufferService/GetState',
                 request_serializer=slipstream_dot_v1_dot_buffer__pb2.GetStateRequest.SerializeToString,
@@ -126,6 +131,15 @@ class BufferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rewind(self, request, context):
+        """Resume from a checkpoint of step `step`: the batches of that step and later, the completed groups of newer
+        policy versions and every leased group go back to the pending prompts without their samples (they are
+        generated again by the resumed policy), and the policy version becomes the checkpoint's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetState(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -169,6 +183,11 @@ def add_BufferServiceServicer_to_server(servicer, server):
                     servicer.SetPolicyVersion,
                     request_deserializer=slipstream_dot_v1_dot_buffer__pb2.SetPolicyVersionRequest.FromString,
                     response_serializer=slipstream_dot_v1_dot_buffer__pb2.SetPolicyVersionResponse.SerializeToString,
+            ),
+            'Rewind': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rewind,
+                    request_deserializer=slipstream_dot_v1_dot_buffer__pb2.RewindRequest.FromString,
+                    response_serializer=slipstream_dot_v1_dot_buffer__pb2.RewindResponse.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -365,6 +384,33 @@ class BufferService:
             '/slipstream.v1.BufferService/SetPolicyVersion',
             slipstream_dot_v1_dot_buffer__pb2.SetPolicyVersionRequest.SerializeToString,
             slipstream_dot_v1_dot_buffer__pb2.SetPolicyVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rewind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slipstream.v1.BufferService/Rewind',
+            slipstream_dot_v1_dot_buffer__pb2.RewindRequest.SerializeToString,
+            slipstream_dot_v1_dot_buffer__pb2.RewindResponse.FromString,
             options,
             channel_credentials,
             insecure,

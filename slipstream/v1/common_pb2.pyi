@@ -111,7 +111,14 @@ class Sample(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., response_text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., rollout_logprobs: _Optional[bytes] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., status_message: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., engine_url: _Optional[str] = ..., num_turns: _Optional[int] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
-    __slots__ = ("group_id", "dataset", "prompt_index", "epoch", "prompt_tokens", "prompt_text", "label", "metadata", "tools_json", "n_samples", "samples", "min_weight_version")
+    __slots__ = ("group_id", "dataset", "prompt_index", "epoch", "prompt_tokens", "prompt_text", "label", "metadata", "tools_json", "n_samples", "samples", "min_weight_version", "timings")
+    class TimingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +131,7 @@ class PromptGroup(_message.Message):
     N_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     dataset: str
     prompt_index: int
@@ -136,7 +144,8 @@ class PromptGroup(_message.Message):
     n_samples: int
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     min_weight_version: int
-    def __init__(self, group_id: _Optional[str] = ..., dataset: _Optional[str] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_tokens: _Optional[bytes] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools_json: _Optional[str] = ..., n_samples: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
+    timings: _containers.ScalarMap[str, float]
+    def __init__(self, group_id: _Optional[str] = ..., dataset: _Optional[str] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_tokens: _Optional[bytes] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools_json: _Optional[str] = ..., n_samples: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., min_weight_version: _Optional[int] = ..., timings: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("data", "shape", "dtype")

@@ -262,3 +262,30 @@ async def test_custom_prompt_source(make_buffer, tmp_path):
     assert [le.group.prompt_text for le in leases] == ["Generated 0", "Generated 1", "Generated 2"]
     assert [le.group.label for le in leases] == ["0", "1", "2"]
     assert leases[2].group.group_id == "train:custom:r2" and leases[2].group.metadata["k"] == 2
+
+
+async def test_rewind_to_a_checkpoint_generates_the_lost_steps_again(make_buffer):
+    # Steps 0 and 1 were handed out and step 0 committed; the trainer resumes from its checkpoint of step 1 (policy 1).
+    buffer = await make_buffer(rollout_batch_size=2, max_staleness=2)
+    leases = await lease_all(buffer, 6)
+    for leased in leases[:4]:
+        await buffer.submit(leased.lease_id, finish(leased.group, [0.0, 1.0], version=1))
+    await buffer.submit(leases[4].lease_id, finish(leases[4].group, [0.0, 1.0], version=2))  # newer than the checkpoint
+    await buffer.get_batch(0, 0, 1, 1)
+    step1 = {g.group_id for g in (await buffer.get_batch(1, 0, 1, 1)).groups}
+    await buffer.commit(0)
+    await buffer.set_policy_version(2)
+
+    # Step 1's batch, the group of policy 2 and the leased group go back without their samples.
+    assert await buffer.rewind(1, 1) == 4
+    state = await buffer.state()
+    assert state["policy_version"] == 1 and state["num_leased_groups"] == 0 and state["num_completed_groups"] == 0
+    again = await lease_all(buffer, 10)
+    back = {leased.group.group_id for leased in again}
+    assert back >= step1 | {leases[4].group.group_id, leases[5].group.group_id}
+    assert all(not leased.group.samples for leased in again if leased.group.group_id in back)
+    for leased in again[:2]:
+        await buffer.submit(leased.lease_id, finish(leased.group, [0.0, 1.0], version=1))
+    assert len((await buffer.get_batch(1, 0, 1, 1)).groups) == 2  # step 1 is built anew
+    with pytest.raises(FailedPrecondition, match="resume from a checkpoint of step 1 or later"):
+        await buffer.rewind(0, 0)

@@ -1,0 +1,187 @@
+"""The arguments of `slipstream train`, in slime's three categories: Megatron's (to the trainer), `--sglang-*` (to the
+engines, through the gateway) and slime's own. Each flag goes to every service whose config has a field of that
+name (`--rollout-batch-size` to the buffer and the trainer, `--rm-type` to the reward service and the gateway), so
+every service validates its own part and the names are the services' own."""
+
+import argparse
+import difflib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from services.buffer.config import BufferConfig
+from services.common.config import ConfigError, ServiceConfig, StrictModel, _add_field_flags, load_config
+from services.reward.config import RewardConfig
+from services.rollout.config import RolloutConfig
+from services.trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+class TrainOptions(StrictModel):
+    """slime's own options that no single service has; the services' options are accepted too."""
+
+    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name of the run: its folder under --output-dir (logs, TensorBoard, plots, embedded Redis)."""
+    output_dir: Path = Path("runs")
+    """Folder of all runs."""
+    buffer_addr: str | None = None
+    """Join a running buffer (host:port) instead of starting one."""
+    reward_addr: str | None = None
+    """Join a running reward service instead of starting one."""
+    rollout_addr: str | None = None
+    """Join a running rollout gateway (with its engines) instead of starting one."""
+    actor_num_nodes: int = Field(1, ge=1, le=1)
+    """Trainer nodes; `slipstream train` starts one node (on a cluster, run `slipstream trainer` under torchrun on
+    each node and join it with --buffer-addr / --rollout-addr)."""
+    actor_num_gpus_per_node: int = Field(1, ge=1)
+    """Trainer ranks (torchrun --nproc-per-node); on CPU, processes."""
+    async_buffer_size: int = Field(0, ge=0)
+    """Staleness bound k: a step may train samples of policies up to k versions old (0: synchronous as slime's
+    train.py; 1: one step of overlap as train_async.py). Sets the buffer's --max-staleness."""
+    eval_interval: int | None = Field(None, ge=1)
+    """Evaluate every eval set every this many steps (and at the start and the end)."""
+    use_fault_tolerance: bool = False
+    """Accepted for slime's scripts: the services always evict failing engines and re-admit them once healthy."""
+    debug_rollout_only: bool = False
+    """Generate and score rollouts without a trainer (each step's batch is taken and committed as if trained)."""
+    debug_train_only: bool = False
+    """Train without engines on the batches saved by --save-debug-rollout-data (--load-debug-rollout-data)."""
+    save_debug_rollout_data: str | None = None
+    """Save each step's batch to this path (with {rollout_id}), e.g. runs/x/rollout_{rollout_id}.pb."""
+    load_debug_rollout_data: str | None = None
+    """Train on batches saved by --save-debug-rollout-data instead of generating them (with --debug-train-only)."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long each service may take to start (engines load the model)."""
+    log_level: str = "info"
+    """Log level of the services (their logs are under <run>/logs)."""
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.run_id
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainOptions":
+        if self.debug_rollout_only and self.debug_train_only:
+            raise ValueError("--debug-rollout-only and --debug-train-only exclude each other")
+        if self.debug_train_only and not self.load_debug_rollout_data:
+            raise ValueError("--debug-train-only trains on saved batches: pass --load-debug-rollout-data PATH")
+        for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
+            path = getattr(self, name)
+            if path and "{rollout_id}" not in path:
+                raise ValueError(f"--{name.replace('_', '-')} needs {{rollout_id}} in the path, e.g. rollout_{{rollout_id}}.pb")
+        return self
+
+
+SERVICES = {"buffer": BufferConfig, "reward": RewardConfig, "rollout": RolloutConfig, "trainer": TrainerConfig}
+# Set by `slipstream train` for each service it starts.
+OWN = {"host", "port", "metrics_port", "grace_period_s", "max_message_mb", "keepalive_time_s", "keepalive_timeout_s",
+       "tensorboard_dir", "steps_file", "engine_log_dir", "log_level"}  # fmt: skip
+# Megatron's model-shape flags from slime's scripts: the shape is read from --hf-checkpoint's config.json instead.
+MODEL_SHAPE = {
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--group-query-attention",
+    "--num-query-groups", "--kv-channels", "--swiglu", "--normalization", "--norm-epsilon", "--rotary-base",
+    "--use-rotary-position-embeddings", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "--qk-layernorm", "--position-embedding-type", "--add-qkv-bias", "--seq-length",
+    "--max-position-embeddings", "--make-vocab-size-divisible-by", "--attention-dropout", "--hidden-dropout",
+    "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--attention-backend", "--optimizer",
+    "--use-distributed-optimizer", "--megatron-to-hf-mode", "--ref-load",
+}  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """What `slipstream train` starts: its own options, and each service's arguments and validated config."""
+
+    options: TrainOptions
+    argv: dict[str, list[str]] = field(default_factory=dict)
+    configs: dict[str, ServiceConfig] = field(default_factory=dict)
+
+
+def parse(argv: list[str]) -> Plan:
+    """Routes every flag to the services that know it and validates each service's config before anything starts."""
+    if any(a in ("-h", "--help") for a in argv):
+        print_help()
+        raise SystemExit(0)
+    flags = {name: _flags(model) for name, model in {**SERVICES, "train": TrainOptions}.items()}
+    routed: dict[str, list[str]] = {name: [] for name in flags}
+    ignored = []
+    for chunk in _chunks(argv):
+        flag = chunk[0].split("=")[0]
+        if flag.startswith("--sglang-"):
+            routed["rollout"] += chunk
+            continue
+        if flag in MODEL_SHAPE:
+            ignored.append(flag)
+            continue
+        names = [name for name, known in flags.items() if flag in known]
+        if not names:
+            everything = sorted(set().union(*flags.values()))
+            close = difflib.get_close_matches(flag, everything, n=1)
+            hint = f"did you mean {close[0]}?" if close else "see `slipstream train --help` and docs/ARGUMENTS.md"
+            raise ConfigError(f"unknown option {flag}; {hint}")
+        for name in names:
+            routed[name] += chunk
+    if ignored:
+        log.warning("ignored %s: the model's shape is read from --hf-checkpoint's config.json", " ".join(ignored))
+    plan = Plan(load_config(TrainOptions, routed.pop("train"), prog="slipstream train"))
+    if plan.options.async_buffer_size:
+        routed["buffer"] += ["--max-staleness", str(plan.options.async_buffer_size)]
+    for name, model in SERVICES.items():
+        plan.argv[name] = routed[name]
+        plan.configs[name] = load_config(model, routed[name], prog=f"slipstream train ({name})")
+    _check_together(plan)
+    return plan
+
+
+def _check_together(plan: Plan) -> None:
+    """What no single service can see: slime's batch constraint first, then settings that must agree."""
+    buffer, trainer, rollout = plan.configs["buffer"], plan.configs["trainer"], plan.configs["rollout"]
+    options = plan.options
+    if not (buffer.prompt_data or buffer.data_source_path or options.buffer_addr or options.debug_train_only):
+        raise ConfigError("--prompt-data is required: the training prompts (.jsonl or .parquet)")
+    if not trainer.hf_checkpoint:
+        raise ConfigError("--hf-checkpoint is required: the HF model folder to start from")
+    if buffer.n_samples_per_prompt != trainer.n_samples_per_prompt:
+        raise ConfigError(f"pass --n-samples-per-prompt: the buffer's default is {buffer.n_samples_per_prompt}, the "
+                          f"trainer's {trainer.n_samples_per_prompt}")  # fmt: skip
+    if rollout.engine_urls and rollout.rollout_num_gpus:
+        raise ConfigError("--engine-urls uses running engines; drop --rollout-num-gpus, which starts new ones")
+    if options.save_debug_rollout_data and not options.debug_rollout_only:
+        raise ConfigError("--save-debug-rollout-data is written by --debug-rollout-only runs")
+
+
+def _flags(model: type[StrictModel]) -> set[str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_field_flags(parser, model, ())
+    own = {"--" + name.replace("_", "-") for name in OWN} | {"--no-" + name.replace("_", "-") for name in OWN}
+    return {flag for flag in parser._option_string_actions if flag not in own or model is TrainOptions}
+
+
+def _chunks(argv: list[str]) -> list[list[str]]:
+    """Splits the command line into [flag, values…] chunks."""
+    chunks: list[list[str]] = []
+    for arg in argv:
+        is_value = not arg.startswith("--") or arg == "--"
+        if is_value:
+            if not chunks:
+                raise ConfigError(f"unexpected argument {arg!r}; settings are given as --name value")
+            chunks[-1].append(arg)
+        else:
+            chunks.append([arg])
+    return chunks
+
+
+def print_help() -> None:
+    print("usage: slipstream train [options]\n")
+    print("Starts Redis, the reward service, the buffer, the engines and the gateway, and the trainer under")
+    print("torchrun; shows each step and writes <output-dir>/<run-id>/ (logs, tensorboard, reward.png).\n")
+    print("slime's own options:")
+    for name, info in TrainOptions.model_fields.items():
+        print(f"  --{name.replace('_', '-'):<28} {info.description}")
+    print("\nThe services' options are accepted as well, each going to the services that have it:")
+    for name, model in SERVICES.items():
+        print(f"  {name:<8} `slipstream {name} --help`")
+    print("--sglang-<option> VALUE goes to the engines. Every slime argument and ours: docs/ARGUMENTS.md.")

@@ -1,0 +1,117 @@
+"""What `slipstream train` shows: a progress bar with the current phase, one summary line per step, evaluation
+results, and at the end a reward-curve PNG and a short summary."""
+
+import json
+from pathlib import Path
+
+import rich.progress
+from rich.console import Console
+
+PHASES = {"waiting_batch": "rollout", "train": "train", "sync": "sync", "starting": "starting", "stopped": "stopping"}
+
+
+class Progress:
+    def __init__(self, total: int | None, first: int):
+        self.console = Console(highlight=False, soft_wrap=True)
+        self.bar = rich.progress.Progress(
+            rich.progress.TextColumn("[bold]{task.description:<9}"),
+            rich.progress.BarColumn(),
+            rich.progress.MofNCompleteColumn(),
+            rich.progress.TimeElapsedColumn(),
+            rich.progress.TimeRemainingColumn(),
+            console=self.console,
+        )
+        self.task = self.bar.add_task("starting", total=total, completed=first)
+        self.last_step = first - 1
+
+    def __enter__(self) -> "Progress":
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.stop()
+
+    def phase(self, name: str) -> None:
+        self.bar.update(self.task, description=PHASES.get(name, name))
+
+    def step(self, line: dict) -> None:
+        self.last_step = line["step"]
+        self.bar.update(self.task, completed=line["step"] + 1)
+        self.console.print(summary_line(line))
+
+    def eval(self, result: dict) -> None:
+        parts = [f"{name} {m['mean_reward']:.3f}" for name, m in result["results"].items()]
+        self.console.print(f"[cyan]eval @ step {result['step']}: " + ", ".join(parts))
+
+
+def summary_line(line: dict) -> str:
+    m = line["metrics"]
+    text = f"step {line['step']:>4}  reward {m['reward']:.3f}  len {m.get('response_length', 0):.1f}"
+    if "kl_loss" in m or "ppo_kl" in m:
+        text += f"  kl {m.get('kl_loss', m.get('ppo_kl', 0.0)):.4f}"
+    if "pg_clipfrac" in m:
+        text += f"  clip {m['pg_clipfrac']:.3f}"
+    if "step_s" in m:
+        split = split_times(m)
+        text += f"  {m['step_s']:.2f}s (" + " ".join(f"{k} {v:.2f}" for k, v in split.items()) + ")"
+        text += f"  {m.get('samples_per_s', 0):.0f} samples/s"
+    return text
+
+
+def split_times(m: dict) -> dict[str, float]:
+    """A step's time as rollout, reward, train, sync and the rest (the services' glue: RPC, Redis, serialisation).
+    In synchronous training the rollout and reward happen while the trainer waits; with overlap they hide behind the
+    previous step, so only the waiting that is left counts."""
+    wait = m.get("wait_s", 0.0)
+    rollout = min(m.get("rollout_s", 0.0), wait)
+    reward = min(m.get("reward_s", 0.0), wait - rollout)
+    parts = {"rollout": rollout, "reward": reward, "train": m.get("train_s", 0.0), "sync": m.get("sync_s", 0.0)}
+    parts["other"] = max(0.0, m.get("step_s", 0.0) - sum(parts.values()))
+    return parts
+
+
+def finish(run_dir: Path, steps: list[dict], evals: list[dict], plan) -> None:
+    console = Console(highlight=False)
+    if not steps:
+        console.print("no step was trained")
+        return
+    png = plot(run_dir / "reward.png", steps, evals)
+    rewards = [s["metrics"]["reward"] for s in steps]
+    tail = rewards[-20:]
+    console.print(f"[bold]trained steps {steps[0]['step']}..{steps[-1]['step']}[/]: reward {rewards[0]:.3f} → "
+                  f"{rewards[-1]:.3f} (mean of the last {len(tail)}: {sum(tail) / len(tail):.3f})")  # fmt: skip
+    for result in evals[-1:]:
+        parts = [f"{name} {m['mean_reward']:.3f}" for name, m in result["results"].items()]
+        console.print(f"eval at step {result['step']}: " + ", ".join(parts))
+    trainer = plan.configs.get("trainer")
+    if trainer is not None and trainer.save:
+        console.print(f"checkpoints: {trainer.save}")
+    console.print(f"reward curve: {png}\nTensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}\nlogs: {run_dir / 'logs'}")
+    (run_dir / "summary.json").write_text(json.dumps({
+        "steps": len(steps), "first_reward": rewards[0], "last_reward": rewards[-1],
+        "mean_last_20": sum(tail) / len(tail), "eval": evals[-1] if evals else None,
+    }, indent=2))  # fmt: skip
+
+
+def plot(path: Path, steps: list[dict], evals: list[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([s["step"] for s in steps], [s["metrics"]["reward"] for s in steps], label="train", alpha=0.8)
+    names = sorted({name for e in evals for name in e["results"]})
+    for name in names:
+        points = [(e["step"], e["results"][name]["mean_reward"]) for e in evals if name in e["results"]]
+        ax.plot(*zip(*points, strict=True), marker="o", label=f"eval: {name}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    if all(0 <= s["metrics"]["reward"] <= 1 for s in steps):
+        ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

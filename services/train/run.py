@@ -1,0 +1,289 @@
+"""`slipstream train`: starts the services as child processes (or joins running ones), starts the rollout once the
+trainer is ready, shows each step, evaluates on the interval, and stops every child on the way out — at the end,
+on Ctrl-C, or when one of them fails, saying which and where its log is."""
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from services.common.clients import health_status, open_channel
+from services.common.config import ConfigError
+from services.common.errors import StartupError
+from services.common.logs import setup_logging
+from services.rollout.launch import Child, free_port, start, stop
+from services.train import report
+from services.train.options import Plan, parse
+from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+log = logging.getLogger("slipstream.train")
+
+POLL_S = 0.2
+
+
+class ChildFailed(Exception):
+    pass
+
+
+class Run:
+    def __init__(self, plan: Plan):
+        self.plan, self.options = plan, plan.options
+        self.run_dir = self.options.run_dir
+        self.logs = self.run_dir / "logs"
+        self.steps_file = self.run_dir / "steps.jsonl"
+        self.children: list[Child] = []
+        self.addr: dict[str, str] = {}
+        self.channels: list[grpc.Channel] = []
+        self.evals: list[dict] = []
+        self._eval_pool = ThreadPoolExecutor(1)
+        self._eval_pending: list[Future] = []
+
+    # Starting
+
+    def start(self) -> None:
+        o, trainer = self.options, self.plan.configs["trainer"]
+        if not trainer.load and (self.run_dir / "steps.jsonl").exists() and not o.buffer_addr:
+            raise StartupError(
+                f"{self.run_dir} holds an earlier run; resume it with --load {trainer.save or '<its --save folder>'}, "
+                "or start a new one with another --run-id (or remove the folder)"
+            )
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.addr["buffer"] = o.buffer_addr or self._service("buffer", [])
+        if not o.debug_train_only:
+            self.addr["reward"] = o.reward_addr or self._service("reward", [])
+        for name in ("buffer", "reward"):
+            if name in self.addr:
+                self._wait_serving(name)
+        if not o.debug_train_only:
+            rollout = self.plan.configs["rollout"]
+            engines = [] if rollout.engine_urls or rollout.rollout_num_gpus else ["--rollout-num-gpus", "1"]
+            own = ["--buffer-addr", self.addr["buffer"], "--reward-addr", self.addr["reward"],
+                   "--engine-log-dir", str(self.logs), *engines]  # fmt: skip
+            self.addr["rollout"] = o.rollout_addr or self._service("rollout", own)
+            self._wait_serving("rollout")
+        self.buffer = buffer_pb2_grpc.BufferServiceStub(self._channel(self.addr["buffer"]))
+        if "rollout" in self.addr:
+            self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._channel(self.addr["rollout"]))
+        if o.debug_rollout_only:
+            self.rollout.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
+            return
+        own = ["--buffer-addr", self.addr["buffer"], "--tensorboard-dir", str(self.run_dir / "tensorboard"),
+               "--steps-file", str(self.steps_file)]  # fmt: skip
+        if "rollout" in self.addr:
+            own += ["--rollout-addr", self.addr["rollout"]]
+        self.addr["trainer"] = self._service("trainer", own, nproc=o.actor_num_gpus_per_node)
+        self._wait_serving("trainer")
+        self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._channel(self.addr["trainer"]))
+        if "rollout" in self.addr:
+            if trainer.load:  # a resumed trainer first gives the engines its weights: no sample of the old ones
+                self._wait_for(lambda: self._status().phase in ("waiting_batch", "train", "stopped"), "resume")
+            self.rollout.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
+
+    def _service(self, name: str, own: list[str], nproc: int = 1) -> str:
+        port = free_port()
+        flags = ["--host", "127.0.0.1", "--port", str(port), "--log-level", self.options.log_level]
+        module = ["-m", f"services.{name}"]
+        if nproc > 1:
+            module = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                      str(free_port()), *module]  # fmt: skip
+        self.children.append(start(name, [sys.executable, *module, *flags, *own, *self.plan.argv[name]], port,
+                                   self.logs))  # fmt: skip
+        return f"127.0.0.1:{port}"
+
+    def _channel(self, address: str) -> grpc.Channel:
+        self.channels.append(channel := open_channel(address))
+        return channel
+
+    def _wait_serving(self, name: str) -> None:
+        with grpc.insecure_channel(self.addr[name]) as channel:
+
+            def serving() -> bool:
+                try:
+                    return health_status(channel, timeout_s=1.0) == "SERVING"
+                except grpc.RpcError:
+                    return False
+
+            self._wait_for(serving, f"the {name} service to start")
+
+    def _wait_for(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while not ready():
+            self._check_children()
+            if time.monotonic() > deadline:
+                raise StartupError(f"gave up waiting for {what} after {self.options.startup_timeout_s:.0f} s; "
+                                   f"see the logs in {self.logs}")  # fmt: skip
+            time.sleep(POLL_S)
+
+    def _check_children(self, trainer_may_exit: bool = False) -> bool:
+        """Raises ChildFailed when a child exited; True when the trainer finished (exit 0) and that was allowed."""
+        for child in self.children:
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if child.name == "trainer" and code == 0 and trainer_may_exit:
+                return True
+            raise ChildFailed(f"the {child.name} service exited with code {code}; its log {child.log_path} ends "
+                              f"with:\n{child.tail(15)}")  # fmt: skip
+        return False
+
+    def _status(self) -> trainer_pb2.TrainerStatus:
+        try:
+            return self.trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=5)
+        except grpc.RpcError:
+            return trainer_pb2.TrainerStatus(phase="stopped")
+
+    # Running
+
+    def train(self) -> None:
+        total = self.plan.configs["trainer"].num_rollout
+        interval = self.options.eval_interval
+        eval_sets = bool(self.plan.configs["buffer"].eval_prompt_data) and "rollout" in self.addr
+        seen = _read_steps(self.steps_file)
+        first = seen[-1]["step"] + 1 if seen else 0
+        if eval_sets and interval and first == 0:
+            self._evaluate(0)
+        with report.Progress(total, first) as progress:
+            offset = self.steps_file.stat().st_size if self.steps_file.exists() else 0
+            last_status = 0.0
+            while True:
+                done = (self._null_step(progress) if self.options.debug_rollout_only
+                        else self._check_children(trainer_may_exit=True))  # fmt: skip
+                offset, lines = _tail(self.steps_file, offset)
+                for line in lines:
+                    progress.step(line)
+                    if eval_sets and interval and (line["step"] + 1) % interval == 0:
+                        self._evaluate(line["step"] + 1)
+                for result in self._finished_evals():
+                    progress.eval(result)
+                if done:
+                    break
+                if "trainer" in self.addr and time.monotonic() - last_status > 1.0:
+                    progress.phase(self._status().phase)
+                    last_status = time.monotonic()
+                time.sleep(POLL_S)
+            if eval_sets and (not self.evals or self.evals[-1]["step"] != progress.last_step + 1):
+                self._evaluate(progress.last_step + 1)
+            for future in self._eval_pending:
+                future.result()
+            for result in self._finished_evals():
+                progress.eval(result)
+        report.finish(self.run_dir, _read_steps(self.steps_file), self.evals, self.plan)
+
+    def _null_step(self, progress) -> bool:
+        """--debug-rollout-only: takes each step's batch as the trainer would (saving it if asked) and commits it."""
+        state = self.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30)
+        step = state.last_committed_step + 1
+        total = self.plan.configs["buffer"].num_rollout
+        if total is not None and step >= total:
+            return True
+        try:
+            reply = self.buffer.GetBatch(buffer_pb2.GetBatchRequest(step=step, timeout_seconds=2), timeout=30)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            return self._check_children()
+        if self.options.save_debug_rollout_data:
+            path = Path(self.options.save_debug_rollout_data.format(rollout_id=step))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(reply.SerializeToString())
+        self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=30)
+        self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=step + 1), timeout=30)
+        rewards = [s.reward for g in reply.groups for s in g.samples]
+        lengths = [s.response_length for g in reply.groups for s in g.samples]
+        line = {"step": step, "policy_version": 0, "time": time.time(), "groups": [g.group_id for g in reply.groups],
+                "metrics": {"reward": sum(rewards) / len(rewards), "response_length": sum(lengths) / len(lengths)}}
+        with self.steps_file.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        return False
+
+    def _evaluate(self, step: int) -> None:
+        def run() -> dict:
+            reply = self.rollout.Evaluate(rollout_pb2.EvaluateRequest(step=step), timeout=3600)
+            return {"step": step, "time": time.time(),
+                    "results": {r.dataset: {"mean_reward": r.mean_reward, **r.metrics} for r in reply.results}}
+
+        self._eval_pending.append(self._eval_pool.submit(run))
+
+    def _finished_evals(self) -> list[dict]:
+        done = [f for f in self._eval_pending if f.done()]
+        self._eval_pending = [f for f in self._eval_pending if not f.done()]
+        results = []
+        for future in done:
+            try:
+                results.append(future.result())
+            except grpc.RpcError as e:
+                log.warning("evaluation failed: %s", e.details())
+                continue
+            self.evals.append(results[-1])
+            with (self.run_dir / "eval.jsonl").open("a") as f:
+                f.write(json.dumps(results[-1]) + "\n")
+        return results
+
+    # Stopping
+
+    def stop(self) -> None:
+        self._eval_pool.shutdown(wait=False, cancel_futures=True)
+        for channel in self.channels:
+            channel.close()
+        import asyncio
+
+        # The trainer first (it may be in a sync with the gateway), then the gateway (its engines with it), then the
+        # reward service and the buffer (its Redis flushes on the way out).
+        asyncio.run(stop(list(reversed(self.children)), grace_s=30.0))
+
+
+def _tail(path: Path, offset: int) -> tuple[int, list[dict]]:
+    if not path.exists():
+        return offset, []
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1  # a line being written is read next time
+    return offset + end, [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def _read_steps(path: Path) -> list[dict]:
+    return _tail(path, 0)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging("info")
+    try:
+        plan = parse(list(argv or []))
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            print(f"slipstream train: error: {line}", file=sys.stderr)
+        return 2
+    return execute(plan)
+
+
+def execute(plan: Plan) -> int:
+    run = Run(plan)
+    interrupted = threading.Event()
+
+    def on_signal(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        run.start()
+        run.train()
+        return 0
+    except KeyboardInterrupt:
+        print("slipstream train: interrupted; stopping every service", file=sys.stderr)
+        return 130
+    except (ChildFailed, StartupError) as e:
+        print(f"slipstream train: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave children behind
+        run.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
