@@ -71,7 +71,8 @@ class TrainOptions(StrictModel):
         for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
             path = getattr(self, name)
             if path and "{rollout_id}" not in path:
-                raise ValueError(f"--{name.replace('_', '-')} needs {{rollout_id}} in the path, e.g. rollout_{{rollout_id}}.pb")
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} needs {{rollout_id}} in the path, e.g. rollout_{{rollout_id}}.pb")
         return self
 
 
@@ -182,6 +183,6 @@ def print_help() -> None:
     for name, info in TrainOptions.model_fields.items():
         print(f"  --{name.replace('_', '-'):<28} {info.description}")
     print("\nThe services' options are accepted as well, each going to the services that have it:")
-    for name, model in SERVICES.items():
+    for name in SERVICES:
         print(f"  {name:<8} `slipstream {name} --help`")
     print("--sglang-<option> VALUE goes to the engines. Every slime argument and ours: docs/ARGUMENTS.md.")

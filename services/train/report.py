@@ -86,7 +86,8 @@ def finish(run_dir: Path, steps: list[dict], evals: list[dict], plan) -> None:
     trainer = plan.configs.get("trainer")
     if trainer is not None and trainer.save:
         console.print(f"checkpoints: {trainer.save}")
-    console.print(f"reward curve: {png}\nTensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}\nlogs: {run_dir / 'logs'}")
+    console.print(f"reward curve: {png}\nTensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    console.print(f"logs: {run_dir / 'logs'}")
     (run_dir / "summary.json").write_text(json.dumps({
         "steps": len(steps), "first_reward": rewards[0], "last_reward": rewards[-1],
         "mean_last_20": sum(tail) / len(tail), "eval": evals[-1] if evals else None,

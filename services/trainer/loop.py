@@ -250,7 +250,8 @@ class Trainer:
         now = time.perf_counter()
         metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": trained - started,
                    "sync_s": now - trained, "step_s": now - self.last_step_end, "wait_s": started - self.last_step_end,
-                   "response_length": sum(batch.response_lengths()) / len(batch), **_rollout_times(reply.groups)}  # fmt: skip
+                   "response_length": sum(batch.response_lengths()) / len(batch),
+                   **_rollout_times(reply.groups)}  # fmt: skip
         metrics["samples_per_s"] = len(batch) * max(1, self.dp_size) / metrics["step_s"]
         self.last_step_end = now
         self._record(reply, metrics)
