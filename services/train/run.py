@@ -196,8 +196,13 @@ class Run:
         self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=step + 1), timeout=30)
         rewards = [s.reward for g in reply.groups for s in g.samples]
         lengths = [s.response_length for g in reply.groups for s in g.samples]
-        line = {"step": step, "policy_version": 0, "time": time.time(), "groups": [g.group_id for g in reply.groups],
-                "metrics": {"reward": sum(rewards) / len(rewards), "response_length": sum(lengths) / len(lengths)}}
+        line = {
+            "step": step,
+            "policy_version": 0,
+            "time": time.time(),
+            "groups": [g.group_id for g in reply.groups],
+            "metrics": {"reward": sum(rewards) / len(rewards), "response_length": sum(lengths) / len(lengths)},
+        }
         with self.steps_file.open("a") as f:
             f.write(json.dumps(line) + "\n")
         return False
@@ -205,8 +210,11 @@ class Run:
     def _evaluate(self, step: int) -> None:
         def run() -> dict:
             reply = self.rollout.Evaluate(rollout_pb2.EvaluateRequest(step=step), timeout=3600)
-            return {"step": step, "time": time.time(),
-                    "results": {r.dataset: {"mean_reward": r.mean_reward, **r.metrics} for r in reply.results}}
+            return {
+                "step": step,
+                "time": time.time(),
+                "results": {r.dataset: {"mean_reward": r.mean_reward, **r.metrics} for r in reply.results},
+            }
 
         self._eval_pending.append(self._eval_pool.submit(run))
 
