@@ -182,7 +182,7 @@ def main() -> None:
         del tensors
         rows, version = [], 0
         for mib in args.bucket_mib:
-            config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=mib, colocate=args.colocate,
+            config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=int(mib * 2**20), colocate=args.colocate,
                                      update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
                                      weight_sync_timeout_s=300)  # fmt: skip
             sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True)

@@ -16,8 +16,11 @@ class PluginError(Exception):
 
 
 def load_callable(spec: str, what: str = "plugin") -> Callable:
-    """Resolves `spec` to the callable it names; `what` names the option in errors (e.g. "--custom-rm-path")."""
+    """Resolves `spec` (`pkg.module:function`, slime's `pkg.module.function`, or `path/file.py:function`) to the
+    callable it names; `what` names the option in errors (e.g. "--custom-rm-path")."""
     module_part, sep, attr = spec.rpartition(":")
+    if not sep and not spec.endswith(".py"):  # slime's form, pkg.module.function
+        module_part, sep, attr = spec.rpartition(".")
     if not sep or not module_part or not attr:
         raise PluginError(f"{what} {spec!r} must look like 'pkg.module:function' or 'path/to/file.py:function'")
     module = _load_file(module_part, what) if module_part.endswith(".py") else _import(module_part, what)

@@ -31,8 +31,9 @@ _CORPUS = [
 ]
 
 
-def write_tokenizer(path: Path, vocab_size: int = 512) -> Path:
-    """Trains a byte-level BPE tokenizer (deterministic) and saves it with its chat template under `path`."""
+def write_tokenizer(path: Path, vocab_size: int = 512, corpus: list[str] | None = None) -> Path:
+    """Trains a byte-level BPE tokenizer (deterministic) and saves it with its chat template under `path`. With a
+    `corpus`, only its characters make the alphabet (a task's own small vocabulary); else every byte does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,10 +43,10 @@ def write_tokenizer(path: Path, vocab_size: int = 512) -> Path:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=[] if corpus else pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tokenizer.train_from_iterator(corpus or _CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
@@ -80,9 +81,13 @@ def write_tiny_model(
     intermediate_size: int | None = None,
     seed: int = 0,
     arch: str = "qwen3",
+    corpus: list[str] | None = None,
+    vocab_size: int = 512,
+    lm_head_scale: float = 20.0,
 ) -> Path:
     """A randomly initialised causal LM (safetensors, config, tokenizer, chat template) under `path`: Qwen3 (or
-    `arch` qwen2 / llama), tiny by default; Qwen3-0.6B's layer shapes with 28 layers, hidden 1024, intermediate 3072."""
+    `arch` qwen2 / llama), tiny by default; Qwen3-0.6B's layer shapes with 28 layers, hidden 1024, intermediate 3072.
+    `corpus` and `vocab_size` shape the tokenizer; `lm_head_scale` sharpens the initial next-token distribution."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -92,7 +97,7 @@ def write_tiny_model(
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     }[arch]
-    path = write_tokenizer(path)
+    path = write_tokenizer(path, vocab_size, corpus)
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = config_class(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
@@ -103,7 +108,7 @@ def write_tiny_model(
     torch.manual_seed(seed)
     model = model_class(config)
     with torch.no_grad():  # larger logits than the default init, so sampling is not uniform noise
-        model.lm_head.weight.mul_(20)
+        model.lm_head.weight.mul_(lm_head_scale)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     return path

@@ -79,17 +79,30 @@ class TrainOptions(StrictModel):
 SERVICES = {"buffer": BufferConfig, "reward": RewardConfig, "rollout": RolloutConfig, "trainer": TrainerConfig}
 # Set by `slipstream train` for each service it starts.
 OWN = {"host", "port", "metrics_port", "grace_period_s", "max_message_mb", "keepalive_time_s", "keepalive_timeout_s",
-       "tensorboard_dir", "steps_file", "engine_log_dir", "log_level"}  # fmt: skip
-# Megatron's model-shape flags from slime's scripts: the shape is read from --hf-checkpoint's config.json instead.
-MODEL_SHAPE = {
-    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--group-query-attention",
-    "--num-query-groups", "--kv-channels", "--swiglu", "--normalization", "--norm-epsilon", "--rotary-base",
-    "--use-rotary-position-embeddings", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--vocab-size", "--qk-layernorm", "--position-embedding-type", "--add-qkv-bias", "--seq-length",
-    "--max-position-embeddings", "--make-vocab-size-divisible-by", "--attention-dropout", "--hidden-dropout",
-    "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--attention-backend", "--optimizer",
-    "--use-distributed-optimizer", "--megatron-to-hf-mode", "--ref-load",
+       "steps_file", "engine_log_dir", "log_level"}  # fmt: skip
+_SHAPE = "the model's shape is read from --hf-checkpoint's config.json"
+# Flags of slime's scripts that are accepted and ignored, with the reason (said in a warning).
+IGNORED = {
+    **{flag: _SHAPE for flag in (
+        "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--group-query-attention",
+        "--num-query-groups", "--kv-channels", "--swiglu", "--normalization", "--norm-epsilon", "--rotary-base",
+        "--use-rotary-position-embeddings", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--vocab-size", "--qk-layernorm", "--position-embedding-type", "--add-qkv-bias", "--seq-length",
+        "--max-position-embeddings", "--make-vocab-size-divisible-by", "--attention-dropout", "--hidden-dropout",
+        "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--attention-backend",
+    )},
+    "--optimizer": "the optimizer is AdamW (Megatron's)",
+    "--use-distributed-optimizer": "the optimizer state is not sharded",
+    "--megatron-to-hf-mode": "weights are converted to HF names by the trainer itself",
+    "--ref-load": "the reference model is --hf-checkpoint's weights",
+    "--use-wandb": "metrics go to TensorBoard under the run folder",
+    "--wandb-project": "metrics go to TensorBoard under the run folder",
+    "--wandb-group": "metrics go to TensorBoard under the run folder",
+    "--wandb-key": "metrics go to TensorBoard under the run folder",
 }  # fmt: skip
+# Megatron parallelisms that are not built: accepted at their neutral value 1.
+SIZE_ONE = ("--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+RECOMPUTE = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")  # → --recompute-activations
 
 
 @dataclass
@@ -110,29 +123,43 @@ def parse(argv: list[str]) -> Plan:
     routed: dict[str, list[str]] = {name: [] for name in flags}
     ignored = []
     for chunk in _chunks(argv):
-        flag = chunk[0].split("=")[0]
+        flag, values = chunk[0].split("=")[0], [*chunk[0].split("=")[1:], *chunk[1:]]
         if flag.startswith("--sglang-"):
             routed["rollout"] += chunk
-            continue
-        if flag in MODEL_SHAPE:
-            ignored.append(flag)
-            continue
-        names = [name for name, known in flags.items() if flag in known]
-        if not names:
-            everything = sorted(set().union(*flags.values()))
-            close = difflib.get_close_matches(flag, everything, n=1)
-            hint = f"did you mean {close[0]}?" if close else "see `slipstream train --help` and docs/ARGUMENTS.md"
-            raise ConfigError(f"unknown option {flag}; {hint}")
-        for name in names:
-            routed[name] += chunk
-    if ignored:
-        log.warning("ignored %s: the model's shape is read from --hf-checkpoint's config.json", " ".join(ignored))
+        elif flag in IGNORED:
+            ignored.append(f"{flag} ({IGNORED[flag]})")
+        elif flag in SIZE_ONE:
+            if values != ["1"]:
+                raise ConfigError(f"{flag} {' '.join(values)}: only 1 is supported (this parallelism is not built)")
+        elif flag in RECOMPUTE:
+            if flag == "--recompute-granularity" and values != ["selective"]:
+                routed["trainer"].append("--recompute-activations")
+        else:
+            names = [name for name, known in flags.items() if flag in known]
+            if not names:
+                everything = sorted(set().union(*flags.values(), IGNORED))
+                close = difflib.get_close_matches(flag, everything, n=1)
+                hint = f"did you mean {close[0]}?" if close else "see `slipstream train --help` and docs/ARGUMENTS.md"
+                raise ConfigError(f"unknown option {flag}; {hint}")
+            for name in names:
+                routed[name] += chunk
+    for item in ignored:
+        log.warning("ignored %s", item)
+    if not any(a.split("=")[0] == "--n-samples-per-prompt" for a in argv):  # the buffer's default is 1
+        routed["buffer"] = ["--n-samples-per-prompt", str(TrainerConfig.model_fields["n_samples_per_prompt"].default),
+                            *routed["buffer"]]  # fmt: skip
     plan = Plan(load_config(TrainOptions, routed.pop("train"), prog="slipstream train"))
     if plan.options.async_buffer_size:
         routed["buffer"] += ["--max-staleness", str(plan.options.async_buffer_size)]
+    if plan.options.debug_rollout_only:  # the engines keep their weights: no group may be dropped as stale
+        routed["buffer"] += ["--stale-policy", "mark"]
+    # Checked with the addresses the launcher will add, so that what needs them (--colocate) is judged as it will run.
+    started = {"rollout": ["--reward-addr", "launched:0"], "trainer": ["--buffer-addr", "launched:0"]}
+    if not plan.options.debug_train_only:
+        started["trainer"] += ["--rollout-addr", "launched:0"]
     for name, model in SERVICES.items():
         plan.argv[name] = routed[name]
-        plan.configs[name] = load_config(model, routed[name], prog=f"slipstream train ({name})")
+        plan.configs[name] = load_config(model, started.get(name, []) + routed[name], prog=f"slipstream train ({name})")
     _check_together(plan)
     return plan
 
@@ -145,9 +172,6 @@ def _check_together(plan: Plan) -> None:
         raise ConfigError("--prompt-data is required: the training prompts (.jsonl or .parquet)")
     if not trainer.hf_checkpoint:
         raise ConfigError("--hf-checkpoint is required: the HF model folder to start from")
-    if buffer.n_samples_per_prompt != trainer.n_samples_per_prompt:
-        raise ConfigError(f"pass --n-samples-per-prompt: the buffer's default is {buffer.n_samples_per_prompt}, the "
-                          f"trainer's {trainer.n_samples_per_prompt}")  # fmt: skip
     if rollout.engine_urls and rollout.rollout_num_gpus:
         raise ConfigError("--engine-urls uses running engines; drop --rollout-num-gpus, which starts new ones")
     if options.save_debug_rollout_data and not options.debug_rollout_only:
@@ -157,7 +181,7 @@ def _check_together(plan: Plan) -> None:
 def _flags(model: type[StrictModel]) -> set[str]:
     parser = argparse.ArgumentParser(add_help=False)
     _add_field_flags(parser, model, ())
-    own = {"--" + name.replace("_", "-") for name in OWN} | {"--no-" + name.replace("_", "-") for name in OWN}
+    own = {"--" + name.replace("_", "-") for name in OWN}
     return {flag for flag in parser._option_string_actions if flag not in own or model is TrainOptions}
 
 

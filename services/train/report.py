@@ -60,12 +60,9 @@ def summary_line(line: dict) -> str:
 
 def split_times(m: dict) -> dict[str, float]:
     """A step's time as rollout, reward, train, sync and the rest (the services' glue: RPC, Redis, serialisation).
-    In synchronous training the rollout and reward happen while the trainer waits; with overlap they hide behind the
-    previous step, so only the waiting that is left counts."""
-    wait = m.get("wait_s", 0.0)
-    rollout = min(m.get("rollout_s", 0.0), wait)
-    reward = min(m.get("reward_s", 0.0), wait - rollout)
-    parts = {"rollout": rollout, "reward": reward, "train": m.get("train_s", 0.0), "sync": m.get("sync_s", 0.0)}
+    Rollout and reward count only while the trainer waits for them: with overlap they hide behind training."""
+    parts = {"rollout": m.get("rollout_s", 0.0), "reward": m.get("reward_s", 0.0), "train": m.get("train_s", 0.0),
+             "sync": m.get("sync_s", 0.0)}  # fmt: skip
     parts["other"] = max(0.0, m.get("step_s", 0.0) - sum(parts.values()))
     return parts
 

@@ -4,6 +4,7 @@ on Ctrl-C, or when one of them fails, saying which and where its log is."""
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -92,8 +93,9 @@ class Run:
         if nproc > 1:
             module = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                       str(free_port()), *module]  # fmt: skip
-        self.children.append(start(name, [sys.executable, *module, *flags, *own, *self.plan.argv[name]], port,
-                                   self.logs))  # fmt: skip
+        args = [sys.executable, *module, *flags, *own, *self.plan.argv[name]]
+        env = {**os.environ, "SLIPSTREAM_RUN": str(self.run_dir.resolve())}  # marks every process of the run
+        self.children.append(start(name, args, port, self.logs, env))
         return f"127.0.0.1:{port}"
 
     def _channel(self, address: str) -> grpc.Channel:

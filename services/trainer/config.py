@@ -21,8 +21,8 @@ class TrainerConfig(ServiceConfig):
     Unset, no weights are sent and the trainer sets the buffer's policy version itself."""
     update_weights_interval: int = Field(1, ge=1)
     """Send the weights every this many steps."""
-    update_weight_buffer_size: int = Field(512, ge=1)
-    """MiB of weights per bucket of a weight sync."""
+    update_weight_buffer_size: int = Field(512 * 1024**2, ge=1)
+    """Bytes of weights per bucket of a weight sync (slime's unit)."""
     update_weight_flattened_bucket: bool = False
     """Send each bucket as one flattened uint8 tensor (SGLang's flattened_bucket) instead of tensor by tensor."""
     weight_sync_address: str = "127.0.0.1"
@@ -153,6 +153,9 @@ class TrainerConfig(ServiceConfig):
     """Clip the global gradient norm to this (0: off)."""
     tensorboard_dir: str | None = None
     """Write TensorBoard logs here."""
+    load_debug_rollout_data: str | None = None
+    """Train on batches saved by a --debug-rollout-only run (a path with {rollout_id}) instead of the buffer's; the
+    run ends at the first step without a file."""
     steps_file: str | None = None
     """Append one JSON line per step here: step, policy version, the trained group ids, the metrics and the step's
     time split (what `slipstream train` shows and plots)."""

@@ -45,13 +45,15 @@ class Control:
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16
 
 
-def _rollout_times(groups) -> dict[str, float]:
-    """Wall-clock seconds during which the batch's groups were being generated, and being scored (the union of their
-    intervals on the gateway's clock): the rollout and reward parts of a step."""
+def _rollout_times(groups, since: float, until: float) -> dict[str, float]:
+    """Of the time the trainer waited for the batch (unix times `since` to `until`), the seconds during which its
+    groups were being generated, and being scored (the union of their intervals on the gateway's clock, the same
+    machine's in a local run): the rollout and reward parts of a step."""
 
     def union(spans):
-        total, end = 0.0, float("-inf")
+        total, end = 0.0, since
         for a, b in sorted(spans):
+            b = min(b, until)
             if b > end:
                 total += b - max(a, end)
                 end = b
@@ -138,7 +140,7 @@ class Trainer:
                 config, lambda: hf_weights_of(self.model, self.gpt), sender=dist.get_rank() == 0, peers=peers
             )
         self.writer = self._tensorboard()
-        self.last_step_end = time.perf_counter()
+        self.last_step_end, self.last_step_unix = time.perf_counter(), time.time()
         self.control.world_size = self.info.world_size
 
     @staticmethod
@@ -200,7 +202,7 @@ class Trainer:
         return path
 
     def _commit(self, steps: list[int]) -> None:
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and not self.config.load_debug_rollout_data:
             for step in steps:
                 self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=60)
         steps.clear()
@@ -245,20 +247,33 @@ class Trainer:
             if self.weights is not None and self.step % self.config.update_weights_interval == 0:
                 self.control.phase = "sync"
                 self.weights.sync(self.policy_version)  # the gateway's commit tells the buffer the version
-        elif dist.get_rank() == 0:  # no engines to update: the trainer's version is the policy's
+        elif dist.get_rank() == 0 and not self.config.load_debug_rollout_data:  # no engines: the trainer's version
             self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=self.policy_version), timeout=60)
         now = time.perf_counter()
         metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": trained - started,
                    "sync_s": now - trained, "step_s": now - self.last_step_end, "wait_s": started - self.last_step_end,
                    "response_length": sum(batch.response_lengths()) / len(batch),
-                   **_rollout_times(reply.groups)}  # fmt: skip
+                   **_rollout_times(reply.groups, self.last_step_unix, time.time() - (now - started))}  # fmt: skip
         metrics["samples_per_s"] = len(batch) * max(1, self.dp_size) / metrics["step_s"]
-        self.last_step_end = now
+        self.last_step_end, self.last_step_unix = now, time.time()
         self._record(reply, metrics)
         if torch.cuda.is_available() and "tokens_per_s" in metrics:
             metrics["mfu"] = mfu(self.gpt.shape, metrics["tokens_per_s"] / self.info.world_size, batch.lengths())
         self._log(metrics)
         return metrics
+
+    def _saved_batch(self) -> buffer_pb2.GetBatchResponse:
+        """This rank's part of a batch saved by --save-debug-rollout-data; none left stops the run."""
+        path = Path(self.config.load_debug_rollout_data.format(rollout_id=self.step))
+        if not path.exists():
+            log.info("no saved batch %s: the run ends", path)
+            self.control.stop = True
+            return buffer_pb2.GetBatchResponse()
+        reply = buffer_pb2.GetBatchResponse.FromString(path.read_bytes())
+        mine = list(reply.groups)[self.dp_rank :: self.dp_size]
+        del reply.groups[:]
+        reply.groups.extend(mine)
+        return reply
 
     def _record(self, reply: buffer_pb2.GetBatchResponse, metrics: dict) -> None:
         """One line of --steps-file per step (rank 0 writes its own groups; with DP > 1, each rank's line has its
@@ -295,6 +310,8 @@ class Trainer:
                 return reply if reply is not None else self._get_batch(BATCH_WAIT_S)  # built now: answered at once
 
     def _get_batch(self, wait_s: float) -> buffer_pb2.GetBatchResponse | None:
+        if self.config.load_debug_rollout_data:
+            return self._saved_batch()
         request = buffer_pb2.GetBatchRequest(step=self.step, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                              timeout_seconds=wait_s)  # fmt: skip
         try:

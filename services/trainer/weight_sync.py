@@ -149,7 +149,7 @@ class WeightSender:
             raise EnginesLeft(f"at bucket {result.bucket_index}: " + "; ".join(f"{e.url}: {e.message}" for e in failed))
 
     def _buckets(self, pairs):
-        """(tensor specs, tensors) of about --update-weight-buffer-size MiB per bucket, in order. The first sync
+        """(tensor specs, tensors) of about --update-weight-buffer-size bytes per bucket, in order. The first sync
         groups the converted tensors and keeps the layout; later ones send a bucket's specs first and convert each
         tensor just before its broadcast, so that conversion overlaps the transfer."""
         if self.layout is not None:
@@ -157,7 +157,7 @@ class WeightSender:
             for specs in self.layout:
                 yield specs, (_matching(spec, *next(pairs)) for spec in specs)
             return
-        limit = self.config.update_weight_buffer_size * 1024 * 1024
+        limit = self.config.update_weight_buffer_size
         layout, specs, tensors, size = [], [], [], 0
         for name, tensor in pairs:
             if specs and size + tensor.numel() * tensor.element_size() > limit:

@@ -9,6 +9,10 @@ def test_module_path():
     assert load_callable("os.path:join")("a", "b") == "a/b"
 
 
+def test_slimes_dotted_form():
+    assert load_callable("os.path.join")("a", "b") == "a/b"
+
+
 def test_nested_attribute():
     assert load_callable("pathlib:Path.cwd")() is not None
 
@@ -22,7 +26,7 @@ def test_file_path(tmp_path):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("os.path.join", "must look like 'pkg.module:function'"),
+        ("join", "must look like 'pkg.module:function'"),
         ("no_such_pkg.mod:fn", "module 'no_such_pkg.mod' was not found"),
         ("os.path:nope", "os.path has no attribute 'nope' \\(callables there: .*join"),
         ("os:sep", "sep is a str, not a function or class"),

@@ -30,7 +30,7 @@ def test_gateway_launches_engines_and_routes_through_the_router(services, servic
                                                                 channel_to):  # fmt: skip
     proc = service_process("rollout", *services, "--rollout-num-gpus", "2", "--hf-checkpoint", str(tiny_model),
                            "--use-router", "--engine-log-dir", str(tmp_path / "engines"),
-                           "--rollout-max-response-len", "8", "--sglang-max-batch-size", "16")  # fmt: skip
+                           "--rollout-max-response-len", "8", "--sglang-max-running-requests", "16")  # fmt: skip
     gateway = rollout_pb2_grpc.RolloutServiceStub(channel_to(gateway_address(proc)))
     engines = gateway.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10, wait_for_ready=True).engines
     assert len(engines) == 2 and all(e.state == rollout_pb2.ENGINE_STATE_HEALTHY for e in engines)

@@ -91,7 +91,7 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
         "trainer", "--port", "0", "--metrics-port", "null", "--hf-checkpoint", str(tiny_model),
         "--buffer-addr", system.buffer_address, "--rollout-addr", system.thread.address, "--num-rollout", "2",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--lr", "1e-3",
-        "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "hf"), "--update-weight-buffer-size", "1",
+        "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "hf"), "--update-weight-buffer-size", str(2**20),
         "--tensor-model-parallel-size", str(tp), nproc=tp,
     )  # fmt: skip
     assert trainer.wait(timeout_s=300) == 0, trainer.log[-4000:]
@@ -140,7 +140,7 @@ def _usage(pid: int) -> dict:
 
 
 def _sender(system, bucket_mib: float = 0.1, colocate: bool = False) -> WeightSender:
-    config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=bucket_mib,
+    config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=int(bucket_mib * 2**20),
                              update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1", colocate=colocate,
                              weight_sync_timeout_s=60)  # fmt: skip
     return WeightSender(config, weights=None, sender=True)
@@ -184,7 +184,7 @@ from safetensors.torch import load_file
 from services.trainer.weight_sync import WeightSender
 
 hf = sorted(load_file(sys.argv[2]).items())
-config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=0.1, update_weight_flattened_bucket=False,
+config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=int(0.1 * 2**20), update_weight_flattened_bucket=False,
                          weight_sync_address="127.0.0.1", weight_sync_timeout_s=60, colocate=False)
 
 def weights():

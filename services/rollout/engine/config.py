@@ -20,8 +20,8 @@ class EngineConfig(StrictModel):
     """Where the model runs."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights' dtype; auto is float32 on CPU and bfloat16 on CUDA."""
-    max_batch_size: int = Field(64, ge=1)
-    """Most sequences decoded together; more wait for a free row."""
+    max_running_requests: int = Field(64, ge=1)
+    """Most sequences decoded together (SGLang's name); more wait for a free row."""
     weight_version: str = "default"
     """Initial weight version (SGLang's --weight-version)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -26,7 +26,7 @@ def load(config: EngineConfig):
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot load a model from --model-path {config.model_path}: {e}") from None
     device = torch.device(config.device)
-    return Engine(model.to(device).eval(), tokenizer, device, config.max_batch_size, config.weight_version)
+    return Engine(model.to(device).eval(), tokenizer, device, config.max_running_requests, config.weight_version)
 
 
 def serve(config: EngineConfig) -> int:
@@ -44,7 +44,7 @@ def serve(config: EngineConfig) -> int:
         log.error("%s", e)
         return 1
     info = {"model_path": config.model_path, "host": config.host, "port": config.port, "device": config.device,
-            "max_running_requests": config.max_batch_size}  # fmt: skip
+            "max_running_requests": config.max_running_requests}  # fmt: skip
     app = EngineAPI(engine, info).app()
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

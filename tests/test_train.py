@@ -1,0 +1,93 @@
+"""`slipstream train` end to end: every service a real process (embedded Redis, buffer, reward, gateway with a
+reference engine, trainer), the demo's task, and resuming after the whole run is SIGKILLed."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from services.train.demo import train_args
+
+
+def steps_of(run_dir: Path) -> list[dict]:
+    path = run_dir / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Processes still marked as belonging to the run (every child and grandchild inherits SLIPSTREAM_RUN)."""
+    marker = f"SLIPSTREAM_RUN={run_dir.resolve()}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def wait_gone(run_dir: Path, timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+@pytest.mark.timeout(600)
+def test_train_learns_evaluates_saves_and_leaves_nothing_behind(service_process, tmp_path):
+    run = service_process("train", *train_args(tmp_path, steps=24))
+    assert run.wait(480) == 0, run.log[-3000:]
+    run_dir = tmp_path / "demo"
+    steps = steps_of(run_dir)
+    assert [s["step"] for s in steps] == list(range(24))
+    assert [s["policy_version"] for s in steps] == list(range(1, 25))
+    rewards = [s["metrics"]["reward"] for s in steps]
+    assert mean(rewards[-6:]) > mean(rewards[:6]) + 0.1, rewards
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert {e["step"] for e in evals} >= {0, 24} and all("held_out" in e["results"] for e in evals)
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "24"
+    assert (run_dir / "reward.png").stat().st_size > 0
+    assert list((run_dir / "tensorboard").iterdir())
+    assert "step   23  reward" in run.log and "reward curve:" in run.log
+    assert wait_gone(run_dir) == []
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_mid_run_then_load_resumes_exactly(service_process, tmp_path):
+    args = [*train_args(tmp_path, steps=30), "--save-interval", "5"]
+    run_dir = tmp_path / "demo"
+    first = service_process("train", *args)
+    deadline = time.monotonic() + 420
+    while len(steps_of(run_dir)) < 13 and first.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert first.proc.poll() is None, first.log[-3000:]
+    os.killpg(first.proc.pid, signal.SIGKILL)  # the launcher and every process of the run at once
+    first.proc.wait()
+    assert wait_gone(run_dir) == []
+    before = steps_of(run_dir)
+    killed_at = before[-1]["step"]
+
+    second = service_process("train", *args, "--load", str(run_dir / "checkpoints"))
+    assert second.wait(600) == 0, second.log[-3000:]
+    after = steps_of(run_dir)[len(before) :]
+    resumed_at = after[0]["step"]
+    assert resumed_at % 5 == 0 and resumed_at <= killed_at + 1  # the last checkpoint
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+    assert [s["step"] for s in after] == list(range(resumed_at, 30))
+    assert all(s["policy_version"] == s["step"] + 1 for s in before + after)
+
+    lineage = [s for s in before if s["step"] < resumed_at] + after
+    assert [s["step"] for s in lineage] == list(range(30))
+    trained = [gid for s in lineage for gid in s["groups"]]
+    assert len(trained) == len(set(trained)) == 30 * 32  # no prompt group trained twice, none missing
+    assert wait_gone(run_dir) == []
