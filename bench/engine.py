@@ -34,7 +34,8 @@ def start_engine(model: Path, device: str, max_batch: int) -> tuple[subprocess.P
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "slipstream", "engine", "--model-path", str(model), "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--device", device, "--max-running-requests", str(max_batch)], stderr=subprocess.DEVNULL)
+    cmd += ["--device", device, "--max-running-requests", str(max_batch)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

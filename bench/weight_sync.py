@@ -182,9 +182,9 @@ def main() -> None:
         del tensors
         rows, version = [], 0
         for mib in args.bucket_mib:
-            config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=int(mib * 2**20), colocate=args.colocate,
-                                     update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
-                                     weight_sync_timeout_s=300)  # fmt: skip
+            config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=int(mib * 2**20),
+                                     colocate=args.colocate, update_weight_flattened_bucket=False,
+                                     weight_sync_address="127.0.0.1", weight_sync_timeout_s=300)  # fmt: skip
             sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True)
             times, phases = [], []
             for rep in range(args.syncs + 1):  # the first builds the group

@@ -184,8 +184,9 @@ from safetensors.torch import load_file
 from services.trainer.weight_sync import WeightSender
 
 hf = sorted(load_file(sys.argv[2]).items())
-config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=int(0.1 * 2**20), update_weight_flattened_bucket=False,
-                         weight_sync_address="127.0.0.1", weight_sync_timeout_s=60, colocate=False)
+config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=int(0.1 * 2**20),
+                         update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
+                         weight_sync_timeout_s=60, colocate=False)
 
 def weights():
     for index, (name, tensor) in enumerate(hf):
