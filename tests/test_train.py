@@ -91,3 +91,40 @@ def test_sigkill_mid_run_then_load_resumes_exactly(service_process, tmp_path):
     trained = [gid for s in lineage for gid in s["groups"]]
     assert len(trained) == len(set(trained)) == 30 * 32  # no prompt group trained twice, none missing
     assert wait_gone(run_dir) == []
+
+
+def wait_steps(run, run_dir: Path, n: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(steps_of(run_dir)) < n and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run.proc.poll() is None and len(steps_of(run_dir)) >= n, run.log[-3000:]
+
+
+def service_pid(run_dir: Path, module: str) -> int:
+    for pid in processes_of(run_dir):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if module.encode() in args:
+            return pid
+    raise AssertionError(f"no {module} process in the run")
+
+
+@pytest.mark.timeout(600)
+def test_a_failing_service_stops_the_run_and_is_named(service_process, tmp_path):
+    run = service_process("train", *train_args(tmp_path, steps=100))
+    run_dir = tmp_path / "demo"
+    wait_steps(run, run_dir, 3)
+    os.kill(service_pid(run_dir, "services.rollout"), signal.SIGKILL)
+    assert run.wait(120) == 1
+    assert f"the rollout service exited with code -9; its log {run_dir / 'logs' / 'rollout.log'}" in run.log
+    assert wait_gone(run_dir) == []
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_every_process(service_process, tmp_path):
+    run = service_process("train", *train_args(tmp_path, steps=100))
+    run_dir = tmp_path / "demo"
+    wait_steps(run, run_dir, 2)
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(120) == 130
+    assert "interrupted; stopping every service" in run.log
+    assert wait_gone(run_dir) == []

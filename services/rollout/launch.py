@@ -82,7 +82,7 @@ async def stop(children: list[Child], grace_s: float = 10.0) -> None:
 async def launch_engines(config: RolloutConfig) -> list[Child]:
     """Starts `--rollout-num-gpus / --rollout-num-gpus-per-engine` engines and waits until each one is healthy."""
     per_engine = config.rollout_num_gpus_per_engine
-    gpus = _num_gpus()
+    gpus = num_gpus()
     if gpus and gpus < config.rollout_num_gpus:
         raise StartupError(f"--rollout-num-gpus {config.rollout_num_gpus} but this machine has {gpus} GPU(s)")
     children = []
@@ -150,7 +150,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _num_gpus() -> int:
+def num_gpus() -> int:
     if shutil.which("nvidia-smi") is None:
         return 0
     result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)

@@ -72,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, default=Path("runs"), help="the demo's folder (default: runs)")
     parser.add_argument("--steps", type=int, default=150, help="training steps (default: 150)")
     parser.add_argument("--async-buffer-size", type=int, default=0, help="staleness bound (0: synchronous)")
+    parser.add_argument("--prepare-only", action="store_true", help="write the model and the data, print their paths")
     args, extra = parser.parse_known_args(argv)
+    if args.prepare_only:
+        for name, path in zip(("model", "train", "eval"), prepare(args.output_dir), strict=True):
+            print(f"{name}: {path}")
+        return 0
     run_id = "demo" if not args.async_buffer_size else f"demo-async{args.async_buffer_size}"
     shutil.rmtree(args.output_dir / run_id, ignore_errors=True)  # the demo always starts over
     print(f"slipstream demo: {args.steps} steps of 32 prompts x 8 samples; the run goes to {args.output_dir / run_id}")

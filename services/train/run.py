@@ -18,7 +18,7 @@ from services.common.clients import health_status, open_channel
 from services.common.config import ConfigError
 from services.common.errors import StartupError
 from services.common.logs import setup_logging
-from services.rollout.launch import Child, free_port, start, stop
+from services.rollout.launch import Child, free_port, num_gpus, start, stop
 from services.train import report
 from services.train.options import Plan, parse
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -44,6 +44,7 @@ class Run:
         self.evals: list[dict] = []
         self._eval_pool = ThreadPoolExecutor(1)
         self._eval_pending: list[Future] = []
+        self._writer = None
 
     # Starting
 
@@ -78,7 +79,12 @@ class Run:
                "--steps-file", str(self.steps_file)]  # fmt: skip
         if "rollout" in self.addr:
             own += ["--rollout-addr", self.addr["rollout"]]
-        self.addr["trainer"] = self._service("trainer", own, nproc=o.actor_num_gpus_per_node)
+        env = {}
+        rollout = self.plan.configs["rollout"]
+        if num_gpus() and not trainer.colocate and rollout.rollout_num_gpus and not o.rollout_addr:
+            first = rollout.rollout_num_gpus  # the engines have GPUs 0..n-1, the trainer the next ones
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(o.actor_num_gpus_per_node))
+        self.addr["trainer"] = self._service("trainer", own, nproc=o.actor_num_gpus_per_node, env=env)
         self._wait_serving("trainer")
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._channel(self.addr["trainer"]))
         if "rollout" in self.addr:
@@ -86,7 +92,7 @@ class Run:
                 self._wait_for(lambda: self._status().phase in ("waiting_batch", "train", "stopped"), "resume")
             self.rollout.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
 
-    def _service(self, name: str, own: list[str], nproc: int = 1) -> str:
+    def _service(self, name: str, own: list[str], nproc: int = 1, env: dict | None = None) -> str:
         port = free_port()
         flags = ["--host", "127.0.0.1", "--port", str(port), "--log-level", self.options.log_level]
         module = ["-m", f"services.{name}"]
@@ -94,7 +100,7 @@ class Run:
             module = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                       str(free_port()), *module]  # fmt: skip
         args = [sys.executable, *module, *flags, *own, *self.plan.argv[name]]
-        env = {**os.environ, "SLIPSTREAM_RUN": str(self.run_dir.resolve())}  # marks every process of the run
+        env = {**os.environ, **(env or {}), "SLIPSTREAM_RUN": str(self.run_dir.resolve())}  # marks the run's processes
         self.children.append(start(name, args, port, self.logs, env))
         return f"127.0.0.1:{port}"
 
@@ -148,7 +154,7 @@ class Run:
         eval_sets = bool(self.plan.configs["buffer"].eval_prompt_data) and "rollout" in self.addr
         seen = _read_steps(self.steps_file)
         first = seen[-1]["step"] + 1 if seen else 0
-        if eval_sets and interval and first == 0:
+        if eval_sets and first == 0:  # as slime, before training
             self._evaluate(0)
         with report.Progress(total, first) as progress:
             offset = self.steps_file.stat().st_size if self.steps_file.exists() else 0
@@ -233,12 +239,25 @@ class Run:
             self.evals.append(results[-1])
             with (self.run_dir / "eval.jsonl").open("a") as f:
                 f.write(json.dumps(results[-1]) + "\n")
+            self._tensorboard(results[-1])
         return results
+
+    def _tensorboard(self, result: dict) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        for name, metrics in result["results"].items():
+            for key, value in metrics.items():
+                self._writer.add_scalar(f"eval/{name}/{key}", value, result["step"])
+        self._writer.flush()
 
     # Stopping
 
     def stop(self) -> None:
         self._eval_pool.shutdown(wait=False, cancel_futures=True)
+        if self._writer is not None:
+            self._writer.close()
         for channel in self.channels:
             channel.close()
         import asyncio

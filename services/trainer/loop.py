@@ -167,6 +167,9 @@ class Trainer:
     # Resume and save
 
     def _resume(self, path: Path) -> None:
+        if not path.exists() or not any(path.iterdir()):  # slime's idiom: --load the --save folder from the start
+            log.info("nothing to resume in %s yet: starting from --hf-checkpoint", path)
+            return
         if checkpoint.latest_step(path) is None:  # an HF folder: start from its weights
             from services.trainer.models import SafetensorsWeights, load_hf_weights
 

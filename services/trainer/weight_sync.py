@@ -41,7 +41,8 @@ class WeightSender:
         self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
-        self.channel = open_channel(config.rollout_addr) if sender else None
+        # The bucket stream lasts as long as the sync: no per-method default deadline on this channel.
+        self.channel = open_channel(config.rollout_addr, timeout_s=3600) if sender else None
         if config.colocate and not torch.cuda.is_available():  # CPU tensors go by shared-memory file name
             torch.multiprocessing.set_sharing_strategy("file_system")
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None

@@ -1,0 +1,69 @@
+"""The demo end to end, synchronous against `--async-buffer-size 1`: where a step's time goes.
+
+Each mode is one `slipstream train` run of the demo (every service a process). Per step, from the trainer's
+--steps-file: the time it waited for the batch split into rollout (its groups were being generated, seen from the
+gateway, HTTP to the engines included) and reward (being scored, the Score call included) and the rest of the wait;
+train (the optimizer step, old log-probs included); sync (weights to the engines, commit included). "glue" is what
+is left of the step: leasing, submitting and fetching the batch over gRPC, Redis, (de)serialisation, scheduling.
+With overlap, generation that happens while the trainer trains does not count: only the waiting that is left.
+
+    python bench/e2e.py [--steps 60] [--skip 5]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.train.demo import train_args  # noqa: E402
+from services.train.report import split_times  # noqa: E402
+
+
+def run(folder: Path, steps: int, async_size: int) -> list[dict]:
+    run_id = f"bench-async{async_size}"
+    args = [*train_args(folder, steps, async_size, run_id), "--eval-interval", str(10 * steps)]
+    result = subprocess.run([sys.executable, "-m", "slipstream", "train", *args], capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"slipstream train failed:\n{result.stderr[-3000:]}")
+    path = folder / run_id / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def row(name: str, steps: list[dict], skip: int) -> list[str]:
+    kept = steps[skip:]
+    splits = [split_times(s["metrics"]) for s in kept]
+    step_s = statistics.mean(s["metrics"]["step_s"] for s in kept)
+    parts = {k: statistics.mean(sp[k] for sp in splits) for k in splits[0]}
+    wall = kept[-1]["time"] - steps[skip - 1]["time"] if skip else kept[-1]["time"] - kept[0]["time"]
+    samples = sum(len(s["groups"]) for s in kept) * 8
+    rewards = [s["metrics"]["reward"] for s in steps]
+    cells = [name, f"{step_s * 1000:.0f}"]
+    cells += [f"{parts[k] * 1000:.0f} ({parts[k] / step_s:.0%})" for k in ("rollout", "reward", "train", "sync", "other")]
+    cells += [f"{wall:.1f}", f"{samples / wall:.0f}", f"{statistics.mean(rewards[-20:]):.2f}"]
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--skip", type=int, default=5, help="first steps left out (start-up)")
+    args = parser.parse_args()
+    header = ["mode", "step ms", "rollout", "reward", "train", "sync", "glue", "wall s", "samples/s", "reward@end"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for async_size in (0, 1):
+            steps = run(Path(tmp), args.steps, async_size)
+            rows.append(row("sync" if not async_size else f"async {async_size}", steps, args.skip))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, ["-" * w for w in widths], *rows]:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+    print(f"\nsteps {args.skip}..{args.steps - 1} of each run; python bench/e2e.py --steps {args.steps} --skip {args.skip}")
+
+
+if __name__ == "__main__":
+    main()
