@@ -12,6 +12,7 @@ With overlap, generation that happens while the trainer trains does not count: o
 
 import argparse
 import json
+import platform
 import statistics
 import subprocess
 import sys
@@ -20,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.train.demo import train_args  # noqa: E402
-from services.train.report import split_times  # noqa: E402
+from services.train.demo import train_args
+from services.train.report import split_times
 
 
 def run(folder: Path, steps: int, async_size: int) -> list[dict]:
@@ -43,7 +44,8 @@ def row(name: str, steps: list[dict], skip: int) -> list[str]:
     samples = sum(len(s["groups"]) for s in kept) * 8
     rewards = [s["metrics"]["reward"] for s in steps]
     cells = [name, f"{step_s * 1000:.0f}"]
-    cells += [f"{parts[k] * 1000:.0f} ({parts[k] / step_s:.0%})" for k in ("rollout", "reward", "train", "sync", "other")]
+    names = ("rollout", "reward", "train", "sync", "other")
+    cells += [f"{parts[k] * 1000:.0f} ({parts[k] / step_s:.0%})" for k in names]
     cells += [f"{wall:.1f}", f"{samples / wall:.0f}", f"{statistics.mean(rewards[-20:]):.2f}"]
     return cells
 
@@ -62,7 +64,8 @@ def main() -> None:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, ["-" * w for w in widths], *rows]:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
-    print(f"\nsteps {args.skip}..{args.steps - 1} of each run; python bench/e2e.py --steps {args.steps} --skip {args.skip}")
+    print(f"\nsteps {args.skip}..{args.steps - 1} of each run, {platform.node()}")
+    print(f"python bench/e2e.py --steps {args.steps} --skip {args.skip}")
 
 
 if __name__ == "__main__":

@@ -46,9 +46,9 @@ PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16
 
 
 def _rollout_times(groups, since: float, until: float) -> dict[str, float]:
-    """Of the time the trainer waited for the batch (unix times `since` to `until`), the seconds during which its
-    groups were being generated, and being scored (the union of their intervals on the gateway's clock, the same
-    machine's in a local run): the rollout and reward parts of a step."""
+    """Of the time the trainer waited for the batch (unix times `since` to `until`), the seconds during which some of
+    its groups were being generated, and those during which some were being scored and none generated (unions of
+    their intervals on the gateway's clock, the same machine's in a local run): the rollout and reward parts."""
 
     def union(spans):
         total, end = 0.0, since
@@ -60,8 +60,9 @@ def _rollout_times(groups, since: float, until: float) -> dict[str, float]:
         return total
 
     t = [g.timings for g in groups if "scored" in g.timings]
-    return {"rollout_s": union((x["leased"], x["generated"]) for x in t),
-            "reward_s": union((x["generated"], x["scored"]) for x in t)} if t else {}  # fmt: skip
+    generating = union((x["leased"], x["generated"]) for x in t)
+    busy = union([(x["leased"], x["generated"]) for x in t] + [(x["generated"], x["scored"]) for x in t])
+    return {"rollout_s": generating, "reward_s": busy - generating} if t else {}  # scoring while none generates
 
 
 def mfu(shape, tokens_per_s_per_gpu: float, lengths: list[int]) -> float:
