@@ -7,7 +7,7 @@ train (the optimizer step, old log-probs included); sync (weights to the engines
 is left of the step: leasing, submitting and fetching the batch over gRPC, Redis, (de)serialisation, scheduling.
 With overlap, generation that happens while the trainer trains does not count: only the waiting that is left.
 
-    python bench/e2e.py [--steps 60] [--skip 5]
+    python bench/e2e.py [--steps 60] [--skip 5] [slipstream train options, e.g. --rollout-num-gpus 1 on GPUs]
 """
 
 import argparse
@@ -25,9 +25,9 @@ from services.train.demo import train_args
 from services.train.report import split_times
 
 
-def run(folder: Path, steps: int, async_size: int) -> list[dict]:
+def run(folder: Path, steps: int, async_size: int, extra: list[str]) -> list[dict]:
     run_id = f"bench-async{async_size}"
-    args = [*train_args(folder, steps, async_size, run_id), "--eval-interval", str(10 * steps)]
+    args = [*train_args(folder, steps, async_size, run_id), "--eval-interval", str(10 * steps), *extra]
     result = subprocess.run([sys.executable, "-m", "slipstream", "train", *args], capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"slipstream train failed:\n{result.stderr[-3000:]}")
@@ -54,18 +54,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out (start-up)")
-    args = parser.parse_args()
+    args, extra = parser.parse_known_args()  # the rest goes to slipstream train (e.g. --rollout-num-gpus 1)
     header = ["mode", "step ms", "rollout", "reward", "train", "sync", "glue", "wall s", "samples/s", "reward@end"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for async_size in (0, 1):
-            steps = run(Path(tmp), args.steps, async_size)
+            steps = run(Path(tmp), args.steps, async_size, extra)
             rows.append(row("sync" if not async_size else f"async {async_size}", steps, args.skip))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, ["-" * w for w in widths], *rows]:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
     print(f"\nsteps {args.skip}..{args.steps - 1} of each run, {platform.node()}")
-    print(f"python bench/e2e.py --steps {args.steps} --skip {args.skip}")
+    print(f"python bench/e2e.py --steps {args.steps} --skip {args.skip} {' '.join(extra)}".rstrip())
 
 
 if __name__ == "__main__":
