@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CUDA build of torch only where a GPU is present: an unpinned `torch` pulls several GB, the CPU pin is local.
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
-.PHONY: install test lint format protos demo clean
+.PHONY: install test test-slow lint format protos demo clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "slipstream needs Python 3.11 or newer as $(PYTHON); pass PYTHON=python3.11"; exit 1; }
@@ -18,7 +18,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install  # the full demo, synchronous and asynchronous (about 12 minutes on 2 cores)
+	$(PY) -m pytest -q -m slow
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -128,3 +128,17 @@ def test_ctrl_c_stops_every_process(service_process, tmp_path):
     assert run.wait(120) == 130
     assert "interrupted; stopping every service" in run.log
     assert wait_gone(run_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("async_buffer_size", [0, 1])
+def test_the_demo_learns(service_process, tmp_path, async_buffer_size):
+    run = service_process("demo", "--output-dir", str(tmp_path), "--async-buffer-size", str(async_buffer_size))
+    assert run.wait(1100) == 0, run.log[-3000:]
+    run_dir = tmp_path / ("demo" if not async_buffer_size else f"demo-async{async_buffer_size}")
+    rewards = [s["metrics"]["reward"] for s in steps_of(run_dir)]
+    assert len(rewards) == 150 and mean(rewards[:10]) <= 0.2 and mean(rewards[-20:]) >= 0.8, rewards
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert evals[0]["results"]["held_out"]["mean_reward"] <= 0.2
+    assert evals[-1]["step"] == 150 and evals[-1]["results"]["held_out"]["mean_reward"] >= 0.8
