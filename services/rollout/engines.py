@@ -193,11 +193,18 @@ class EnginePool:
 
     async def _control(self, engine: Engine, path: str, payload: dict, timeout_s: float | None = None):
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.config.rollout_health_check_timeout)
-        try:
-            async with self.session.post(f"{engine.url}{path}", json=payload, timeout=timeout) as response:
-                body = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise EngineFailure(_describe(e)) from None
+        for attempt in (1, 2):
+            try:
+                async with self.session.post(f"{engine.url}{path}", json=payload, timeout=timeout) as response:
+                    body = await response.read()
+                break
+            except aiohttp.ServerDisconnectedError as e:
+                # A kept-alive connection the server closed as it was reused: the call never ran. Once more, for
+                # the calls that are safe to repeat.
+                if attempt == 2 or path not in IDEMPOTENT:
+                    raise EngineFailure(_describe(e)) from None
+            except (aiohttp.ClientError, TimeoutError) as e:
+                raise EngineFailure(_describe(e)) from None
         if response.status != 200:
             raise EngineFailure(f"HTTP {response.status}: {body[:200]!r}")
         return json.loads(body) if body else {}
@@ -255,7 +262,9 @@ class EnginePool:
         """One HTTP client for all engines (aiohttp: an order of magnitude more requests/s than httpx here)."""
         if self._session is None:
             timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+            # Idle connections are dropped before uvicorn's (SGLang's server) 5 s keep-alive closes them under us.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         return self._session
 
     async def _post(self, engine: Engine, path: str, payload: dict):
@@ -291,6 +300,18 @@ class EnginePool:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+IDEMPOTENT = {
+    "/pause_generation",
+    "/continue_generation",
+    "/update_weight_version",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/flush_cache",
+}
 
 
 def _normalize(url: str) -> str:
