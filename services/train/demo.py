@@ -9,6 +9,7 @@ learnt from the task's own text (64 tokens), so a random model starts near 1/64 
 import argparse
 import itertools
 import json
+import os
 import random
 import shutil
 import sys
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {path}")
         return 0
     run_id = "demo" if not args.async_buffer_size else f"demo-async{args.async_buffer_size}"
+    if args.async_buffer_size and not shutil.which("nvidia-smi"):  # engine and trainer run at once: a core each
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     shutil.rmtree(args.output_dir / run_id, ignore_errors=True)  # the demo always starts over
     print(f"slipstream demo: {args.steps} steps of 32 prompts x 8 samples; the run goes to {args.output_dir / run_id}")
     return train_main(train_args(args.output_dir, args.steps, args.async_buffer_size, run_id) + extra)
