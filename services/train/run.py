@@ -63,8 +63,8 @@ class Run:
             if name in self.addr:
                 self._wait_serving(name)
         if not o.debug_train_only:
-            rollout = self.plan.configs["rollout"]
-            engines = [] if rollout.engine_urls or rollout.rollout_num_gpus else ["--rollout-num-gpus", "1"]
+            given = self.plan.configs["rollout"].rollout_num_gpus
+            engines = ["--rollout-num-gpus", "1"] if self._launched_engines() > given else []
             own = ["--buffer-addr", self.addr["buffer"], "--reward-addr", self.addr["reward"],
                    "--engine-log-dir", str(self.logs), *engines]  # fmt: skip
             self.addr["rollout"] = o.rollout_addr or self._service("rollout", own)
@@ -80,9 +80,8 @@ class Run:
         if "rollout" in self.addr:
             own += ["--rollout-addr", self.addr["rollout"]]
         env = {}
-        rollout = self.plan.configs["rollout"]
-        if num_gpus() and not trainer.colocate and rollout.rollout_num_gpus and not o.rollout_addr:
-            first = rollout.rollout_num_gpus  # the engines have GPUs 0..n-1, the trainer the next ones
+        if num_gpus() and not trainer.colocate and self._launched_engines() and not o.rollout_addr:
+            first = self._launched_engines()  # the engines have GPUs 0..n-1, the trainer the next ones
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(o.actor_num_gpus_per_node))
         self.addr["trainer"] = self._service("trainer", own, nproc=o.actor_num_gpus_per_node, env=env)
         self._wait_serving("trainer")
@@ -91,6 +90,12 @@ class Run:
             if trainer.load:  # a resumed trainer first gives the engines its weights: no sample of the old ones
                 self._wait_for(lambda: self._status().phase in ("waiting_batch", "train", "stopped"), "resume")
             self.rollout.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
+
+    def _launched_engines(self) -> int:
+        """GPUs (or CPU engines) of the engines the gateway launches: --rollout-num-gpus, else one unless
+        --engine-urls names running ones."""
+        rollout = self.plan.configs["rollout"]
+        return rollout.rollout_num_gpus or (0 if rollout.engine_urls else 1)
 
     def _service(self, name: str, own: list[str], nproc: int = 1, env: dict | None = None) -> str:
         port = free_port()
