@@ -7,7 +7,6 @@ Run: python bench/engine_weights.py
 """
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,14 +17,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from services.common.processes import free_port
 from services.common.tiny_checkpoint import write_tiny_model
 from services.common.weight_group import flatten, init_custom_process_group
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_engine(model: Path) -> tuple[subprocess.Popen, str]:

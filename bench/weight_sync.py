@@ -14,7 +14,6 @@ Run (CPU, tiny, to check the script): .venv/bin/python bench/weight_sync.py --sh
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_step import write_model
 
+from services.common.processes import free_port
+
 SHAPES = {  # Qwen3-4B: 36 layers, tied embeddings, 4.02 B parameters (8.05 GB in bf16, 398 tensors)
     "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=9728, vocab_size=151936),
@@ -40,12 +41,6 @@ SHAPES = {  # Qwen3-4B: 36 layers, tied embeddings, 4.02 B parameters (8.05 GB i
 
 
 TIMEOUT = timedelta(seconds=120)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:

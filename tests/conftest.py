@@ -5,7 +5,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common import processes
 from services.common.clients import wait_until_serving
 from services.common.redis_connection import EmbeddedRedis
 from services.common.server import GrpcServer
@@ -153,8 +153,9 @@ class ServiceProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd, env = [sys.executable, "-m", "slipstream", *args], None
         if nproc > 1:  # ranks under torchrun (the trainer)
+            port = str(processes.free_port())
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-                   "127.0.0.1", "--master-port", str(_free_port()), "-m", f"services.{args[0]}", *args[1:]]  # fmt: skip
+                   "127.0.0.1", "--master-port", port, "-m", f"services.{args[0]}", *args[1:]]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True
@@ -193,16 +194,10 @@ def service_process(tmp_path) -> Iterator[Callable]:
         proc.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Returns a function that finds a free TCP port on 127.0.0.1."""
-    return _free_port
+    return processes.free_port
 
 
 @pytest.fixture

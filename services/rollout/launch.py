@@ -7,7 +7,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 import aiohttp
 
 from services.common.errors import StartupError
-from services.common.processes import die_with_parent
+from services.common.processes import die_with_parent, free_port
 from services.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -146,12 +145,6 @@ async def wait_workers(router: Child, urls: list[str], timeout_s: float = 60.0) 
                 return
             await asyncio.sleep(0.2)
     raise StartupError(f"the router did not take the engines {urls} within {timeout_s:.0f} s; see {router.log_path}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def num_gpus() -> int:

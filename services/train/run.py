@@ -2,12 +2,12 @@
 trainer is ready, shows each step, evaluates on the interval, and stops every child on the way out — at the end,
 on Ctrl-C, or when one of them fails, saying which and where its log is."""
 
+import asyncio
 import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +18,8 @@ from services.common.clients import health_status, open_channel
 from services.common.config import ConfigError
 from services.common.errors import StartupError
 from services.common.logs import setup_logging
-from services.rollout.launch import Child, free_port, num_gpus, start, stop
+from services.common.processes import free_port
+from services.rollout.launch import Child, num_gpus, start, stop
 from services.train import report
 from services.train.options import Plan, parse
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -45,6 +46,7 @@ class Run:
         self._eval_pool = ThreadPoolExecutor(1)
         self._eval_pending: list[Future] = []
         self._writer = None
+        self._next_step: int | None = None  # --debug-rollout-only
 
     # Starting
 
@@ -165,7 +167,7 @@ class Run:
             offset = self.steps_file.stat().st_size if self.steps_file.exists() else 0
             last_status = 0.0
             while True:
-                done = (self._null_step(progress) if self.options.debug_rollout_only
+                done = (self._null_step() if self.options.debug_rollout_only
                         else self._check_children(trainer_may_exit=True))  # fmt: skip
                 offset, lines = _tail(self.steps_file, offset)
                 for line in lines:
@@ -188,10 +190,11 @@ class Run:
                 progress.eval(result)
         report.finish(self.run_dir, _read_steps(self.steps_file), self.evals, self.plan)
 
-    def _null_step(self, progress) -> bool:
+    def _null_step(self) -> bool:
         """--debug-rollout-only: takes each step's batch as the trainer would (saving it if asked) and commits it."""
-        state = self.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30)
-        step = state.last_committed_step + 1
+        if self._next_step is None:  # where an earlier run of this folder stopped
+            self._next_step = self.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30).last_committed_step + 1
+        step = self._next_step
         total = self.plan.configs["buffer"].num_rollout
         if total is not None and step >= total:
             return True
@@ -207,6 +210,7 @@ class Run:
             path.write_bytes(reply.SerializeToString())
         self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=30)
         self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=step + 1), timeout=30)
+        self._next_step += 1
         rewards = [s.reward for g in reply.groups for s in g.samples]
         lengths = [s.response_length for g in reply.groups for s in g.samples]
         line = {
@@ -265,8 +269,6 @@ class Run:
             self._writer.close()
         for channel in self.channels:
             channel.close()
-        import asyncio
-
         # The trainer first (it may be in a sync with the gateway), then the gateway (its engines with it), then the
         # reward service and the buffer (its Redis flushes on the way out).
         asyncio.run(stop(list(reversed(self.children)), grace_s=30.0))
@@ -299,10 +301,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def execute(plan: Plan) -> int:
     run = Run(plan)
-    interrupted = threading.Event()
 
     def on_signal(signum, frame):
-        interrupted.set()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)

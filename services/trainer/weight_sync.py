@@ -5,7 +5,6 @@ MiB: the bucket's specs go to the gateway, which posts them to all engines, whil
 import contextlib
 import logging
 import queue
-import socket
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from services.common.clients import open_channel
+from services.common.processes import free_port
 from services.common.weight_group import flatten, init_custom_process_group
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -84,7 +84,7 @@ class WeightSender:
         backend = "ipc" if colocated else "nccl" if torch.cuda.is_available() else "gloo"
         started = time.perf_counter()
         if self.group is None and not colocated:
-            self.port = _free_port()  # a new address: the gateway builds a new group
+            self.port = free_port("")  # engines on other hosts join it  # a new address: the gateway builds a new group
         prepared = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
             version=version, master_address=self.config.weight_sync_address, master_port=self.port,
             group_name=GROUP_NAME, backend=backend,
@@ -205,9 +205,3 @@ def _matching(spec: common_pb2.TensorSpec, name: str, tensor: torch.Tensor) -> t
         raise ValueError(f"weights changed layout since the last sync: {name} {list(tensor.shape)} where "
                          f"{spec.name} {list(spec.shape)} was")  # fmt: skip
     return tensor.contiguous()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
