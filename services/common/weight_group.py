@@ -6,17 +6,40 @@ and each engine may have another, so the weight group is built from its own TCP 
 the store prefix.
 """
 
+import logging
+import os
 from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
 from torch.distributed import distributed_c10d as c10d
 
+log = logging.getLogger(__name__)
+
+# What SGLang's server sets for itself (`_set_envs_and_config`) when the environment does not say otherwise. NCCL reads
+# them once, when a process makes its first communicator, and both ends of a peer-to-peer link must agree: a trainer
+# with cuMem buffers and an engine without fail the first broadcast ("Cuda failure 'invalid argument'" in p2p.cc).
+NCCL_SETTINGS = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def apply_nccl_settings(environ: dict | None = None) -> dict:
+    """Gives `environ` (this process's by default, before its first NCCL communicator) the weight group's NCCL
+    settings where it has none, as SGLang does; warns of a value set otherwise, which every member must share."""
+    environ = os.environ if environ is None else environ
+    for name, value in NCCL_SETTINGS.items():
+        environ.setdefault(name, value)
+        if environ[name] != value:
+            log.warning("%s=%s is set; SGLang's engines use %s unless their environment says the same", name,
+                        environ[name], value)  # fmt: skip
+    return environ
+
 
 def init_custom_process_group(
-    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout: timedelta | None = None
-):
-    """Joins (rank 0 hosts the TCP store) and returns the process group `group_name`; blocks until all ranks joined."""
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout: timedelta | None = None,
+    collective_timeout: timedelta | None = None,
+):  # fmt: skip
+    """Joins (rank 0 hosts the TCP store) and returns the process group `group_name`; blocks until all ranks joined,
+    for at most `timeout`. `collective_timeout` (default `timeout`) is torch's own deadline for each collective."""
     timeout = timeout or c10d.default_pg_timeout
     # The store is built here rather than by c10d.rendezvous, which under torchrun would join torchrun's own store.
     address = urlparse(init_method)
@@ -30,13 +53,39 @@ def init_custom_process_group(
         default.bound_device_id = None
     try:
         group, _ = c10d._new_process_group_helper(
-            world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout, device_id=None
+            world_size,
+            rank,
+            [],
+            c10d.Backend(backend),
+            store,
+            group_name=group_name,
+            timeout=collective_timeout or timeout,
+            device_id=None,
         )
     finally:
         if bound is not None:
             default.bound_device_id = bound
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+_aborted: list = []  # gloo groups whose unfinished collectives still run (see abort_group)
+
+
+def abort_group(group) -> None:
+    """Ends `group` without waiting for its unfinished collectives, which may never finish (a member died or stalled):
+    NCCL's abort ends their kernels at once. gloo cannot interrupt a transfer: it ends at the group's timeout or when
+    the peer's socket closes, so the group is kept referenced until then (dropping it would wait in its destructor)."""
+    try:
+        gloo = isinstance(group._get_backend(torch.device("cpu")), torch.distributed.ProcessGroupGloo)
+    except RuntimeError:
+        gloo = False
+    try:
+        c10d._abort_process_group(group)
+    except (RuntimeError, ValueError) as e:  # already aborted, or it broke before: nothing left to end
+        log.debug("aborting the weight group: %s", e)
+    if gloo:
+        _aborted.append(group)
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

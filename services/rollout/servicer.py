@@ -1,7 +1,10 @@
 """gRPC face of the rollout gateway: translates RolloutService requests to the engine pool, the rollout workers,
 evaluation and the weight-sync control plane, and back."""
 
+import asyncio
 import logging
+
+import grpc
 
 from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool
 from services.rollout.evaluation import evaluate
@@ -77,8 +80,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created)
 
     async def SyncWeightBuckets(self, request_iterator, context):
+        requests = aiter(request_iterator)
         try:
-            async for bucket in request_iterator:
+            while (bucket := await self._next_bucket(requests, context)) is not None:
                 names = [t.name for t in bucket.tensors]
                 dtypes, shapes = [t.dtype for t in bucket.tensors], [list(t.shape) for t in bucket.tensors]
                 results = await self.sync.bucket(bucket.bucket_index, names, dtypes, shapes, bucket.load_format,
@@ -86,6 +90,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 yield rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index, engines=_results(results))
         finally:  # a trainer that died mid-stream ends it like one that is done: it must commit or prepare soon
             self.sync.stream_ended()
+
+    async def _next_bucket(self, requests, context):
+        """The trainer's next bucket (None at the end); a sync the gateway aborts meanwhile ends the stream with
+        ABORTED, so that a trainer waiting on it hears at once."""
+        following = asyncio.ensure_future(anext(requests, None))
+        aborted = self.sync.aborted if self.sync.version is not None else None
+        if aborted is not None:
+            await asyncio.wait({following, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if not following.done():
+                following.cancel()
+                await context.abort(grpc.StatusCode.ABORTED, f"the weight sync was aborted: {aborted.result()}")
+        return await following
 
     async def CommitWeightSync(self, request, context):
         return rollout_pb2.CommitWeightSyncResponse(engines=_results(await self.sync.commit(request.version)))

@@ -46,6 +46,7 @@ class WeightSync:
         self.released = False  # colocated: the engines gave their GPU memory to the trainer
         self._joining: asyncio.Task | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self.aborted: asyncio.Future | None = None  # of the open sync: resolves with the reason when it is aborted
 
     async def prepare(self, version: int, address: str, port: int, group_name: str, backend: str):
         """Returns (world size, [(url, rank offset, tp size)], whether the trainer must join a new group). Called
@@ -82,6 +83,8 @@ class WeightSync:
             # Each engine's call returns only once the trainer has joined too: it runs while Prepare answers.
             self._joining = asyncio.create_task(self._each(engines, "/init_weights_update_group", {}, per_engine))
         self.engines, self.version = engines, version
+        if self.aborted is None or self.aborted.done():
+            self.aborted = asyncio.get_running_loop().create_future()
         if self.released:  # the weights come back first, to be overwritten in place
             await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
         await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
@@ -104,13 +107,29 @@ class WeightSync:
             path, body = "/update_weights_from_tensor", {
                 "serialized_named_tensors": [base64.b64encode(p).decode() for p in payloads], "flush_cache": False,
             }  # fmt: skip
+        blamed = None
         if not results:
-            results = await self._each(self.engines, path, body)
+            results, blamed = await self._load_everywhere(path, body)
         self.partial = self.partial or any(r.success for r in results)
         if not all(r.success for r in results):
-            await self._break(f"bucket {index}", results)
+            await self._break(f"bucket {index}", results, blamed)
         self._watch()
         return results
+
+    async def _load_everywhere(self, path: str, body: dict) -> tuple[list[Result], set[str] | None]:
+        """Posts a bucket to every engine. Once one fails, the others' receives are cancelled at once (destroying
+        the group): a broadcast needs every member, so theirs may never arrive. Returns the results and, when that
+        happened, the engines that failed first (the others failed because of them)."""
+        tasks = {asyncio.create_task(self._call(e, path, body)): e for e in self.engines}
+        pending, first = set(tasks), None
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = {t.result().url for t in done if not t.result().success}
+            if failed and first is None and pending and "payloads" not in body and self.group.address[2] != "ipc":
+                first = failed
+                stop = {"group_name": self.group.name}
+                await self._each([tasks[t] for t in pending], "/destroy_weights_update_group", stop)
+        return [t.result() for t in tasks], first
 
     async def commit(self, version: int) -> list[Result]:
         self._check_open(version)
@@ -144,6 +163,8 @@ class WeightSync:
         if self.version is None or version != self.version:
             return
         log.warning("weight sync of version %d aborted: %s", self.version, reason or "no reason given")
+        if self.aborted is not None and not self.aborted.done():  # a trainer waiting on its bucket stream hears it
+            self.aborted.set_result(reason or "aborted")
         if self._joining is not None:
             self._joining.cancel()
         if self.group is not None:
@@ -206,13 +227,15 @@ class WeightSync:
             timeout, lambda: asyncio.create_task(self.abort(version, reason))
         )
 
-    async def _break(self, where: str, results: list[Result]) -> None:
+    async def _break(self, where: str, results: list[Result], first: set[str] | None = None) -> None:
         """An engine failed: evict the engines at fault and take the group down on the others. When an engine died
-        or every engine failed at once, the live ones that failed only lost their peer (or the trainer): they stay."""
+        or every engine failed at once, the live ones that failed only lost their peer (or the trainer): they stay.
+        `first`: the engines that failed before the others' receives were cancelled (only they can be at fault)."""
         failed = [self.pool.engines[r.url] for r in results if not r.success and r.url in self.pool.engines]
         alive = await asyncio.gather(*(self.pool.alive(e) for e in failed))
         dead = [e for e, ok in zip(failed, alive, strict=True) if not ok]
-        at_fault = dead or ([] if len(failed) == len(self.engines) else failed)
+        suspects = failed if first is None else [e for e in failed if e.url in first]
+        at_fault = dead or ([] if len(suspects) == len(self.engines) else suspects)
         messages = {r.url: r.message for r in results}
         for engine in at_fault:
             self.pool.evict(engine, f"weight sync of version {self.version} failed at {where}: {messages[engine.url]}")

@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from services.common.weight_group import apply_nccl_settings
 from services.trainer.cpu_shims import apply_cpu_shims, cuda_available, seed_model_parallel_rng
 
 
@@ -40,6 +41,7 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_
             f"{pp_size}; launch a multiple of {tp_size * pp_size} processes"
         )
     if cuda_available():
+        apply_nccl_settings()  # before this process's first communicator: the weight group's members must agree
         local_rank = _env_int("LOCAL_RANK", rank % torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

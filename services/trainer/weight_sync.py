@@ -1,10 +1,15 @@
 """The trainer's side of weight sync: after a step, the full weights (gathered over tensor-parallel ranks, converted
 to HF names) go to every engine over the weight group the gateway sets up, in buckets of `--update-weight-buffer-size`
-MiB: the bucket's specs go to the gateway, which posts them to all engines, while rank 0 broadcasts the tensors."""
+MiB: the bucket's specs go to the gateway, which posts them to all engines, while rank 0 broadcasts the tensors.
+
+No sync can hang the trainer: broadcasts are asynchronous, every wait has a deadline, a broken group is aborted (NCCL
+ends its kernels) rather than destroyed, and a watchdog ends a sync that stops making progress."""
 
 import contextlib
 import logging
+import os
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -17,17 +22,24 @@ import torch.multiprocessing
 
 from services.common.clients import open_channel
 from services.common.processes import free_port
-from services.common.weight_group import flatten, init_custom_process_group
+from services.common.weight_group import abort_group, flatten, init_custom_process_group
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 GROUP_NAME = "slipstream_weights"
 ATTEMPTS = 3  # an engine that leaves mid-sync costs one attempt; the others get the weights from the start again
+STALL_FACTOR = 1.5  # the gateway's deadline for an engine is weight_sync_timeout_s: its answer comes first
+GRACE_S = 30.0  # after the watchdog aborted a stalled sync, the sync must return within this
+STALLED_EXIT_CODE = 75
 
 
 class EnginesLeft(Exception):
     """An engine left the weight group mid-sync: the group is gone, and the sync starts over without it."""
+
+
+class WeightSyncFailed(Exception):
+    """No engine could take the weights, attempt after attempt: the run cannot go on with a policy it cannot serve."""
 
 
 class WeightSender:
@@ -37,7 +49,7 @@ class WeightSender:
 
     def __init__(self, config, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], sender: bool, peers=None):
         self.config, self.weights, self.sender, self.peers = config, weights, sender, peers
-        self.group, self.port = None, 0
+        self.group, self.port, self.stream = None, 0, None
         self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
@@ -59,27 +71,45 @@ class WeightSender:
                 log.warning("weight sync of version %d, attempt %d: %s; starting over", version, attempt, failure)
         if failure is None or not self.sender:
             return failure is None
-        log.warning("weight sync of version %d failed (%s); the engines keep their weights", version, failure)
         self._drop_group()
         with contextlib.suppress(grpc.RpcError):
-            self.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=version, reason=str(failure)))
+            self.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=version, reason=str(failure)),
+                                         timeout=self.timeout.total_seconds())  # fmt: skip
+        if isinstance(failure, EnginesLeft):
+            raise WeightSyncFailed(f"weight sync of version {version} failed {ATTEMPTS} times; last: {failure}")
+        log.warning("weight sync of version %d failed (%s); the engines keep their weights", version, failure)
         return False
 
     def _attempt(self, version: int, buckets) -> Exception | None:
+        watchdog = Watchdog(self.timeout.total_seconds() * STALL_FACTOR, self._stalled)
         try:
-            self._send(version, buckets)
+            with watchdog:
+                self._send(version, buckets, watchdog)
         except EnginesLeft as e:
             self._drop_group()
             return e
         except grpc.RpcError as e:
+            restart = (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION)
+            if watchdog.stalled or e.code() in restart:  # the gateway ended the sync, or the watchdog did
+                self._drop_group()
+                return EnginesLeft(watchdog.stalled or f"the gateway answered {e.code().name}: {e.details()}")
             return RuntimeError(f"the gateway answered {e.code().name}: {e.details()}")
-        except RuntimeError as e:  # joining the group failed
-            return e
+        except RuntimeError as e:  # joining the group failed, or a broadcast did
+            self._drop_group()
+            return EnginesLeft(watchdog.stalled or str(e))
         finally:
             _drain(buckets)  # the peers take part in every gather, whatever happened here
         return None
 
-    def _send(self, version: int, buckets) -> None:
+    def _stalled(self) -> None:
+        """The watchdog's remedy: whatever the sync waits in ends (a broadcast with the group, an answer with the
+        stream)."""
+        if self.group is not None:
+            abort_group(self.group)
+        if self.stream is not None:
+            self.stream.cancel()
+
+    def _send(self, version: int, buckets, watchdog: "Watchdog") -> None:
         colocated = self.config.colocate
         backend = "ipc" if colocated else "nccl" if torch.cuda.is_available() else "gloo"
         started = time.perf_counter()
@@ -92,13 +122,16 @@ class WeightSender:
         if not colocated and (prepared.group_created or self.group is None):
             self._drop_group()
             init = f"tcp://{self.config.weight_sync_address}:{self.port}"
-            self.group = init_custom_process_group(backend, init, prepared.world_size, 0, GROUP_NAME, self.timeout)
+            # torch's own deadline on the group's collectives comes last: it would end the whole process.
+            self.group = init_custom_process_group(backend, init, prepared.world_size, 0, GROUP_NAME, self.timeout,
+                                                   collective_timeout=self.timeout * STALL_FACTOR * 2)  # fmt: skip
+        watchdog.progress("after joining the weight group")
         self.timings = {"prepare_s": time.perf_counter() - started}
         flat = self.config.update_weight_flattened_bucket
         requests: queue.Queue = queue.Queue()
-        responses = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
+        responses = self.stream = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
         try:
-            sent = False
+            sent: list = []  # the broadcasts of the bucket the engines load now
             for index, bucket in enumerate(buckets):
                 if colocated:
                     self._hand_over(version, index, *bucket, requests, responses)
@@ -107,20 +140,22 @@ class WeightSender:
                 requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
                                                       load_format="flattened_bucket" if flat else ""))  # fmt: skip
                 try:
-                    for tensor in [flatten(list(tensors))] if flat else tensors:
-                        dist.broadcast(tensor, src=0, group=self.group)
+                    works = [dist.broadcast(t, src=0, group=self.group, async_op=True)
+                             for t in ([flatten(list(tensors))] if flat else tensors)]  # fmt: skip
                 except RuntimeError as e:  # a member is gone: free the others' receives, then hear which one
                     self._drop_group()
-                    for _ in range(2 if index else 1):  # this bucket's answer and the one before
+                    for _ in range(2 if sent else 1):  # this bucket's answer and the one before
                         self._check(next(responses))
                     raise EnginesLeft(f"at bucket {index}: {e}") from None
-                if index:  # one bucket ahead: the next is converted while the engines load this one
-                    self._check(next(responses))
-                sent = True
+                watchdog.progress(f"broadcasting bucket {index}")
+                if sent:  # one bucket ahead: the next is converted while the engines load this one
+                    self._answered(next(responses), sent, watchdog)
+                sent = works
             if sent:
-                self._check(next(responses))
+                self._answered(next(responses), sent, watchdog)
         finally:
             requests.put(None)
+            self.stream = None
         self.timings["send_s"] = time.perf_counter() - started - self.timings["prepare_s"]
         committed = self.gateway.CommitWeightSync(
             rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.timeout.total_seconds()
@@ -128,6 +163,18 @@ class WeightSender:
         self.timings["commit_s"] = time.perf_counter() - started - sum(self.timings.values())
         live = sum(e.success for e in committed.engines)
         log.info("weights of version %d sent to %d engine(s)", version, live)
+
+    def _answered(self, result: rollout_pb2.WeightBucketResult, works: list, watchdog: "Watchdog") -> None:
+        """The gateway's answer for a bucket: every engine loaded it (so its broadcasts are done), or the group is
+        broken and aborted (the broadcasts may never finish)."""
+        watchdog.progress(f"after bucket {result.bucket_index}")
+        try:
+            self._check(result)
+        except EnginesLeft:
+            self._drop_group()
+            raise
+        for work in works:
+            work.wait()
 
     def _hand_over(self, version: int, index: int, specs: list, tensors, requests: queue.Queue, responses) -> None:
         """Colocated: the bucket goes as tensor handles (CUDA IPC); it must live until the engines copied it."""
@@ -183,15 +230,51 @@ class WeightSender:
         return bool(flag.item())
 
     def _drop_group(self) -> None:
+        """Aborted, not destroyed: destroying waits for the group's unfinished broadcasts, which may never finish."""
         if self.group is not None:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(self.group)
+            abort_group(self.group)
             self.group = None
 
     def close(self) -> None:
         self._drop_group()
         if self.channel is not None:
             self.channel.close()
+
+
+class Watchdog:
+    """Ends a weight sync that stops making progress. After `timeout_s` without any, it calls `remedy` (abort the
+    group, cancel the stream), which ends whatever the sync waits in; a sync that still has not returned GRACE_S
+    later is stuck where nothing can reach it, and the process exits saying where, so that the run stops instead of
+    hanging (a NCCL call stuck before its group could be aborted)."""
+
+    def __init__(self, timeout_s: float, remedy: Callable[[], None]):
+        self.timeout_s, self.remedy = timeout_s, remedy
+        self.last, self.where, self.stalled = time.monotonic(), "preparing", ""
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="weight-sync-watchdog", daemon=True)
+
+    def progress(self, where: str) -> None:
+        self.last, self.where = time.monotonic(), where
+
+    def __enter__(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(1.0, self.timeout_s / 20)):
+            idle = time.monotonic() - self.last
+            if not self.stalled and idle > self.timeout_s:
+                self.stalled = f"the weight sync made no progress for {idle:.0f} s ({self.where})"
+                log.error("%s: aborting the weight group", self.stalled)
+                self.remedy()
+            elif self.stalled and idle > self.timeout_s + GRACE_S:
+                log.critical("%s, and did not end once the group was aborted; the trainer stops", self.stalled)
+                logging.shutdown()
+                os._exit(STALLED_EXIT_CODE)
 
 
 def _drain(buckets) -> None:

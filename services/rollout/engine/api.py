@@ -24,9 +24,9 @@ HEALTH_TIMEOUT_S = 20.0
 
 
 class EngineAPI:
-    def __init__(self, engine: Engine, info: dict):
+    def __init__(self, engine: Engine, info: dict, weight_update_timeout_s: float = 300.0):
         self.engine, self.info = engine, info
-        self.weights = WeightReceiver(engine)
+        self.weights = WeightReceiver(engine, weight_update_timeout_s)
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.started = time.time()

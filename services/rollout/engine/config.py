@@ -22,6 +22,9 @@ class EngineConfig(StrictModel):
     """Weights' dtype; auto is float32 on CPU and bfloat16 on CUDA."""
     max_running_requests: int = Field(64, ge=1)
     """Most sequences decoded together (SGLang's name); more wait for a free row."""
+    weight_update_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of one bucket's receive in a weight update: a broadcast that has not arrived by then (its sender
+    stalled or died) is aborted and the update fails, so the engine never waits on a dead weight group."""
     weight_version: str = "default"
     """Initial weight version (SGLang's --weight-version)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

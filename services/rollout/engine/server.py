@@ -1,11 +1,11 @@
 """Loads the model and serves the engine's HTTP API with uvicorn; SIGTERM stops it cleanly."""
 
 import logging
-import os
 
 import torch
 
 from services.common.errors import StartupError
+from services.common.weight_group import apply_nccl_settings
 from services.rollout.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,7 @@ def load(config: EngineConfig):
 
 
 def serve(config: EngineConfig) -> int:
-    # As SGLang's server does: NCCL's cuMem-based buffers must be off on both ends of the weight group (SGLang's own
-    # test sets it on the trainer), else peer-to-peer transfers between the two processes fail.
-    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+    apply_nccl_settings()  # as SGLang's server does, and the trainer: both ends of the weight group must agree
     import uvicorn
 
     from services.rollout.engine.api import EngineAPI
@@ -45,6 +43,6 @@ def serve(config: EngineConfig) -> int:
         return 1
     info = {"model_path": config.model_path, "host": config.host, "port": config.port, "device": config.device,
             "max_running_requests": config.max_running_requests}  # fmt: skip
-    app = EngineAPI(engine, info).app()
+    app = EngineAPI(engine, info, config.weight_update_timeout_s).app()
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

@@ -1,9 +1,15 @@
 """Weight updates as SGLang receives them: the trainer is rank 0 of a custom process group; each named tensor (or
 one flattened uint8 bucket) arrives by broadcast in `names` order and is loaded by HF parameter name between decode
-steps. Updates must run inside a begin/end session, as in SGLang 0.5.21 and newer."""
+steps. Updates must run inside a begin/end session, as in SGLang 0.5.21 and newer.
+
+A receive never outlives its weight group's usefulness: it ends when the broadcast arrived, when the group is destroyed
+(the gateway gave up on this sync) or at the receive deadline; NCCL groups are then aborted, which ends their kernels.
+"""
 
 import asyncio
 import base64
+import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -11,14 +17,17 @@ import torch.multiprocessing  # registers the tensor reductions ForkingPickler r
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.common.weight_group import init_custom_process_group, unflatten
+from services.common.weight_group import abort_group, init_custom_process_group, unflatten
 from services.rollout.engine.responses import control, error, json_response
+
+POLL_S = 0.0005  # how often a receive looks at its broadcasts, the cancel flag and the deadline
 
 
 class WeightReceiver:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, timeout_s: float = 300.0):
+        self.engine, self.timeout_s = engine, timeout_s
         self.groups: dict[str, object] = {}
+        self.cancelled: dict[str, threading.Event] = {}  # set by destroy: a pending receive of that group gives up
         self.session_open = False
         self.receiving = asyncio.Lock()  # a group is destroyed only between receives
 
@@ -35,20 +44,20 @@ class WeightReceiver:
             self.groups[name] = await asyncio.to_thread(
                 init_custom_process_group, backend, init, world_size, rank, name
             )
+            self.cancelled[name] = threading.Event()
         except Exception as e:  # reported in SGLang's shape
             return control(False, f"Failed to initialize custom process group: {e}.")
         return control(True, "Succeeded to initialize custom process group.")
 
     async def destroy_group(self, request: Request) -> Response:
         name = (await request.json()).get("group_name", "weight_update_group")
+        if name not in self.groups:
+            return control(False, "The group to be destroyed does not exist.")
+        self.cancelled.pop(name).set()  # a receive in progress gives up: its broadcast may never come
         async with self.receiving:
-            group = self.groups.pop(name, None)
-            if group is None:
-                return control(False, "The group to be destroyed does not exist.")
-            try:
-                torch.distributed.destroy_process_group(group)
-            except Exception as e:  # a group whose peer is gone: its resources are freed all the same
-                return control(True, f"Destroyed the custom process group ({e}).")
+            group = self.groups.pop(name, None)  # a receive that gave up has already let it go
+            if group is not None:  # aborted, not destroyed: a destroy waits for unfinished collectives
+                abort_group(group)
         return control(True, "Succeeded to destroy custom process group.")
 
     async def begin(self, request: Request) -> Response:
@@ -66,7 +75,8 @@ class WeightReceiver:
     async def update_from_distributed(self, request: Request) -> Response:
         body = await request.json()
         names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
-        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        name = body.get("group_name", "weight_update_group")
+        group = self.groups.get(name)
         if group is None:
             return control(False, "Failed to update weights: the weight update group does not exist.")
         if not self.session_open:
@@ -83,8 +93,13 @@ class WeightReceiver:
         # Receive first, whatever happens next: the sender's broadcasts must always be matched.
         try:
             async with self.receiving:
-                tensors = await asyncio.to_thread(_receive, group, torch_dtypes, shapes, flat, device)
-        except Exception as e:  # the trainer or another member is gone
+                cancelled, deadline = self.cancelled[name], time.monotonic() + self.timeout_s
+                tensors = await asyncio.to_thread(_receive, group, torch_dtypes, shapes, flat, device, cancelled,
+                                                  deadline)  # fmt: skip
+        except Exception as e:  # the trainer or another member is gone: so is the group
+            if self.groups.get(name) is group:
+                self.cancelled.pop(name, None)
+                abort_group(self.groups.pop(name))
             return control(False, f"Failed to update weights: the weight update group broke: {e}.")
         return await self._load(names, tensors, body)
 
@@ -169,16 +184,27 @@ class WeightReceiver:
         ]
 
 
-def _receive(group, dtypes, shapes, flat: bool, device) -> list[torch.Tensor]:
+def _receive(group, dtypes, shapes, flat: bool, device, cancelled: threading.Event, deadline: float) -> list:
     if flat:
         sizes = [
             torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for d, s in zip(dtypes, shapes, strict=True)
         ]
         buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        torch.distributed.broadcast(buffer, src=0, group=group)
+        _wait([torch.distributed.broadcast(buffer, src=0, group=group, async_op=True)], cancelled, deadline)
         return unflatten(buffer, dtypes, shapes)
     tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in zip(dtypes, shapes, strict=True)]
-    handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
-    for handle in handles:
-        handle.wait()
+    _wait([torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors], cancelled, deadline)
     return tensors
+
+
+def _wait(handles: list, cancelled: threading.Event, deadline: float) -> None:
+    """Waits for the broadcasts without blocking on them, so that a cancel or the deadline can end the wait; the
+    stream waits for them only once they completed."""
+    for handle in handles:
+        while not handle.is_completed():
+            if cancelled.is_set():
+                raise RuntimeError("the weight update group was destroyed while receiving")
+            if time.monotonic() > deadline:
+                raise RuntimeError("no broadcast arrived before the receive deadline (--weight-update-timeout-s)")
+            time.sleep(POLL_S)
+        handle.wait()
