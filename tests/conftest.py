@@ -148,10 +148,12 @@ def grpc_service() -> Iterator[Callable]:
 class ServiceProcess:
     """`slipstream <name> …` as a real child process, with its log in a file."""
 
-    def __init__(self, args: list[str], log_path: Path, cwd: Path, nproc: int = 1):
+    def __init__(self, args: list[str], log_path: Path, cwd: Path, nproc: int = 1, module: str = "slipstream"):
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd, env = [sys.executable, "-m", "slipstream", *args], None
+        if module != "slipstream":  # a module of the tests, which take the command's place
+            cmd, env = [sys.executable, "-m", module, *args[1:]], {**os.environ, "PYTHONPATH": str(REPO)}
         if nproc > 1:  # ranks under torchrun (the trainer)
             port = str(processes.free_port())
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
@@ -181,11 +183,13 @@ class ServiceProcess:
 
 @pytest.fixture
 def service_process(tmp_path) -> Iterator[Callable]:
-    """Starts `slipstream <args>` as a separate process: `proc = service_process("buffer", "--port", "0")`."""
+    """Starts `slipstream <args>` as a separate process: `proc = service_process("buffer", "--port", "0")`
+    (`module=` runs a test module in the command's place, with the command's flags)."""
     started: list[ServiceProcess] = []
 
-    def start(*args: str, nproc: int = 1) -> ServiceProcess:
-        proc = ServiceProcess(list(args), tmp_path / f"{args[0]}-{len(started)}.log", cwd=tmp_path, nproc=nproc)
+    def start(*args: str, nproc: int = 1, module: str = "slipstream") -> ServiceProcess:
+        log = tmp_path / f"{args[0]}-{len(started)}.log"
+        proc = ServiceProcess(list(args), log, cwd=tmp_path, nproc=nproc, module=module)
         started.append(proc)
         return proc
 

@@ -206,7 +206,7 @@ class EnginePool:
             except (aiohttp.ClientError, TimeoutError) as e:
                 raise EngineFailure(_describe(e)) from None
         if response.status != 200:
-            raise EngineFailure(f"HTTP {response.status}: {body[:200]!r}")
+            raise EngineFailure(f"HTTP {response.status}: {_error_text(body)}")
         return json.loads(body) if body else {}
 
     # Requests
@@ -323,3 +323,13 @@ def _normalize(url: str) -> str:
 
 def _describe(error: Exception) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _error_text(body: bytes) -> str:
+    """What an engine said of a failed call: the message of SGLang's control answer (a NCCL error is long and its
+    cause comes last), else the start of the body."""
+    try:
+        message = json.loads(body).get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message)[:2000] if message else repr(body[:200])

@@ -61,11 +61,11 @@ def engine_url(tiny_model, tmp_path_factory):
 @pytest.fixture
 def start_engine(service_process, free_port, tiny_model):
     """`url = start_engine()`: a real engine process of its own on a free port (or `port=`), ready (/health answered
-    200); `start_engine.procs[url]` is its process."""
+    200); `start_engine.procs[url]` is its process. `module="tests.rollout.faulty_engine"` starts a faulty one."""
 
-    def start(*args: str, port: int | None = None) -> str:
+    def start(*args: str, port: int | None = None, module: str = "slipstream") -> str:
         port = port or free_port()
-        proc = service_process("engine", "--model-path", str(tiny_model), "--port", str(port), *args)
+        proc = service_process("engine", "--model-path", str(tiny_model), "--port", str(port), *args, module=module)
         url = wait_healthy(proc, f"http://127.0.0.1:{port}")
         start.procs[url] = proc
         return url
