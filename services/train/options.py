@@ -55,6 +55,9 @@ class TrainOptions(StrictModel):
     """Train on batches saved by --save-debug-rollout-data instead of generating them (with --debug-train-only)."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long each service may take to start (engines load the model)."""
+    stall_timeout_s: float = Field(1800.0, ge=0)
+    """Stop the run when nothing progresses for this long (no step, no weight sync, no sample generated or
+    consumed), saying which part stalled and its last error; 0 waits forever."""
     log_level: str = "info"
     """Log level of the services (their logs are under <run>/logs)."""
 

@@ -251,8 +251,7 @@ sender.sync(8)
 """
 
 
-def test_a_trainer_killed_mid_broadcast_leaves_the_engines_on_their_version_and_the_next_sync_works(make_system,
-                                                                                                   tiny_model):  # fmt: skip
+def test_a_trainer_killed_mid_broadcast_leaves_the_engines_on_their_version(make_system, tiny_model):
     system = make_system(num_engines=2)
     model = str(tiny_model / "model.safetensors")
     trainer = subprocess.run([sys.executable, "-c", TRAINER_DIES, system.thread.address, model], timeout=120)
