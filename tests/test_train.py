@@ -120,6 +120,21 @@ def test_a_failing_service_stops_the_run_and_is_named(service_process, tmp_path)
 
 
 @pytest.mark.timeout(600)
+def test_a_stalled_run_is_stopped_with_the_last_error_of_the_part_that_stalled(service_process, tmp_path):
+    """The engine freezes (SIGSTOP: alive, answering nothing, as a GPU hang leaves it): nothing moves, and the run
+    stops after --stall-timeout-s instead of waiting forever, naming the rollout and its last error."""
+    run = service_process("train", *train_args(tmp_path, steps=100), "--stall-timeout-s", "30",
+                          "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "5")  # fmt: skip
+    run_dir = tmp_path / "demo"
+    wait_steps(run, run_dir, 2)
+    os.kill(service_pid(run_dir, "services.rollout.engine"), signal.SIGSTOP)
+    assert run.wait(300) == 1, run.log[-3000:]
+    assert "slipstream train: no progress for" in run.log and "phase 'waiting_batch'" in run.log, run.log[-3000:]
+    assert f"the last error of the rollout service ({run_dir / 'logs' / 'rollout.log'})" in run.log
+    assert wait_gone(run_dir, timeout_s=60) == []
+
+
+@pytest.mark.timeout(600)
 def test_ctrl_c_stops_every_process(service_process, tmp_path):
     run = service_process("train", *train_args(tmp_path, steps=100))
     run_dir = tmp_path / "demo"

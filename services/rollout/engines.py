@@ -128,6 +128,9 @@ class EnginePool:
             engine.state = EVICTED
             log.warning("engine %s evicted: %s", engine.url, error)
             self._tell_router(engine.url, joined=False)
+        elif engine.state != EVICTED:
+            log.warning("engine %s failed (%d of %d before eviction): %s", engine.url, engine.failures,
+                        self.config.rollout_health_check_failures, error)  # fmt: skip
 
     def _tell_router(self, url: str, joined: bool) -> None:
         if self.router is not None:

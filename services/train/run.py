@@ -22,11 +22,13 @@ from services.common.processes import free_port
 from services.rollout.launch import Child, num_gpus, start, stop
 from services.train import report
 from services.train.options import Plan, parse
+from services.train.stall import RunStalled, StallWatch
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger("slipstream.train")
 
 POLL_S = 0.2
+STALL_CHECK_S = 2.0
 
 
 class ChildFailed(Exception):
@@ -163,9 +165,10 @@ class Run:
         first = seen[-1]["step"] + 1 if seen else 0
         if eval_sets and first == 0:  # as slime, before training
             self._evaluate(0)
+        stall = StallWatch(self.options.stall_timeout_s, self.logs)
         with report.Progress(total, first) as progress:
             offset = self.steps_file.stat().st_size if self.steps_file.exists() else 0
-            last_status = 0.0
+            last_status, last_stall_check = 0.0, 0.0
             while True:
                 done = (self._null_step() if self.options.debug_rollout_only
                         else self._check_children(trainer_may_exit=True))  # fmt: skip
@@ -181,6 +184,9 @@ class Run:
                 if "trainer" in self.addr and time.monotonic() - last_status > 1.0:
                     progress.phase(self._status().phase)
                     last_status = time.monotonic()
+                if time.monotonic() - last_stall_check > STALL_CHECK_S:
+                    stall.check(*self._progress(offset))
+                    last_stall_check = time.monotonic()
                 time.sleep(POLL_S)
             if eval_sets and (not self.evals or self.evals[-1]["step"] != progress.last_step + 1):
                 self._evaluate(progress.last_step + 1)
@@ -189,6 +195,18 @@ class Run:
             for result in self._finished_evals():
                 progress.eval(result)
         report.finish(self.run_dir, _read_steps(self.steps_file), self.evals, self.plan)
+
+    def _progress(self, steps_offset: int) -> tuple[tuple, str]:
+        """What changes when the run moves (steps, versions, groups generated and consumed), and the trainer's phase."""
+        status = self._status() if "trainer" in self.addr else trainer_pb2.TrainerStatus(phase="none")
+        try:
+            state = self.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
+        except grpc.RpcError:
+            state = buffer_pb2.BufferState()
+        counts = tuple(state.counters.get(name, 0) for name in ("completed", "dropped", "eval_completed"))
+        moved = (steps_offset, status.step, status.policy_version, status.phase, state.policy_version,
+                 state.last_committed_step, counts)  # fmt: skip
+        return moved, status.phase
 
     def _null_step(self) -> bool:
         """--debug-rollout-only: takes each step's batch as the trainer would (saving it if asked) and commits it."""
@@ -313,7 +331,7 @@ def execute(plan: Plan) -> int:
     except KeyboardInterrupt:
         print("slipstream train: interrupted; stopping every service", file=sys.stderr)
         return 130
-    except (ChildFailed, StartupError) as e:
+    except (ChildFailed, StartupError, RunStalled) as e:
         print(f"slipstream train: {e}", file=sys.stderr)
         return 1
     finally:
