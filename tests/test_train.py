@@ -129,7 +129,7 @@ def test_a_stalled_run_is_stopped_with_the_last_error_of_the_part_that_stalled(s
     wait_steps(run, run_dir, 2)
     os.kill(service_pid(run_dir, "services.rollout.engine"), signal.SIGSTOP)
     assert run.wait(300) == 1, run.log[-3000:]
-    assert "slipstream train: no progress for" in run.log and "phase 'waiting_batch'" in run.log, run.log[-3000:]
+    assert "slipstream train: no progress for" in run.log and "in phase 'waiting_batch'" in run.log, run.log[-3000:]
     assert f"the last error of the rollout service ({run_dir / 'logs' / 'rollout.log'})" in run.log
     assert wait_gone(run_dir, timeout_s=60) == []
 

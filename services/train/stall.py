@@ -38,7 +38,7 @@ class StallWatch:
             raise RunStalled(self.describe(phase, now - self.since))
 
     def describe(self, phase: str, idle_s: float) -> str:
-        text = f"no progress for {idle_s:.0f} s (no step, no weight sync, no sample) with the trainer in phase {phase!r}"
+        text = f"no progress for {idle_s:.0f} s (no step, no weight sync, no sample), the trainer in phase {phase!r}"
         for name in SUSPECTS.get(phase, ("trainer", "rollout", "engine", "reward", "buffer")):
             for path in sorted(self.logs.glob(f"{name}*.log")):
                 line = last_error(path)
