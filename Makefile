@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CUDA build of torch only where a GPU is present: an unpinned `torch` pulls several GB, the CPU pin is local.
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
-.PHONY: install test test-slow lint format protos demo clean
+.PHONY: install test test-slow test-gpu gpu-wheels lint format protos demo clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "slipstream needs Python 3.11 or newer as $(PYTHON); pass PYTHON=python3.11"; exit 1; }
@@ -23,6 +23,24 @@ test: install
 test-slow: install  # the full demo, synchronous and asynchronous (about 12 minutes on 2 cores)
 	$(PY) -m pytest -q -m slow
 
+# The `gpu` tests (most need two GPUs): a short `slipstream train` of a Qwen3-0.6B-shaped model, the weight-sync
+# benchmark, TP/SP and PP on NCCL. With .whl/ present (`make gpu-wheels`, for a GPU machine without network such as
+# the lent ones: docs/development.md) they run on that machine's own Python and torch, with those wheels beside them.
+GPU_TESTS = $(shell grep -rl "mark.gpu" tests --include="test_*.py")
+GPU_SITE ?= /tmp/slipstream-site
+
+test-gpu:
+ifneq ($(wildcard .whl/*.whl),)
+	python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) python3 -m pytest -q -s -ra -m gpu -p no:cacheprovider $(GPU_TESTS)
+else
+	$(MAKE) install
+	$(PY) -m pytest -q -s -ra -m gpu $(GPU_TESTS)
+endif
+
+gpu-wheels: install  # Python 3.12 wheels of what the lent GPU machines lack, into .whl/ (carried there)
+	$(PY) tools/gpu_wheels.py --dest .whl
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -38,4 +56,4 @@ demo: install
 	$(VENV)/bin/slipstream demo
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .whl

@@ -19,7 +19,7 @@ import torch
 
 from services.common.processes import free_port
 from services.common.tiny_checkpoint import write_tiny_model
-from services.common.weight_group import flatten, init_custom_process_group
+from services.common.weight_group import apply_nccl_settings, flatten, init_custom_process_group
 
 
 def start_engine(model: Path) -> tuple[subprocess.Popen, str]:
@@ -62,7 +62,7 @@ def greedy(url: str) -> dict:
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    os.environ["NCCL_CUMEM_ENABLE"] = "0"  # as on the engine side (SGLang's setting)
+    apply_nccl_settings()  # the weight group's, as the engine's
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_model(Path(tmp) / "model", num_layers=28, hidden_size=1024, intermediate_size=3072)
         proc, url = start_engine(path)

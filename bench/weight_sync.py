@@ -35,6 +35,8 @@ from services.common.processes import free_port
 SHAPES = {  # Qwen3-4B: 36 layers, tied embeddings, 4.02 B parameters (8.05 GB in bf16, 398 tensors)
     "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=9728, vocab_size=151936),
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512),
 }  # fmt: skip
@@ -84,8 +86,9 @@ def start_system(model: Path, folder: Path, cuda: bool, gpu: str) -> tuple[str, 
 
 def receive_raw(port: int, specs: list, reps: int) -> None:
     """The raw receiver (GPU 1): every tensor by its own broadcast, as the engine receives, `reps` times."""
-    from services.common.weight_group import init_custom_process_group
+    from services.common.weight_group import apply_nccl_settings, init_custom_process_group
 
+    apply_nccl_settings()  # as every member of a weight group
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 1) if cuda else torch.device("cpu")
     if cuda:

@@ -74,6 +74,13 @@ def write_classifier(path: Path, num_labels: int = 1) -> Path:
     return path
 
 
+# Qwen3-0.6B's layers (28 of hidden 1024, 16 query and 8 key-value heads of 128, MLP 3072, tied embeddings), with the
+# test tokenizer's vocabulary: 0.44 B parameters, the real model's without its 151936-token embedding.
+QWEN3_0_6B = dict(num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6)  # fmt: skip
+
+
 def write_tiny_model(
     path: Path,
     num_layers: int = 2,
@@ -84,9 +91,11 @@ def write_tiny_model(
     corpus: list[str] | None = None,
     vocab_size: int = 512,
     lm_head_scale: float = 20.0,
+    dtype: str = "float32",
+    **shape,
 ) -> Path:
     """A randomly initialised causal LM (safetensors, config, tokenizer, chat template) under `path`: Qwen3 (or
-    `arch` qwen2 / llama), tiny by default; Qwen3-0.6B's layer shapes with 28 layers, hidden 1024, intermediate 3072.
+    `arch` qwen2 / llama), tiny by default; `shape` overrides config fields (QWEN3_0_6B: that model's layers).
     `corpus` and `vocab_size` shape the tokenizer; `lm_head_scale` sharpens the initial next-token distribution."""
     import torch
     import transformers
@@ -99,14 +108,15 @@ def write_tiny_model(
     }[arch]
     path = write_tokenizer(path, vocab_size, corpus)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    config = config_class(
+    settings = dict(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
         max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0, torch_dtype="float32",
+        bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0, torch_dtype=dtype,
     )  # fmt: skip
+    config = config_class(**{**settings, **shape})
     torch.manual_seed(seed)
-    model = model_class(config)
+    model = model_class(config).to(getattr(torch, dtype))
     with torch.no_grad():  # larger logits than the default init, so sampling is not uniform noise
         model.lm_head.weight.mul_(lm_head_scale)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -1,0 +1,86 @@
+"""`slipstream train` on two GPUs at a realistic size: a Qwen3-0.6B-shaped bf16 model (random weights, built here)
+trains with the engine on GPU 0 and the trainer on GPU 1, synchronous and with one step of overlap, and its weights
+reach the engine after every step over NCCL. Also a smoke run of the weight-sync benchmark.
+
+`make test-gpu` runs these with the other `gpu` tests; the recipe for the lent GPU machines is in
+docs/development.md. Each run prints its step split (rollout / reward / train / sync / other).
+"""
+
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train import steps_of
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 10
+SETTINGS = [
+    "--bf16", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--num-rollout", str(STEPS),
+    "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size", "64", "--micro-batch-size", "8",
+    "--rollout-max-response-len", "128", "--rollout-temperature", "1.0", "--rm-type", "exact", "--lr", "1e-6",
+    "--advantage-estimator", "grpo", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+    "--stall-timeout-s", "600", "--sglang-max-running-requests", "64",
+]  # fmt: skip
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
+    from services.common.tiny_checkpoint import QWEN3_0_6B, write_tiny_model
+    from services.train.demo import write_data
+
+    folder = tmp_path_factory.mktemp("qwen3-0.6b")
+    model = write_tiny_model(folder / "model", dtype="bfloat16", lm_head_scale=1.0, **QWEN3_0_6B)
+    train, _ = write_data(folder / "data")
+    return model, train
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("async_buffer_size", [0, 1])
+def test_a_qwen3_0_6b_shaped_model_trains_and_syncs_on_two_gpus(service_process, tmp_path, model_and_data,
+                                                                async_buffer_size):  # fmt: skip
+    model, train = model_and_data
+    run_id = f"gpu-async{async_buffer_size}"
+    where = ["--output-dir", str(tmp_path), "--run-id", run_id, "--async-buffer-size", str(async_buffer_size)]
+    run = service_process("train", "--hf-checkpoint", str(model), "--prompt-data", str(train), *where, *SETTINGS)
+    code = run.wait(840)
+    run_dir = tmp_path / run_id
+    logs = {name: (run_dir / "logs" / f"{name}.log").read_text() for name in ("trainer", "rollout")}
+    assert code == 0, run.log[-3000:] + logs["trainer"][-3000:] + logs["rollout"][-3000:]
+    steps = steps_of(run_dir)
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert [s["policy_version"] for s in steps] == list(range(1, STEPS + 1))
+    for version in range(1, STEPS + 1):  # every step's weights reached the engine, which serves them
+        assert f"weights of version {version} sent to 1 engine(s)" in logs["trainer"]
+        assert f"weights of version {version} are live on 1 engine(s)" in logs["rollout"]
+    assert "starting over" not in logs["trainer"]  # no engine failed a sync
+    print(f"\n{run_id}: {STEPS} steps of 8 prompts x 8 samples, 128-token responses; {torch.cuda.get_device_name(0)}")
+    print(split_table(steps[2:]))
+
+
+def split_table(steps: list[dict]) -> str:
+    from services.train.report import split_times
+
+    splits = [split_times(s["metrics"]) for s in steps]
+    step_s = statistics.median(s["metrics"]["step_s"] for s in steps)
+    cells = [f"{statistics.median(sp[k] for sp in splits) * 1e3:.0f}" for k in splits[0]]
+    return (f"| step ms (median) | {' | '.join(splits[0])} |\n|---|{'---|' * len(splits[0])}\n"
+            f"| {step_s * 1e3:.0f} | {' | '.join(cells)} |")  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.timeout(600)
+def test_the_weight_sync_benchmark_runs(tmp_path):
+    command = [sys.executable, "bench/weight_sync.py", "--shape", "qwen3-0.6b", "--bucket-mib", "512", "--syncs", "2"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "| end to end | 512 MiB |" in result.stdout
+    print(result.stdout[result.stdout.index("Weight sync") :])
