@@ -22,8 +22,8 @@ IN_IMAGE = {
 # Not needed to run the GPU tests: tools of development here, Parquet data (imported only for .parquet prompts).
 NOT_NEEDED = {"ruff", "grpcio-tools", "hypothesis", "sortedcontainers", "sglang-router", "pyarrow", "truststore",
               "fastapi", "slipstream"}  # fmt: skip
-PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
-             "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux1_x86_64"]  # fmt: skip
+GLIBC = (17, 24, 27, 28, 31, 34)
+PLATFORMS = ["manylinux1_x86_64", "manylinux2014_x86_64", *(f"manylinux_2_{n}_x86_64" for n in GLIBC)]
 
 
 def wanted() -> list[str]:
@@ -40,8 +40,9 @@ def main() -> int:
     parser.add_argument("--dest", default=".whl")
     args = parser.parse_args()
     platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
-    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-               "3.12", "--implementation", "cp", *platforms, "--platform", "any", "-d", args.dest, *wanted()]  # fmt: skip
+    target = ["--python-version", "3.12", "--implementation", "cp", *platforms, "--platform", "any"]
+    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+    command = [*download, *target, "-d", args.dest, *wanted()]
     return subprocess.run(command).returncode
 
 
