@@ -1,6 +1,7 @@
-"""`slipstream train` on two GPUs at a realistic size: a Qwen3-0.6B-shaped bf16 model (random weights, built here)
-trains with the engine on GPU 0 and the trainer on GPU 1, synchronous and with one step of overlap, and its weights
-reach the engine after every step over NCCL. Also a smoke run of the weight-sync benchmark.
+"""`slipstream train` on GPUs at a realistic size: a Qwen3-0.6B-shaped bf16 model (random weights, built here)
+trains with the engine on GPU 0 and the trainer on GPU 1, synchronous and with one step of overlap, its weights
+reaching the engine after every step over NCCL; and colocated on one GPU. Also a smoke run of the weight-sync
+benchmark (two GPUs).
 
 `make test-gpu` runs these with the other `gpu` tests; the recipe for the lent GPU machines is in
 docs/development.md. Each run prints its step split (rollout / reward / train / sync / other).
@@ -19,7 +20,7 @@ from tests.test_train import steps_of
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 10
 SETTINGS = [
-    "--bf16", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--num-rollout", str(STEPS),
+    "--bf16", "--num-rollout", str(STEPS),
     "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size", "64", "--micro-batch-size", "8",
     "--rollout-max-response-len", "128", "--rollout-temperature", "1.0", "--rm-type", "exact", "--lr", "1e-6",
     "--advantage-estimator", "grpo", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
@@ -40,18 +41,27 @@ def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
     return model, train
 
 
+LAYOUTS = {  # name: (GPUs needed, flags)
+    "sync": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1"]),
+    "async1": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--async-buffer-size", "1"]),
+    "colocated": (1, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--colocate"]),
+}
+
+
 @pytest.mark.gpu
-@needs_two_gpus
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("async_buffer_size", [0, 1])
-def test_a_qwen3_0_6b_shaped_model_trains_and_syncs_on_two_gpus(service_process, tmp_path, model_and_data,
-                                                                async_buffer_size):  # fmt: skip
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, model_and_data, layout):
+    """sync and async1: the engine on GPU 0, the trainer on GPU 1, weights over NCCL; colocated: both on GPU 0, the
+    engine freeing its memory while the trainer trains, weights as CUDA IPC handles."""
+    gpus, flags = LAYOUTS[layout]
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
     model, train = model_and_data
-    run_id = f"gpu-async{async_buffer_size}"
-    where = ["--output-dir", str(tmp_path), "--run-id", run_id, "--async-buffer-size", str(async_buffer_size)]
+    where = ["--output-dir", str(tmp_path), "--run-id", layout, *flags]
     run = service_process("train", "--hf-checkpoint", str(model), "--prompt-data", str(train), *where, *SETTINGS)
     code = run.wait(840)
-    run_dir = tmp_path / run_id
+    run_dir = tmp_path / layout
     logs = {name: (run_dir / "logs" / f"{name}.log").read_text() for name in ("trainer", "rollout")}
     assert code == 0, run.log[-3000:] + logs["trainer"][-3000:] + logs["rollout"][-3000:]
     steps = steps_of(run_dir)
@@ -61,7 +71,7 @@ def test_a_qwen3_0_6b_shaped_model_trains_and_syncs_on_two_gpus(service_process,
         assert f"weights of version {version} sent to 1 engine(s)" in logs["trainer"]
         assert f"weights of version {version} are live on 1 engine(s)" in logs["rollout"]
     assert "starting over" not in logs["trainer"]  # no engine failed a sync
-    print(f"\n{run_id}: {STEPS} steps of 8 prompts x 8 samples, 128-token responses; {torch.cuda.get_device_name(0)}")
+    print(f"\n{layout}: {STEPS} steps of 8 prompts x 8 samples, 128-token responses; {torch.cuda.get_device_name(0)}")
     print(split_table(steps[2:]))
 
 
