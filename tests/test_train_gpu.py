@@ -22,7 +22,7 @@ STEPS = 10
 SETTINGS = [
     "--bf16", "--num-rollout", str(STEPS),
     "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size", "64", "--micro-batch-size", "8",
-    "--rollout-max-response-len", "128", "--rollout-temperature", "1.0", "--rm-type", "exact", "--lr", "1e-6",
+    "--rollout-max-response-len", "128", "--rollout-temperature", "1.0", "--rm-type", "random", "--lr", "1e-6",
     "--advantage-estimator", "grpo", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
     "--stall-timeout-s", "600", "--sglang-max-running-requests", "64",
 ]  # fmt: skip

@@ -60,8 +60,10 @@ class WeightSender:
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None
 
     def sync(self, version: int) -> bool:
-        """Sends the weights as `version`; returns whether the engines serve it. Never raises for the engines'
-        sake: a failed sync leaves them on their version, and training goes on."""
+        """Sends the weights as `version`; returns whether the engines serve it. An engine that fails is left out
+        and the others get the weights from the start; when every attempt lost engines (none can take the policy),
+        raises WeightSyncFailed with their errors. Other failures leave the engines on their version and return
+        False: training goes on, and the next sync starts afresh."""
         for attempt in range(1, ATTEMPTS + 1):
             buckets = self._buckets(self.weights())
             failure = self._attempt(version, buckets) if self.sender else _drain(buckets)
@@ -135,6 +137,7 @@ class WeightSender:
             for index, bucket in enumerate(buckets):
                 if colocated:
                     self._hand_over(version, index, *bucket, requests, responses)
+                    watchdog.progress(f"after bucket {index}")
                     continue
                 specs, tensors = bucket
                 requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
@@ -243,12 +246,12 @@ class WeightSender:
 
 class Watchdog:
     """Ends a weight sync that stops making progress. After `timeout_s` without any, it calls `remedy` (abort the
-    group, cancel the stream), which ends whatever the sync waits in; a sync that still has not returned GRACE_S
+    group, cancel the stream), which ends whatever the sync waits in; a sync that still has not returned `grace_s`
     later is stuck where nothing can reach it, and the process exits saying where, so that the run stops instead of
     hanging (a NCCL call stuck before its group could be aborted)."""
 
-    def __init__(self, timeout_s: float, remedy: Callable[[], None]):
-        self.timeout_s, self.remedy = timeout_s, remedy
+    def __init__(self, timeout_s: float, remedy: Callable[[], None], grace_s: float = GRACE_S):
+        self.timeout_s, self.remedy, self.grace_s = timeout_s, remedy, grace_s
         self.last, self.where, self.stalled = time.monotonic(), "preparing", ""
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="weight-sync-watchdog", daemon=True)
@@ -271,7 +274,7 @@ class Watchdog:
                 self.stalled = f"the weight sync made no progress for {idle:.0f} s ({self.where})"
                 log.error("%s: aborting the weight group", self.stalled)
                 self.remedy()
-            elif self.stalled and idle > self.timeout_s + GRACE_S:
+            elif self.stalled and idle > self.timeout_s + self.grace_s:
                 log.critical("%s, and did not end once the group was aborted; the trainer stops", self.stalled)
                 logging.shutdown()
                 os._exit(STALLED_EXIT_CODE)

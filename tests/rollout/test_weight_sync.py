@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.common.weight_group import init_custom_process_group
+from services.common.weight_group import abort_group, init_custom_process_group
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
 from tests.rollout.conftest import wait_completed
@@ -223,6 +224,29 @@ def test_a_sync_that_fails_on_every_engine_stops_the_trainer_naming_the_engine_a
         sender.close()
     info = httpx.get(f"{broken}/model_info", timeout=10).json()
     assert info["weight_version"] == "default"
+
+
+def test_a_sync_the_gateway_aborts_ends_the_trainers_bucket_stream(make_system, free_port):
+    """A trainer that waits on its bucket stream hears of the abort at once (here: the gateway's deadline, the
+    trainer being silent), instead of waiting on a stream that will never answer."""
+    system = make_system(num_engines=1, weight_sync_timeout_s=5)
+    port, name = free_port(), f"wsync-{id(system)}"
+    prepared = system.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
+        version=1, master_address="127.0.0.1", master_port=port, group_name=name, backend="gloo",
+    ), timeout=60)  # fmt: skip
+    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", prepared.world_size, 0, name)
+    requests: queue.Queue = queue.Queue()
+    responses = system.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=120)
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            next(responses)
+    finally:
+        requests.put(None)
+        abort_group(group)
+    assert raised.value.code() == grpc.StatusCode.ABORTED
+    assert "no word from the trainer for 5 s" in raised.value.details()
+    info = httpx.get(f"{system.engines[0]}/model_info", timeout=10).json()
+    assert info["weight_version"] == "default" and system.rollout.pool.running.is_set()  # nothing was loaded
 
 
 TRAINER_DIES = """
