@@ -109,6 +109,20 @@ def test_train_checks_slimes_batch_constraint_before_starting_anything(tmp_path)
     assert not (tmp_path / "runs").exists()
 
 
+def test_train_checks_the_batch_with_the_trainers_data_parallel_size_before_starting_anything(tmp_path):
+    """Two ranks split a step's 32 samples into 16 each, which micro-batches of 32 cannot divide: said before any
+    service starts, not by a rank under torchrun once everything runs."""
+    result = run_cli("train", "--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rollout-batch-size", "4",
+                     "--n-samples-per-prompt", "8", "--global-batch-size", "32", "--micro-batch-size", "32",
+                     "--actor-num-gpus-per-node", "2", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2
+    said = (
+        "each rank's part of a step (16 samples = global_batch_size 32 / 2 ranks) is not divisible by micro_batch_size"
+    )
+    assert f"{said} 32 (the trainer's 2 rank(s) make a data-parallel size of 2)" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_train_names_the_closest_option(tmp_path):
     result = run_cli("train", "--rollout-batch-sise", "4", cwd=tmp_path)
     assert result.returncode == 2

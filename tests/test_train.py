@@ -115,7 +115,7 @@ def test_a_failing_service_stops_the_run_and_is_named(service_process, tmp_path)
     wait_steps(run, run_dir, 3)
     os.kill(service_pid(run_dir, "services.rollout"), signal.SIGKILL)
     assert run.wait(120) == 1
-    assert f"the rollout service exited with code -9; its log {run_dir / 'logs' / 'rollout.log'}" in run.log
+    assert f"the rollout service exited with code -9\nits log {run_dir / 'logs' / 'rollout.log'}" in run.log
     assert wait_gone(run_dir) == []
 
 

@@ -15,6 +15,7 @@ from services.buffer.config import BufferConfig
 from services.common.config import ConfigError, ServiceConfig, StrictModel, _add_field_flags, load_config
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutConfig
+from services.trainer.batching import BatchSizeError
 from services.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,22 @@ def _check_together(plan: Plan) -> None:
         raise ConfigError("--engine-urls uses running engines; drop --rollout-num-gpus, which starts new ones")
     if options.save_debug_rollout_data and not options.debug_rollout_only:
         raise ConfigError("--save-debug-rollout-data is written by --debug-rollout-only runs")
+    _check_ranks(options, trainer)
+
+
+def _check_ranks(options: TrainOptions, trainer: TrainerConfig) -> None:
+    """The trainer's data-parallel size is known only here (ranks / TP / PP): the batch sizes are checked with it, as
+    each rank will check them, so that a bad combination stops before anything starts."""
+    ranks, model_parallel = options.actor_num_gpus_per_node, trainer.tensor_model_parallel_size
+    model_parallel *= trainer.pipeline_model_parallel_size
+    if ranks % model_parallel:
+        raise ConfigError(f"--actor-num-gpus-per-node {ranks} is not a multiple of --tensor-model-parallel-size "
+                          f"times --pipeline-model-parallel-size = {model_parallel}")  # fmt: skip
+    try:
+        trainer.batch_sizes(ranks // model_parallel).check()
+    except BatchSizeError as e:
+        dp = ranks // model_parallel
+        raise ConfigError(f"{e} (the trainer's {ranks} rank(s) make a data-parallel size of {dp})") from None
 
 
 def _flags(model: type[StrictModel]) -> set[str]:

@@ -22,7 +22,7 @@ from services.common.processes import free_port
 from services.rollout.launch import Child, num_gpus, start, stop
 from services.train import report
 from services.train.options import Plan, parse
-from services.train.stall import RunStalled, StallWatch
+from services.train.stall import RunStalled, StallWatch, last_error
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger("slipstream.train")
@@ -59,6 +59,7 @@ class Run:
                 f"{self.run_dir} holds an earlier run; resume it with --load {trainer.save or '<its --save folder>'}, "
                 "or start a new one with another --run-id (or remove the folder)"
             )
+        self._check_gpus()
         self.logs.mkdir(parents=True, exist_ok=True)
         self.addr["buffer"] = o.buffer_addr or self._service("buffer", [])
         if not o.debug_train_only:
@@ -94,6 +95,19 @@ class Run:
             if trainer.load:  # a resumed trainer first gives the engines its weights: no sample of the old ones
                 self._wait_for(lambda: self._status().phase in ("waiting_batch", "train", "stopped"), "resume")
             self.rollout.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
+
+    def _check_gpus(self) -> None:
+        """The engines take the first GPUs and the trainer the next ones (colocated: the same): all must exist."""
+        gpus, o = num_gpus(), self.options
+        if not gpus:
+            return
+        engines = 0 if o.rollout_addr or o.debug_train_only else self._launched_engines()
+        trainer = 0 if o.debug_rollout_only else o.actor_num_gpus_per_node
+        need = max(engines, trainer) if self.plan.configs["trainer"].colocate else engines + trainer
+        if need > gpus:
+            raise StartupError(f"this run needs {need} GPUs ({engines} for the engines: --rollout-num-gpus; "
+                               f"{trainer} for the trainer: --actor-num-gpus-per-node) but this machine has {gpus}; "
+                               "lower them")  # fmt: skip
 
     def _launched_engines(self) -> int:
         """GPUs (or CPU engines) of the engines the gateway launches: --rollout-num-gpus, else one unless
@@ -145,8 +159,9 @@ class Run:
                 continue
             if child.name == "trainer" and code == 0 and trainer_may_exit:
                 return True
-            raise ChildFailed(f"the {child.name} service exited with code {code}; its log {child.log_path} ends "
-                              f"with:\n{child.tail(15)}")  # fmt: skip
+            own = last_error(child.log_path) if child.log_path.exists() else None
+            raise ChildFailed(f"the {child.name} service exited with code {code}" + (f": {own}" if own else "")
+                              + f"\nits log {child.log_path} ends with:\n{child.tail(15)}")  # fmt: skip
         return False
 
     def _status(self) -> trainer_pb2.TrainerStatus:

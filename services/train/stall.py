@@ -12,8 +12,10 @@ SUSPECTS = {
     "sync": ("trainer", "rollout", "engine"),
     "train": ("trainer",),
 }
-# Our services' log lines ("12:00:01 E name: …"), NCCL's warnings, and the last line of a Python traceback.
-ERRORS = re.compile(r"(^|\s)[EC] [\w.]+: |NCCL WARN|^\w*(Error|Exception): ")
+# Our services' log lines ("12:00:01 E name: …"), NCCL's warnings, and the last line of a Python traceback
+# (a torchrun rank's prefixed with [rankN]).
+ERRORS = re.compile(r"(^|\s)[EC] [\w.]+: |NCCL WARN|^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception): ")
+LAUNCHER = re.compile(r"torch[./]distributed[./]elastic|ChildFailedError")  # torchrun's report of a rank's failure
 WARNINGS = re.compile(r"(^|\s)W [\w.]+: ")
 
 
@@ -48,12 +50,14 @@ class StallWatch:
 
 
 def last_error(path: Path, tail_bytes: int = 1 << 20) -> str | None:
-    """The last line of `path` that reports an error, else a warning (within its last MiB)."""
+    """The last line of `path` that reports an error, else a warning (within its last MiB); torchrun's own report
+    of a failed rank is passed over for the rank's error."""
     with path.open("rb") as f:
         f.seek(max(0, path.stat().st_size - tail_bytes))
         lines = f.read().decode(errors="replace").splitlines()
     for pattern in (ERRORS, WARNINGS):
-        found = next((line.strip() for line in reversed(lines) if pattern.search(line)), None)
+        found = next((line.strip() for line in reversed(lines) if pattern.search(line) and not LAUNCHER.search(line)),
+                     None)  # fmt: skip
         if found:
             return found
     return None
