@@ -159,7 +159,7 @@ class Run:
                 continue
             if child.name == "trainer" and code == 0 and trainer_may_exit:
                 return True
-            own = last_error(child.log_path) if child.log_path.exists() else None
+            own = last_error(child.log_path, warnings=False) if child.log_path.exists() else None
             raise ChildFailed(f"the {child.name} service exited with code {code}" + (f": {own}" if own else "")
                               + f"\nits log {child.log_path} ends with:\n{child.tail(15)}")  # fmt: skip
         return False

@@ -49,13 +49,13 @@ class StallWatch:
         return f"{text}; no service logged an error (logs in {self.logs})"
 
 
-def last_error(path: Path, tail_bytes: int = 1 << 20) -> str | None:
-    """The last line of `path` that reports an error, else a warning (within its last MiB); torchrun's own report
-    of a failed rank is passed over for the rank's error."""
+def last_error(path: Path, warnings: bool = True, tail_bytes: int = 1 << 20) -> str | None:
+    """The last line of `path` that reports an error, else (with `warnings`) a warning, within its last MiB;
+    torchrun's own report of a failed rank is passed over for the rank's error."""
     with path.open("rb") as f:
         f.seek(max(0, path.stat().st_size - tail_bytes))
         lines = f.read().decode(errors="replace").splitlines()
-    for pattern in (ERRORS, WARNINGS):
+    for pattern in (ERRORS, WARNINGS) if warnings else (ERRORS,):
         found = next((line.strip() for line in reversed(lines) if pattern.search(line) and not LAUNCHER.search(line)),
                      None)  # fmt: skip
         if found:
