@@ -4,6 +4,7 @@
 """
 
 import importlib
+import importlib.util
 import sys
 
 COMMANDS = {
@@ -14,6 +15,14 @@ COMMANDS = {
     "engine": ("services.rollout.engine.__main__", "run the reference engine (SGLang's HTTP API on HF models; 30000)"),
     "train": ("services.train.run", "start the whole system locally (or join running services) and train"),
     "demo": ("services.train.demo", "train a tiny model on a toy task and show that it learns"),
+}
+# The extra a command needs beyond the base install (buffer, reward and rollout need none).
+NEEDS = {"trainer": "trainer", "engine": "engine", "train": "all", "demo": "all"}
+# The modules each extra brings (pyproject.toml's optional dependencies).
+EXTRAS = {
+    "trainer": ("torch", "megatron.core", "safetensors", "tensorboard"),
+    "engine": ("torch", "safetensors", "starlette", "uvicorn"),
+    "all": ("torch", "megatron.core", "safetensors", "tensorboard", "starlette", "uvicorn", "rich", "matplotlib"),
 }
 
 USAGE = """usage: slipstream <command> [options]
@@ -42,8 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"slipstream: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module, _ = COMMANDS[name]
+    module, extra = COMMANDS[name][0], NEEDS.get(name)
+    missing = [m for m in EXTRAS.get(extra, ()) if not _installed(m)]
+    if missing:
+        print(f"slipstream {name} needs the {extra!r} extra ({', '.join(missing)} not installed): "
+              f"pip install 'slipstream[{extra}]'", file=sys.stderr)  # fmt: skip
+        return 2
     return importlib.import_module(module).main(rest)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

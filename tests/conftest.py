@@ -151,9 +151,9 @@ class ServiceProcess:
     def __init__(self, args: list[str], log_path: Path, cwd: Path, nproc: int = 1, module: str = "slipstream"):
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd, env = [sys.executable, "-m", "slipstream", *args], None
-        if module != "slipstream":  # a module of the tests, which take the command's place
-            cmd, env = [sys.executable, "-m", module, *args[1:]], {**os.environ, "PYTHONPATH": str(REPO)}
+        cmd, env = [sys.executable, "-m", module, *args], None
+        if module != "slipstream":  # a module of the tests, which runs the command its own way
+            env = {**os.environ, "PYTHONPATH": str(REPO)}
         if nproc > 1:  # ranks under torchrun (the trainer)
             port = str(processes.free_port())
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
@@ -184,7 +184,7 @@ class ServiceProcess:
 @pytest.fixture
 def service_process(tmp_path) -> Iterator[Callable]:
     """Starts `slipstream <args>` as a separate process: `proc = service_process("buffer", "--port", "0")`
-    (`module=` runs a test module in the command's place, with the command's flags)."""
+    (`module=` runs it through a module of the tests, e.g. tests.no_torch)."""
     started: list[ServiceProcess] = []
 
     def start(*args: str, nproc: int = 1, module: str = "slipstream") -> ServiceProcess:

@@ -1,8 +1,10 @@
 """The `slipstream` command and the four services as real processes: start, serve, report health, stop on SIGTERM."""
 
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -10,6 +12,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from services.common.clients import health_status
 from services.common.tiny_checkpoint import write_tiny_model
+from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
 
 SERVICES = {
     "buffer": "slipstream.v1.BufferService",
@@ -56,6 +61,52 @@ def test_service_process_serves_and_stops_on_sigterm(name, service_process, free
     assert proc.terminate(timeout_s=10) == 0, proc.log
     assert time.monotonic() - start < 10
     assert "Traceback" not in proc.log
+
+
+def test_commands_name_the_extra_they_need_when_it_is_missing():
+    for command, extra in (("trainer", "trainer"), ("engine", "engine"), ("train", "all")):
+        result = subprocess.run([sys.executable, "-m", "tests.no_torch", command, "--help"], capture_output=True,
+                                text=True, cwd=REPO)  # fmt: skip
+        assert result.returncode == 2
+        assert f"slipstream {command} needs the '{extra}' extra (torch" in result.stderr
+        assert f"pip install 'slipstream[{extra}]'" in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_buffer_reward_and_rollout_services_run_a_rollout_without_torch(service_process, free_port, wait_serving,
+                                                                            tmp_path):  # fmt: skip
+    """Packaging by role: the three services import nothing of the trainer's or the engine's extras (they are
+    blocked in their processes), and still serve a rollout end to end with a real engine."""
+    model = write_tiny_model(tmp_path / "model")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Add {i} and 2", "label": str(i + 2)}) + "\n" for i in range(8)))
+    ports = {name: free_port() for name in ("buffer", "reward", "rollout", "engine")}
+    engine = service_process("engine", "--model-path", str(model), "--port", str(ports["engine"]))
+    flags = {
+        "buffer": ["--prompt-data", str(data), "--label-key", "label", "--hf-checkpoint", str(model), "--num-epoch",
+                   "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--output-dir", str(tmp_path),
+                   "--max-staleness", "100"],  # no trainer: every group may be generated under version 0
+        "reward": ["--rm-type", "math"],
+        "rollout": ["--engine-urls", f"http://127.0.0.1:{ports['engine']}", "--buffer-addr",
+                    f"127.0.0.1:{ports['buffer']}", "--reward-addr", f"127.0.0.1:{ports['reward']}",
+                    "--rollout-max-response-len", "8"],
+    }  # fmt: skip
+    procs = {}
+    for name in ("buffer", "reward", "rollout"):
+        procs[name] = service_process(name, "--host", "127.0.0.1", "--port", str(ports[name]), "--metrics-port",
+                                      "null", *flags[name], module="tests.no_torch")  # fmt: skip
+        wait_serving(f"127.0.0.1:{ports[name]}", procs[name], timeout_s=120)
+    assert engine.proc.poll() is None
+    with grpc.insecure_channel(f"127.0.0.1:{ports['rollout']}") as channel:
+        rollout_pb2_grpc.RolloutServiceStub(channel).StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
+    with grpc.insecure_channel(f"127.0.0.1:{ports['buffer']}") as channel:
+        buffer = buffer_pb2_grpc.BufferServiceStub(channel)
+        deadline = time.monotonic() + 180
+        while buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).counters["completed"] < 8:
+            assert time.monotonic() < deadline, procs["rollout"].log[-3000:]
+            time.sleep(0.2)
+    for proc in procs.values():
+        assert "blocked: not installed" not in proc.log and "Traceback" not in proc.log, proc.log[-3000:]
 
 
 def test_busy_port_is_one_sentence(service_process, free_port, wait_serving):

@@ -1,4 +1,4 @@
-"""Fault injection, for tests only: `python -m tests.rollout.faulty_engine <slipstream engine flags>` is a reference
+"""Fault injection, for tests only: `python -m tests.rollout.faulty_engine engine <flags>` is a reference
 engine whose weight receives fail the way a broken NCCL link fails them — at once, without taking part in the
 broadcast (as `Cuda failure 'invalid argument'` in NCCL's p2p transport did between a trainer and an engine whose
 NCCL settings differed)."""
@@ -21,4 +21,4 @@ def _broken_broadcast(*args, **kwargs):
 
 if __name__ == "__main__":
     torch.distributed.broadcast = _broken_broadcast  # the engine only broadcasts to receive weights
-    sys.exit(main(["engine", *sys.argv[1:]]))
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,21 @@
+"""For tests: `python -m tests.no_torch <slipstream command and flags>` runs a command in a process where the
+packages of the `trainer` and `engine` extras cannot be imported, as in an install without them (the slim image)."""
+
+import importlib.abc
+import sys
+
+from slipstream.cli import main
+
+BLOCKED = {"torch", "megatron", "safetensors", "tensorboard", "starlette", "uvicorn"}
+
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: not installed)", name=name)
+        return None
+
+
+if __name__ == "__main__":
+    sys.meta_path.insert(0, Blocker())
+    sys.exit(main(sys.argv[1:]))
