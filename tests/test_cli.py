@@ -109,6 +109,29 @@ def test_the_buffer_reward_and_rollout_services_run_a_rollout_without_torch(serv
         assert "blocked: not installed" not in proc.log and "Traceback" not in proc.log, proc.log[-3000:]
 
 
+def test_every_command_checks_its_settings_without_starting(tmp_path):
+    """`--check`: what a container's command line is validated with before a deployment starts it."""
+    model = write_tiny_model(tmp_path / "model")
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1 + 1", "label": "2"}\n')
+    commands = {
+        "buffer": ["--prompt-data", str(data), "--hf-checkpoint", str(model), "--output-dir", str(tmp_path / "runs")],
+        "reward": ["--rm-type", "math"],
+        "rollout": ["--engine-urls", "http://engine-0:30000"],
+        "trainer": ["--hf-checkpoint", str(model)],
+        "engine": ["--model-path", str(model)],
+        "train": ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(tmp_path / "runs")],
+    }
+    for command, args in commands.items():
+        result = run_cli(command, *args, "--check", cwd=tmp_path)
+        assert result.returncode == 0 and f"slipstream {command}: the settings are valid" in result.stdout, (
+            result.stderr
+        )
+        bad = run_cli(command, *args, "--port", "-1", "--check", cwd=tmp_path)
+        assert bad.returncode == 2 and "port" in bad.stderr, bad.stderr
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
 def test_busy_port_is_one_sentence(service_process, free_port, wait_serving):
     port = free_port()
     first = service_process("reward", "--host", "127.0.0.1", "--port", str(port))
@@ -171,6 +194,20 @@ def test_train_checks_the_batch_with_the_trainers_data_parallel_size_before_star
         "each rank's part of a step (16 samples = global_batch_size 32 / 2 ranks) is not divisible by micro_batch_size"
     )
     assert f"{said} 32 (the trainer's 2 rank(s) make a data-parallel size of 2)" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_checks_the_model_folder_and_the_data_before_starting_anything(tmp_path):
+    model = write_tiny_model(tmp_path / "model")
+    cases = [(["--hf-checkpoint", "/nowhere/model", "--prompt-data", "p.jsonl"],
+              "--hf-checkpoint /nowhere/model: no such folder; pass the folder of an HF checkpoint"),
+             (["--hf-checkpoint", str(tmp_path), "--prompt-data", "p.jsonl"],
+              f"--hf-checkpoint {tmp_path} has no config.json"),
+             (["--hf-checkpoint", str(model), "--prompt-data", "p.jsonl@[0:10]"],
+              "--prompt-data p.jsonl@[0:10]: p.jsonl does not exist; pass a .jsonl or .parquet file")]  # fmt: skip
+    for args, said in cases:
+        result = run_cli("train", *args, cwd=tmp_path)
+        assert result.returncode == 2 and said in result.stderr, result.stderr
     assert not (tmp_path / "runs").exists()
 
 

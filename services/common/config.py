@@ -58,13 +58,14 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
     parser = _Parser(prog=prog, description=description or model.__doc__)
     parser.add_argument("--config", type=Path, help="YAML or TOML file with the settings below (snake_case keys)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--check", action="store_true", help="validate the settings and exit without starting")
     _add_field_flags(parser, model, ())
     namespace, unknown = parser.parse_known_args(argv)
     args = vars(namespace)
     unknown = _take_passthrough(model, unknown, args)
     if unknown:
         parser.reject_unknown(unknown)
-    file_path, print_config = args.pop("config"), args.pop("print_config")
+    file_path, print_config, check = args.pop("config"), args.pop("print_config"), args.pop("check")
     settings = read_config_file(file_path) if file_path else {}
     flags = {}
     for dotted, value in args.items():
@@ -72,6 +73,9 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
     config = validate_config(model, _merge(settings, flags), set(args), str(file_path) if file_path else None)
     if print_config:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        raise SystemExit(0)
+    if check:
+        print(f"{prog}: the settings are valid")
         raise SystemExit(0)
     return config
 

@@ -6,12 +6,14 @@ every service validates its own part and the names are the services' own."""
 import argparse
 import difflib
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
 from services.buffer.config import BufferConfig
+from services.buffer.datasets import parse_spec
 from services.common.config import ConfigError, ServiceConfig, StrictModel, _add_field_flags, load_config
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutConfig
@@ -181,6 +183,28 @@ def _check_together(plan: Plan) -> None:
     if options.save_debug_rollout_data and not options.debug_rollout_only:
         raise ConfigError("--save-debug-rollout-data is written by --debug-rollout-only runs")
     _check_ranks(options, trainer)
+    if not options.buffer_addr:
+        _check_files(buffer, trainer)
+
+
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "Qwen/Qwen3-0.6B": transformers fetches it
+
+
+def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
+    """The model folder and the data files, before any service starts (each would stop its service, one by one)."""
+    model = Path(trainer.hf_checkpoint)
+    if not model.exists() and not HUB_ID.match(trainer.hf_checkpoint):
+        raise ConfigError(f"--hf-checkpoint {model}: no such folder; pass the folder of an HF checkpoint "
+                          "(config.json, the weights and the tokenizer)")  # fmt: skip
+    if model.is_dir() and not (model / "config.json").exists():
+        raise ConfigError(f"--hf-checkpoint {model} has no config.json; pass the folder of an HF checkpoint "
+                          "(config.json, the weights and the tokenizer)")  # fmt: skip
+    specs = [("--prompt-data", buffer.prompt_data)] if buffer.prompt_data else []
+    specs += [("--eval-prompt-data", spec) for spec in buffer.eval_prompt_data[1::2]]
+    for flag, spec in specs:
+        path = parse_spec(spec)[0]
+        if not path.exists():
+            raise ConfigError(f"{flag} {spec}: {path} does not exist; pass a .jsonl or .parquet file")
 
 
 def _check_ranks(options: TrainOptions, trainer: TrainerConfig) -> None:
@@ -230,3 +254,4 @@ def print_help() -> None:
     for name in SERVICES:
         print(f"  {name:<8} `slipstream {name} --help`")
     print("--sglang-<option> VALUE goes to the engines. Every slime argument and ours: docs/ARGUMENTS.md.")
+    print("--check validates all of it and exits without starting anything.")

@@ -323,12 +323,17 @@ def _read_steps(path: Path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging("info")
+    argv = list(argv or [])
+    check = "--check" in argv  # validate every service's settings and what they must agree on, start nothing
     try:
-        plan = parse(list(argv or []))
+        plan = parse([a for a in argv if a != "--check"])
     except ConfigError as e:
         for line in str(e).splitlines():
             print(f"slipstream train: error: {line}", file=sys.stderr)
         return 2
+    if check:
+        print("slipstream train: the settings are valid")
+        return 0
     return execute(plan)
 
 
