@@ -51,6 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"slipstream: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    if any(arg.startswith("@") for arg in rest):  # a run file (services/train/runfile.py)
+        from services.common.config import ConfigError
+        from services.train.runfile import expand
+
+        try:
+            rest = expand(name, rest)
+        except ConfigError as e:
+            print(f"slipstream {name}: error: {e}", file=sys.stderr)
+            return 2
     module, extra = COMMANDS[name][0], NEEDS.get(name)
     missing = [m for m in EXTRAS.get(extra, ()) if not _installed(m)]
     if missing:

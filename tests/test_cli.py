@@ -132,6 +132,31 @@ def test_every_command_checks_its_settings_without_starting(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing started
 
 
+def test_one_run_file_configures_every_container(tmp_path):
+    """`@run.flags`: `slipstream train`'s flags in slime's names; each service takes what `slipstream train` would
+    give it, the reference engine its `--sglang-*` options."""
+    model = write_tiny_model(tmp_path / "model")
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1 + 1", "label": "2"}\n')
+    run_file = tmp_path / "run.flags"
+    run_file.write_text(f"""# the run
+--hf-checkpoint {model} --prompt-data {data}
+--rollout-batch-size 4 --n-samples-per-prompt 8 --global-batch-size 32
+--rm-type exact --async-buffer-size 1   # one step of overlap
+--sglang-max-running-requests 16
+""")
+    buffer = run_cli("buffer", f"@{run_file}", "--print-config", cwd=tmp_path)
+    assert buffer.returncode == 0, buffer.stderr
+    assert "rollout_batch_size: 4" in buffer.stdout and "max_staleness: 1" in buffer.stdout
+    reward = run_cli("reward", f"@{run_file}", "--print-config", cwd=tmp_path)
+    assert "rm_type: exact" in reward.stdout
+    engine = run_cli("engine", f"@{run_file}", "--model-path", str(model), "--print-config", cwd=tmp_path)
+    assert "max_running_requests: 16" in engine.stdout, engine.stderr
+    assert run_cli("train", f"@{run_file}", "--check", cwd=tmp_path).returncode == 0
+    missing = run_cli("buffer", "@/nowhere/run.flags", cwd=tmp_path)
+    assert missing.returncode == 2 and "@/nowhere/run.flags: cannot read the run file" in missing.stderr
+
+
 def test_busy_port_is_one_sentence(service_process, free_port, wait_serving):
     port = free_port()
     first = service_process("reward", "--host", "127.0.0.1", "--port", str(port))

@@ -120,11 +120,9 @@ class Plan:
     configs: dict[str, ServiceConfig] = field(default_factory=dict)
 
 
-def parse(argv: list[str]) -> Plan:
-    """Routes every flag to the services that know it and validates each service's config before anything starts."""
-    if any(a in ("-h", "--help") for a in argv):
-        print_help()
-        raise SystemExit(0)
+def route(argv: list[str]) -> dict[str, list[str]]:
+    """Each service's flags (and the launcher's own, under "train") from a `slipstream train` command line, with what
+    slime's flags imply for them (`--async-buffer-size k` → the buffer's `--max-staleness k`)."""
     flags = {name: _flags(model) for name, model in {**SERVICES, "train": TrainOptions}.items()}
     routed: dict[str, list[str]] = {name: [] for name in flags}
     ignored = []
@@ -154,11 +152,21 @@ def parse(argv: list[str]) -> Plan:
     if not any(a.split("=")[0] == "--n-samples-per-prompt" for a in argv):  # the buffer's default is 1
         routed["buffer"] = ["--n-samples-per-prompt", str(TrainerConfig.model_fields["n_samples_per_prompt"].default),
                             *routed["buffer"]]  # fmt: skip
-    plan = Plan(load_config(TrainOptions, routed.pop("train"), prog="slipstream train"))
-    if plan.options.async_buffer_size:
-        routed["buffer"] += ["--max-staleness", str(plan.options.async_buffer_size)]
-    if plan.options.debug_rollout_only:  # the engines keep their weights: no group may be dropped as stale
+    options = load_config(TrainOptions, routed["train"], prog="slipstream train")
+    if options.async_buffer_size:
+        routed["buffer"] += ["--max-staleness", str(options.async_buffer_size)]
+    if options.debug_rollout_only:  # the engines keep their weights: no group may be dropped as stale
         routed["buffer"] += ["--stale-policy", "mark"]
+    return routed
+
+
+def parse(argv: list[str]) -> Plan:
+    """Routes every flag to the services that know it and validates each service's config before anything starts."""
+    if any(a in ("-h", "--help") for a in argv):
+        print_help()
+        raise SystemExit(0)
+    routed = route(argv)
+    plan = Plan(load_config(TrainOptions, routed.pop("train"), prog="slipstream train"))
     # Checked with the addresses the launcher will add, so that what needs them (--colocate) is judged as it will run.
     started = {"rollout": ["--reward-addr", "launched:0"], "trainer": ["--buffer-addr", "launched:0"]}
     if not plan.options.debug_train_only:
