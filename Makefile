@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CUDA build of torch only where a GPU is present: an unpinned `torch` pulls several GB, the CPU pin is local.
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
-.PHONY: install test test-slow test-gpu gpu-wheels lint format protos demo clean
+.PHONY: install test test-slow test-gpu gpu-wheels deploy-check lint format protos demo clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "slipstream needs Python 3.11 or newer as $(PYTHON); pass PYTHON=python3.11"; exit 1; }
@@ -36,6 +36,17 @@ ifneq ($(wildcard .whl/*.whl),)
 else
 	$(MAKE) install
 	$(PY) -m pytest -q -s -ra -m gpu $(GPU_TESTS)
+endif
+
+# The compose stack for real through the engine DOCKER_HOST names (here: podman, set up by ../shared/containers):
+# builds the images (cached), trains the demo in containers, kills the buffer and an engine mid-run (docs/DEPLOY.md).
+CONTAINERS_SETUP ?= $(wildcard ../shared/containers/setup.sh)
+deploy-check: install
+ifneq ($(CONTAINERS_SETUP),)
+	$(CONTAINERS_SETUP) >/dev/null
+	eval "$$($(CONTAINERS_SETUP) --env)" && $(PY) deploy/compose/check.py
+else
+	$(PY) deploy/compose/check.py
 endif
 
 gpu-wheels: install  # Python 3.12 wheels of what the lent GPU machines lack, into .whl/ (carried there)

@@ -39,6 +39,7 @@ class Engine:
     failures: int = 0
     last_error: str = ""
     version: str = ""  # the engine's SGLang version (0.5.21+ needs begin/end around weight updates)
+    admissions: int = 0  # a re-admitted engine may have restarted: it is in no weight group any more
 
 
 class EngineFailure(Exception):
@@ -97,6 +98,7 @@ class EnginePool:
         engine.weight_version = str(model.get("weight_version", ""))
         engine.model_path = str(model.get("model_path", ""))
         engine.state, engine.failures, engine.last_error = HEALTHY, 0, ""
+        engine.admissions += 1
         self._tell_router(engine.url, joined=True)
         log.info("engine %s admitted (tp %d, weight version %s)", engine.url, engine.tp_size, engine.weight_version)
 

@@ -27,6 +27,7 @@ class Group:
     name: str
     members: tuple  # ((url, tp_size), ...) in rank order
     address: tuple  # (master address, port, backend)
+    admissions: tuple = ()  # each member's admission count: a re-admitted engine needs a new group
 
 
 @dataclass
@@ -67,7 +68,7 @@ class WeightSync:
         if not engines:
             raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
         members = tuple((e.url, e.tp_size) for e in engines)
-        group = Group(group_name, members, (address, port, backend))
+        group = Group(group_name, members, (address, port, backend), tuple(e.admissions for e in engines))
         offsets = [1 + sum(tp for _, tp in members[:i]) for i in range(len(members))]
         world_size = 1 + sum(tp for _, tp in members)
         created = self.group != group and backend != "ipc"  # colocated: tensors travel as handles, no group

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 BATCH_WAIT_S = 60.0
 BATCH_POLL_S = 2.0  # how long rank 0 waits for a batch before it looks at control requests again
+RESYNC_CHECK_S = 10.0  # waiting for a batch this long, rank 0 asks whether every engine serves the policy
 
 
 @dataclass
@@ -296,14 +297,20 @@ class Trainer:
         """This rank's part of the step's batch, or None when asked to stop. Rank 0 asks the buffer and decides for
         all ranks (with the control requests), so that every rank waits, saves or stops at the same point."""
         c = self.control
+        waited_since = time.monotonic()
         while True:
             c.phase = "waiting_batch"
             reply = self._get_batch(BATCH_POLL_S) if dist.get_rank() == 0 else None
-            decision = [reply is not None, c.stop, c.save_after_stop, c.save_now]
+            resync = reply is None and self._engines_lag(waited_since)
+            decision = [reply is not None, c.stop, c.save_after_stop, c.save_now, resync]
             c.save_now = None
             if dist.get_world_size() > 1:
                 dist.broadcast_object_list(decision, src=0)
-            ready, stop, save_after_stop, save_now = decision
+            ready, stop, save_after_stop, save_now, resync = decision
+            if resync and self.weights is not None:  # an engine came back with old weights: it gets the policy
+                c.phase = "sync"
+                self.weights.sync(self.policy_version)
+                waited_since = time.monotonic()
             if save_now is not None:
                 self.save(save_now or None)
             if stop:
@@ -312,6 +319,19 @@ class Trainer:
                 return None
             if ready:
                 return reply if reply is not None else self._get_batch(BATCH_WAIT_S)  # built now: answered at once
+
+    def _engines_lag(self, waited_since: float) -> bool:
+        """Rank 0, while it waits for a batch: does a healthy engine serve other weights than the policy's (it
+        restarted, or a sync failed)? Generation for this step may wait on it (synchronous training), so it gets the
+        weights now rather than at the next step's sync. Asked every RESYNC_CHECK_S of waiting."""
+        if self.weights is None or not self.weights.sender or self.policy_version == 0 or self.config.colocate:
+            return False
+        if time.monotonic() - waited_since < RESYNC_CHECK_S:
+            return False
+        lagging = self.weights.lagging(self.policy_version)
+        if lagging:
+            log.warning("engines %s do not serve version %d: sending it again", ", ".join(lagging), self.policy_version)
+        return bool(lagging)
 
     def _get_batch(self, wait_s: float) -> buffer_pb2.GetBatchResponse | None:
         if self.config.load_debug_rollout_data:

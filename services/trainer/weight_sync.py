@@ -187,6 +187,16 @@ class WeightSender:
                                               serialized_named_tensors=[payload]))  # fmt: skip
         self._check(next(responses))
 
+    def lagging(self, version: int) -> list[str]:
+        """The healthy engines that do not serve `version` (re-admitted after a crash, or missed a sync)."""
+        try:
+            reply = self.gateway.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout.total_seconds())
+        except grpc.RpcError as e:
+            log.warning("cannot list the engines: %s", e.details())
+            return []
+        return [e.url for e in reply.engines
+                if e.state == rollout_pb2.ENGINE_STATE_HEALTHY and e.weight_version != str(version)]  # fmt: skip
+
     def release(self) -> None:
         """Colocated: the engines free their GPU memory while this trainer trains (the next sync takes it back)."""
         if self.sender:

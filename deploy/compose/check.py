@@ -1,0 +1,111 @@
+"""`make deploy-check`: the compose stack for real, through whatever engine DOCKER_HOST names. Builds the images,
+starts docker-compose.yml + cpu.yml (the demo task on the CPU), kills the buffer's container and the engine's
+mid-run (their restart policy and Redis's AOF bring them back), and checks that the job learns and exits 0, that no
+step was lost or trained twice, and that `down` leaves nothing. The last lines it prints are the job's summary.
+
+    python deploy/compose/check.py     (what `make deploy-check` runs)
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PROJECT = "slipstream-check"
+ENGINE = shutil.which("podman") or "docker"
+TOOL = [sys.executable, "-m", "podman_compose"] if "podman" in ENGINE else ["docker", "compose"]
+COMPOSE = [*TOOL, "-p", PROJECT, "--env-file", str(HERE / "cpu.env"), "-f", str(HERE / "docker-compose.yml"), "-f",
+           str(HERE / "cpu.yml")]  # fmt: skip
+STEPS = 150
+
+
+def sh(*args: str, check: bool = True, quiet: bool = True) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, cwd=REPO)
+    if check and result.returncode:
+        raise SystemExit(f"deploy-check: {' '.join(args[:4])}… failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    if not quiet:
+        print(result.stdout, end="")
+    return result.stdout
+
+
+def container(service: str) -> str:
+    return f"{PROJECT}_{service}_1" if "podman" in ENGINE else f"{PROJECT}-{service}-1"
+
+
+def steps() -> list[dict]:
+    """The job's steps.jsonl, read through a container that mounts the runs volume."""
+    out = sh(ENGINE, "run", "--rm", "-v", f"{PROJECT}_runs:/runs", "--entrypoint", "cat", "redis:7",
+             "/runs/demo/steps.jsonl", check=False)  # fmt: skip
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def wait_for_step(step: int, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(steps()) <= step:
+        state = sh(ENGINE, "inspect", container("job"), "--format", "{{.State.Status}}", check=False).strip()
+        if state == "exited" or time.monotonic() > deadline:
+            raise SystemExit(f"deploy-check: the job stopped before step {step} ({state}):\n"
+                             + sh(ENGINE, "logs", "--tail", "30", container("job"), check=False))  # fmt: skip
+        time.sleep(2)
+
+
+def kill(service: str) -> None:
+    """SIGKILL of the container's main process from the host, as a crash (`docker kill` would count as a stop that
+    the restart policy respects)."""
+    pid = int(sh(ENGINE, "inspect", container(service), "--format", "{{.State.Pid}}").strip())
+    print(f"deploy-check: kill -9 of the {service} container's process at step {len(steps())}", flush=True)
+    os.kill(pid, signal.SIGKILL)
+
+
+def main() -> int:
+    started = time.monotonic()
+    print(sh(str(REPO / "deploy/images/build.sh"), "cpu"), end="", flush=True)
+    if not (HERE / "demo" / "model" / "config.json").exists():  # the demo's model and data, written by the image
+        (HERE / "demo").mkdir(exist_ok=True)
+        sh(ENGINE, "run", "--rm", "-v", f"{HERE / 'demo'}:/data", "slipstream-torch:cpu", "demo", "--prepare-only",
+           "--output-dir", "/data")  # fmt: skip
+    sh(*COMPOSE, "down", "-v", check=False)
+    try:
+        sh(*COMPOSE, "up", "-d")
+        wait_for_step(30)
+        kill("buffer")
+        wait_for_step(60)
+        kill("engine-0")
+        code = sh(ENGINE, "wait", container("job"), check=False).strip()
+        logs = sh(ENGINE, "logs", container("job"), check=False)
+        trained = steps()
+    finally:
+        sh(*COMPOSE, "down", "-v", check=False)
+    left = sh(ENGINE, "ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}", "--format", "{{.Names}}")
+    left += sh(ENGINE, "ps", "-a", "--filter", f"label=io.podman.compose.project={PROJECT}", "--format", "{{.Names}}")
+    problems = []
+    if code != "0":
+        problems.append(f"the job exited with {code}")
+    if [s["step"] for s in trained] != list(range(STEPS)):
+        problems.append(f"steps {[s['step'] for s in trained][:5]}… are not 0..{STEPS - 1} once each")
+    groups = [g for s in trained for g in s["groups"]]
+    if len(groups) != len(set(groups)):
+        problems.append("a prompt group was trained twice")
+    rewards = [s["metrics"]["reward"] for s in trained] or [0.0]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
+    if not (first <= 0.2 and last >= 0.8):
+        problems.append(f"the reward went from {first:.3f} to {last:.3f}, not from <= 0.2 to >= 0.8")
+    if left.strip():
+        problems.append(f"containers left after down: {left.split()}")
+    print(f"deploy-check: {'FAILED: ' + '; '.join(problems) if problems else 'passed'} "
+          f"({time.monotonic() - started:.0f} s; reward {first:.3f} -> {last:.3f}; the buffer and the engine were "
+          "killed mid-run)")  # fmt: skip
+    summary = logs[logs.rfind("trained steps") :] if "trained steps" in logs else logs[-2000:]
+    print(summary.rstrip())
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PODMAN_COMPOSE_WARNING_LOGS", "false")
+    sys.exit(main())
