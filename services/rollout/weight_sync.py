@@ -65,7 +65,8 @@ class WeightSync:
         else:
             await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))
         engines = self.pool.healthy()
-        if not engines:
+        if not engines:  # the pool goes on (its health checks pause with it): a restarted engine is re-admitted
+            await self.pool.resume()
             raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
         members = tuple((e.url, e.tp_size) for e in engines)
         group = Group(group_name, members, (address, port, backend), tuple(e.admissions for e in engines))
