@@ -249,6 +249,30 @@ def test_a_sync_the_gateway_aborts_ends_the_trainers_bucket_stream(make_system, 
     assert info["weight_version"] == "default" and system.rollout.pool.running.is_set()  # nothing was loaded
 
 
+def test_an_engine_that_restarts_is_readmitted_and_given_the_policy_again(make_system, start_engine, tiny_model):
+    """A sync that finds no engine leaves the pool running, so that the restarted engine is re-admitted; it serves
+    the weights it started with, which the trainer sees (`lagging`) and replaces, in a new group."""
+    system = make_system(num_engines=1)
+    url = system.engines[0]
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sender = _sender(system)
+    try:
+        sender.weights = lambda: iter({n: t + 1 for n, t in hf.items()}.items())
+        assert sender.sync(1)
+        start_engine.procs[url].proc.kill()
+        start_engine.procs[url].proc.wait()
+        sent = {n: t + 2 for n, t in hf.items()}
+        sender.weights = lambda: iter(sent.items())
+        assert not sender.sync(2)  # no engine to send to
+        start_engine(port=int(url.rsplit(":", 1)[1]))
+        _wait(lambda: sender.lagging(2) == [url])  # back, with the checkpoint's weights
+        assert sender.sync(2) and sender.lagging(2) == []
+    finally:
+        sender.close()
+    assert torch.equal(_weights_of(url, "lm_head.weight"), sent["lm_head.weight"])
+    assert system.rollout.pool.running.is_set()
+
+
 TRAINER_DIES = """
 import os, signal, sys
 from types import SimpleNamespace
