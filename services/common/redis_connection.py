@@ -141,6 +141,11 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
     client = redis.Redis.from_url(config.url, socket_connect_timeout=config.connect_timeout_s)
     try:
         client.ping()
+    except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError) as e:
+        raise StartupError(
+            f"Redis at {redacted(config.url)} refused the password ({e}); put Redis's password (its requirepass, "
+            "REDIS_PASSWORD in the compose .env) in --redis-url as redis://:PASSWORD@host:6379/0"
+        ) from None
     except (redis.RedisError, OSError) as e:
         raise StartupError(
             f"cannot reach Redis at {redacted(config.url)} ({e}); start Redis there, fix --redis-url, "

