@@ -1,4 +1,4 @@
-"""Every config file the project ships parses with its service's config model, and compose points at them."""
+"""Every run file the project ships configures every service, and compose's health checks probe the right ports."""
 
 import subprocess
 import sys
@@ -7,33 +7,31 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.buffer.config import BufferConfig
-from services.common.config import read_config_file, validate_config
+from services.common.config import load_config
 from services.reward.config import RewardConfig
-from services.rollout.config import RolloutConfig
-from services.trainer.config import TrainerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "deploy" / "compose"
-MODELS = {"buffer": BufferConfig, "rollout": RolloutConfig, "reward": RewardConfig, "trainer": TrainerConfig}
 
 
-@pytest.mark.parametrize("path", sorted((COMPOSE / "config").glob("*.yaml")), ids=lambda p: p.name)
-def test_compose_config_parses(path):
-    model = MODELS[path.stem]
-    config = validate_config(model, read_config_file(path), set(), str(path))
-    assert config.metrics_port, "compose publishes a fixed metrics port"
+@pytest.mark.parametrize("path", sorted(COMPOSE.glob("*.flags")), ids=lambda p: p.name)
+def test_compose_run_files_route_to_every_service(path):
+    """A run file gives every service a valid config (tests/test_deploy.py checks each container's whole command)."""
+    from services.train.options import SERVICES, route
+    from services.train.runfile import read
+
+    routed = route(read(path))
+    for name, model in SERVICES.items():
+        load_config(model, routed[name], prog=name)
 
 
-def test_compose_runs_each_service_with_its_config():
+def test_compose_health_checks_probe_each_services_port():
     compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
-    for name in MODELS:
+    for name in ("buffer", "reward", "rollout"):
         service = compose["services"][name]
         command = service["command"]
         assert command[0] == name
-        config_path = command[command.index("--config") + 1]
-        assert (COMPOSE / "config" / Path(config_path).name).exists()
-        port = validate_config(MODELS[name], read_config_file(COMPOSE / "config" / f"{name}.yaml"), set(), None).port
+        port = command[command.index("--port") + 1]
         assert f"localhost:{port}" in service["healthcheck"]["test"]
 
 

@@ -147,6 +147,20 @@ def _sender(system, bucket_mib: float = 0.1, colocate: bool = False) -> WeightSe
     return WeightSender(config, weights=None, sender=True)
 
 
+def _send_with(system, weights, version: int) -> bool:
+    """One sync by a sender of its own (a trainer), closed after."""
+    sender = _sender(system)
+    sender.weights = weights
+    try:
+        return sender.sync(version)
+    finally:
+        sender.close()
+
+
+def _engines(system) -> dict:
+    return {e.url: e for e in system.gateway.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10).engines}
+
+
 def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(make_system, start_engine, tiny_model,
                                                                              caplog):  # fmt: skip
     system = make_system(num_engines=2)
@@ -162,14 +176,9 @@ def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(mak
                 start_engine.procs[victim].proc.kill()
             yield name, tensor
 
-    sender = _sender(system)
-    sender.weights = weights
-    try:
-        assert sender.sync(1)
-    finally:
-        sender.close()
+    assert _send_with(system, weights, version=1)
     assert len(passes) == 2 and "starting over" in caplog.text  # the survivor got every bucket from the start again
-    engines = {e.url: e for e in system.gateway.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10).engines}
+    engines = _engines(system)
     assert engines[victim].state == rollout_pb2.ENGINE_STATE_EVICTED and "weight sync" in engines[victim].last_error
     assert engines[survivor].state == rollout_pb2.ENGINE_STATE_HEALTHY and engines[survivor].weight_version == "1"
     for name in sent:
@@ -194,14 +203,9 @@ def test_an_engine_whose_nccl_receive_fails_is_left_out_and_the_others_get_the_w
         passes.append(len(passes))
         yield from sent.items()
 
-    sender = _sender(system)
-    sender.weights = weights
-    try:
-        assert sender.sync(1)
-    finally:
-        sender.close()
+    assert _send_with(system, weights, version=1)
     assert len(passes) == 2  # the second pass went to the healthy engine alone
-    engines = {e.url: e for e in system.gateway.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10).engines}
+    engines = _engines(system)
     assert engines[broken].state == rollout_pb2.ENGINE_STATE_EVICTED
     assert "Cuda failure 'invalid argument'" in engines[broken].last_error
     assert engines[healthy].state == rollout_pb2.ENGINE_STATE_HEALTHY and engines[healthy].weight_version == "1"
