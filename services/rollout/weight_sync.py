@@ -152,9 +152,12 @@ class WeightSync:
             engine.weight_version = str(version)
         self._end()
         await self._reclaim()
+        # A buffer that is restarting (its state is in Redis) is waited for: it must learn the version, or generation
+        # would go on under a policy the buffer does not know, and synchronous training would wait forever.
+        request = buffer_pb2.SetPolicyVersionRequest(version=version)
         await asyncio.gather(
             self.pool.resume(),
-            self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=version), timeout=30),
+            self.buffer.SetPolicyVersion(request, timeout=self.config.weight_sync_timeout_s, wait_for_ready=True),
         )
         log.info("weights of version %d are live on %d engine(s)", version, sum(r.success for r in results))
         return results

@@ -209,7 +209,8 @@ class Trainer:
     def _commit(self, steps: list[int]) -> None:
         if dist.get_rank() == 0 and not self.config.load_debug_rollout_data:
             for step in steps:
-                self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=60)
+                # wait_for_ready: a buffer that is restarting answers once it is back (its state is in Redis)
+                self.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=60, wait_for_ready=True)
         steps.clear()
 
     # The loop
@@ -253,7 +254,8 @@ class Trainer:
                 self.control.phase = "sync"
                 self.weights.sync(self.policy_version)  # the gateway's commit tells the buffer the version
         elif dist.get_rank() == 0 and not self.config.load_debug_rollout_data:  # no engines: the trainer's version
-            self.buffer.SetPolicyVersion(buffer_pb2.SetPolicyVersionRequest(version=self.policy_version), timeout=60)
+            request = buffer_pb2.SetPolicyVersionRequest(version=self.policy_version)
+            self.buffer.SetPolicyVersion(request, timeout=60, wait_for_ready=True)
         now = time.perf_counter()
         metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": trained - started,
                    "sync_s": now - trained, "step_s": now - self.last_step_end, "wait_s": started - self.last_step_end,
