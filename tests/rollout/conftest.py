@@ -96,6 +96,7 @@ class System:
     thread: object  # the gateway's ServiceThread: `run(coro)` runs on its loop
     engines: list[str]
     buffer_address: str = ""
+    buffer_service: object = None  # its ServiceThread (`.server.service.config` to start it again)
 
     def __iter__(self):
         return iter((self.buffer, self.gateway, self))
@@ -138,6 +139,7 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, t
             thread,
             engines,
             buffer_service.address,
+            buffer_service,
         )
 
     return make

@@ -7,6 +7,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -275,6 +276,21 @@ def test_an_engine_that_restarts_is_readmitted_and_given_the_policy_again(make_s
         sender.close()
     assert torch.equal(_weights_of(url, "lm_head.weight"), sent["lm_head.weight"])
     assert system.rollout.pool.running.is_set()
+
+
+def test_a_commit_waits_for_a_buffer_that_is_restarting(make_system, grpc_service, tiny_model):
+    """The buffer must learn each version: a commit while it restarts waits for it (its state is in Redis), instead
+    of failing and leaving it behind the engines, where synchronous training would wait forever."""
+    from services.buffer.server import build as build_buffer
+
+    system = make_system(num_engines=1)
+    port = int(system.buffer_address.rsplit(":", 1)[1])  # started again where the gateway knows it
+    config = system.buffer_service.server.service.config.model_copy(update={"port": port})
+    system.buffer_service.stop()
+    threading.Timer(3.0, grpc_service, args=(build_buffer, config), kwargs={"keep_port": True}).start()
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    assert _send_with(system, lambda: iter(hf.items()), version=1)  # its commit waited for the buffer
+    assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30).policy_version == 1
 
 
 TRAINER_DIES = """
