@@ -53,15 +53,9 @@ def init_custom_process_group(
         default.bound_device_id = None
     try:
         group, _ = c10d._new_process_group_helper(
-            world_size,
-            rank,
-            [],
-            c10d.Backend(backend),
-            store,
-            group_name=group_name,
-            timeout=collective_timeout or timeout,
-            device_id=None,
-        )
+            world_size, rank, [], c10d.Backend(backend), store, group_name=group_name,
+            timeout=collective_timeout or timeout, device_id=None,
+        )  # fmt: skip
     finally:
         if bound is not None:
             default.bound_device_id = bound

@@ -26,8 +26,8 @@ POLL_S = 0.0005  # how often a receive looks at its broadcasts, the cancel flag 
 class WeightReceiver:
     def __init__(self, engine, timeout_s: float = 300.0):
         self.engine, self.timeout_s = engine, timeout_s
-        self.groups: dict[str, object] = {}
-        self.cancelled: dict[str, threading.Event] = {}  # set by destroy: a pending receive of that group gives up
+        # name → (process group, its cancel flag: set by destroy, a pending receive of that group gives up)
+        self.groups: dict[str, tuple[object, threading.Event]] = {}
         self.session_open = False
         self.receiving = asyncio.Lock()  # a group is destroyed only between receives
 
@@ -41,10 +41,8 @@ class WeightReceiver:
         except (KeyError, ValueError, TypeError) as e:
             return control(False, f"Failed to initialize custom process group: bad field {e}.")
         try:  # blocks until every rank joined: run it off the event loop
-            self.groups[name] = await asyncio.to_thread(
-                init_custom_process_group, backend, init, world_size, rank, name
-            )
-            self.cancelled[name] = threading.Event()
+            group = await asyncio.to_thread(init_custom_process_group, backend, init, world_size, rank, name)
+            self.groups[name] = (group, threading.Event())
         except Exception as e:  # reported in SGLang's shape
             return control(False, f"Failed to initialize custom process group: {e}.")
         return control(True, "Succeeded to initialize custom process group.")
@@ -53,11 +51,11 @@ class WeightReceiver:
         name = (await request.json()).get("group_name", "weight_update_group")
         if name not in self.groups:
             return control(False, "The group to be destroyed does not exist.")
-        self.cancelled.pop(name).set()  # a receive in progress gives up: its broadcast may never come
+        self.groups[name][1].set()  # a receive in progress gives up: its broadcast may never come
         async with self.receiving:
-            group = self.groups.pop(name, None)  # a receive that gave up has already let it go
-            if group is not None:  # aborted, not destroyed: a destroy waits for unfinished collectives
-                abort_group(group)
+            joined = self.groups.pop(name, None)  # a receive that gave up has already let it go
+            if joined is not None:  # aborted, not destroyed: a destroy waits for unfinished collectives
+                abort_group(joined[0])
         return control(True, "Succeeded to destroy custom process group.")
 
     async def begin(self, request: Request) -> Response:
@@ -76,8 +74,8 @@ class WeightReceiver:
         body = await request.json()
         names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
         name = body.get("group_name", "weight_update_group")
-        group = self.groups.get(name)
-        if group is None:
+        joined = self.groups.get(name)
+        if joined is None:
             return control(False, "Failed to update weights: the weight update group does not exist.")
         if not self.session_open:
             return control(False, "update_weights_from_distributed must run between begin_weight_update() and "
@@ -93,13 +91,11 @@ class WeightReceiver:
         # Receive first, whatever happens next: the sender's broadcasts must always be matched.
         try:
             async with self.receiving:
-                cancelled, deadline = self.cancelled[name], time.monotonic() + self.timeout_s
-                tensors = await asyncio.to_thread(_receive, group, torch_dtypes, shapes, flat, device, cancelled,
-                                                  deadline)  # fmt: skip
+                deadline = time.monotonic() + self.timeout_s
+                tensors = await asyncio.to_thread(_receive, *joined, torch_dtypes, shapes, flat, device, deadline)
         except Exception as e:  # the trainer or another member is gone: so is the group
-            if self.groups.get(name) is group:
-                self.cancelled.pop(name, None)
-                abort_group(self.groups.pop(name))
+            if self.groups.get(name) is joined:
+                abort_group(self.groups.pop(name)[0])
             return control(False, f"Failed to update weights: the weight update group broke: {e}.")
         return await self._load(names, tensors, body)
 
@@ -184,7 +180,7 @@ class WeightReceiver:
         ]
 
 
-def _receive(group, dtypes, shapes, flat: bool, device, cancelled: threading.Event, deadline: float) -> list:
+def _receive(group, cancelled: threading.Event, dtypes, shapes, flat: bool, device, deadline: float) -> list:
     if flat:
         sizes = [
             torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for d, s in zip(dtypes, shapes, strict=True)
