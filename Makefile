@@ -17,8 +17,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# The Redis-backed tests also run on a real redis:7 container (testcontainers) where a container engine runs: here
+# ../shared/containers sets up podman behind DOCKER_HOST; elsewhere the DOCKER_HOST in the environment, if any.
+CONTAINERS_SETUP ?= $(wildcard ../shared/containers/setup.sh)
+WITH_CONTAINERS = $(if $(CONTAINERS_SETUP),$(CONTAINERS_SETUP) >/dev/null && eval "$$($(CONTAINERS_SETUP) --env)" &&,)
+
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(WITH_CONTAINERS) $(PY) -m pytest -q -m "not slow"
 
 test-slow: install  # the full demo, synchronous and asynchronous (about 12 minutes on 2 cores)
 	$(PY) -m pytest -q -m slow
@@ -40,14 +45,8 @@ endif
 
 # The compose stack for real through the engine DOCKER_HOST names (here: podman, set up by ../shared/containers):
 # builds the images (cached), trains the demo in containers, kills the buffer and an engine mid-run (docs/DEPLOY.md).
-CONTAINERS_SETUP ?= $(wildcard ../shared/containers/setup.sh)
 deploy-check: install
-ifneq ($(CONTAINERS_SETUP),)
-	$(CONTAINERS_SETUP) >/dev/null
-	eval "$$($(CONTAINERS_SETUP) --env)" && $(PY) deploy/compose/check.py
-else
-	$(PY) deploy/compose/check.py
-endif
+	$(WITH_CONTAINERS) $(PY) deploy/compose/check.py
 
 gpu-wheels: install  # Python 3.12 wheels of what the lent GPU machines lack, into .whl/ (carried there)
 	$(PY) tools/gpu_wheels.py --dest .whl

