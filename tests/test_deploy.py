@@ -28,6 +28,11 @@ TOOL = _compose_tool()
 FORMS = {  # name: (env file, compose files, what the run file's /data must hold)
     "gpu-node": (COMPOSE / ".env", ["docker-compose.yml"], ["Qwen3-4B", "dapo-math-17k.jsonl"]),
     "cpu": (COMPOSE / "cpu.env", ["docker-compose.yml", "cpu.yml"], ["model", "data/train.jsonl", "data/eval.jsonl"]),
+    "external-reward": (
+        COMPOSE / ".env",
+        ["docker-compose.yml", "reward-external.yml"],
+        ["Qwen3-4B", "dapo-math-17k.jsonl"],
+    ),
 }
 
 
@@ -74,7 +79,15 @@ def test_every_container_command_line_is_accepted(form, tmp_path):
         checked.append(name)
     expected = {"buffer", "reward", "rollout", "job"} | ({"engine-0"} if form == "cpu" else set())
     assert set(checked) == expected
-    if form == "gpu-node":  # SGLang's engines: GPUs by device id, the host's IPC, the run file's --sglang-* options
+    assert services["reward"]["deploy"]["replicas"] in (2, "2")  # stateless replicas behind one name
+    if form == "external-reward":  # the judges run beside the reward service, and the run asks for theirs
+        assert {"judge", "judge-http"} <= set(services)
+        assert (
+            "judge:50060" in services["reward"]["command"]
+            and "http://judge-http:8060/score" in services["reward"]["command"]
+        )
+        assert services["rollout"]["command"][-2:] == ["--rm-type", "remote_grpc"]
+    if form != "cpu":  # SGLang's engines: GPUs by device id, the host's IPC, the run file's --sglang-* options
         engine = services["engine-0"]
         assert engine["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["0"]
         assert engine["ipc"] == "host" and "sed -n 's/^--sglang-/--/p'" in " ".join(engine["entrypoint"])

@@ -1,7 +1,8 @@
 """`make deploy-check`: the compose stack for real, through whatever engine DOCKER_HOST names. Builds the images,
 starts docker-compose.yml + cpu.yml (the demo task on the CPU), kills the buffer's container and the engine's
 mid-run (their restart policy and Redis's AOF bring them back), and checks that the job learns and exits 0, that no
-step was lost or trained twice, and that `down` leaves nothing. The last lines it prints are the job's summary.
+step was lost or trained twice, that both reward replicas scored, and that `down` leaves nothing. Before that, it
+starts reward-external.yml's judges and scores through each. The last lines it prints are the job's summary.
 
     python deploy/compose/check.py     (what `make deploy-check` runs)
 """
@@ -22,11 +23,33 @@ ENGINE = shutil.which("podman") or "docker"
 TOOL = [sys.executable, "-m", "podman_compose"] if "podman" in ENGINE else ["docker", "compose"]
 COMPOSE = [*TOOL, "-p", PROJECT, "--env-file", str(HERE / "cpu.env"), "-f", str(HERE / "docker-compose.yml"), "-f",
            str(HERE / "cpu.yml")]  # fmt: skip
+EXTERNAL = [*COMPOSE, "-f", str(HERE / "reward-external.yml")]
 STEPS = 150
+# Run inside a reward container: one Score call per external judge, a right and a wrong answer each.
+PROBE = """
+import time
+import grpc
+from services.common.clients import open_channel
+from slipstream.v1 import reward_pb2 as pb, reward_pb2_grpc
+stub, found = reward_pb2_grpc.RewardServiceStub(open_channel("localhost:50053")), {}
+items = [pb.RewardItem(item_id="right", response=b"so 7", label="7"),
+         pb.RewardItem(item_id="wrong", response=b"3", label="7")]
+deadline = time.monotonic() + 120
+while len(found) < 2 and time.monotonic() < deadline:  # the judges may still be starting
+    for rm_type in {"remote_grpc", "remote_rm"} - set(found):
+        try:  # the reward service itself may be starting too
+            results = stub.Score(pb.ScoreRequest(items=items, rm_type=rm_type), timeout=60).results
+        except grpc.RpcError:
+            continue
+        if not any(r.error for r in results):
+            found[rm_type] = [round(r.reward, 3) for r in results]
+    time.sleep(1)
+print(found)
+"""
 
 
-def sh(*args: str, check: bool = True, quiet: bool = True) -> str:
-    result = subprocess.run(args, capture_output=True, text=True, cwd=REPO)
+def sh(*args: str, check: bool = True, quiet: bool = True, stdin: str | None = None) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, cwd=REPO, input=stdin)
     if check and result.returncode:
         raise SystemExit(f"deploy-check: {' '.join(args[:4])}… failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     if not quiet:
@@ -34,8 +57,15 @@ def sh(*args: str, check: bool = True, quiet: bool = True) -> str:
     return result.stdout
 
 
-def container(service: str) -> str:
-    return f"{PROJECT}_{service}_1" if "podman" in ENGINE else f"{PROJECT}-{service}-1"
+def container(service: str, replica: int = 1) -> str:
+    return f"{PROJECT}_{service}_{replica}" if "podman" in ENGINE else f"{PROJECT}-{service}-{replica}"
+
+
+def items_scored(replica: int) -> float:
+    """What one reward replica scored, from its Prometheus counter (read inside its container)."""
+    probe = "import urllib.request as u; print(u.urlopen('http://localhost:9103/metrics').read().decode())"
+    out = sh(ENGINE, "exec", container("reward", replica), "python", "-c", probe, check=False)
+    return sum(float(line.split()[-1]) for line in out.splitlines() if line.startswith("slipstream_reward_items_total"))
 
 
 def steps() -> list[dict]:
@@ -63,6 +93,19 @@ def kill(service: str) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def external_reward() -> str:
+    """reward-external.yml: the reward service in front of the two example judges, asked for a score through each.
+    Returns what went wrong, or ""."""
+    try:
+        sh(*EXTERNAL, "up", "-d", "judge", "judge-http", "reward")
+        found = sh(ENGINE, "exec", "-i", container("reward"), "python", "-", stdin=PROBE, check=False).strip()
+    finally:
+        sh(*EXTERNAL, "down", "-v", check=False)
+    print(f"deploy-check: reward-external.yml: the judges scored a right and a wrong answer: {found}", flush=True)
+    expected = ("'remote_grpc': [1.0", "'remote_rm': [1.0, 0.0]")
+    return "" if all(e in found for e in expected) else f"the external judges answered {found or 'nothing'}"
+
+
 def main() -> int:
     started = time.monotonic()
     print(sh(str(REPO / "deploy/images/build.sh"), "cpu"), end="", flush=True)
@@ -70,7 +113,8 @@ def main() -> int:
         (HERE / "demo").mkdir(exist_ok=True)
         sh(ENGINE, "run", "--rm", "-v", f"{HERE / 'demo'}:/data", "slipstream-torch:cpu", "demo", "--prepare-only",
            "--output-dir", "/data")  # fmt: skip
-    sh(*COMPOSE, "down", "-v", check=False)
+    sh(*EXTERNAL, "down", "-v", check=False)
+    problems = [p for p in [external_reward()] if p]
     try:
         sh(*COMPOSE, "up", "-d")
         wait_for_step(30)
@@ -80,11 +124,11 @@ def main() -> int:
         code = sh(ENGINE, "wait", container("job"), check=False).strip()
         logs = sh(ENGINE, "logs", container("job"), check=False)
         trained = steps()
+        scored = [items_scored(replica) for replica in (1, 2)]
     finally:
         sh(*COMPOSE, "down", "-v", check=False)
     left = sh(ENGINE, "ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}", "--format", "{{.Names}}")
     left += sh(ENGINE, "ps", "-a", "--filter", f"label=io.podman.compose.project={PROJECT}", "--format", "{{.Names}}")
-    problems = []
     if code != "0":
         problems.append(f"the job exited with {code}")
     if [s["step"] for s in trained] != list(range(STEPS)):
@@ -96,11 +140,13 @@ def main() -> int:
     first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
     if not (first <= 0.2 and last >= 0.8):
         problems.append(f"the reward went from {first:.3f} to {last:.3f}, not from <= 0.2 to >= 0.8")
+    if not all(scored):
+        problems.append(f"the reward replicas scored {scored} items: the gateway did not spread its calls")
     if left.strip():
         problems.append(f"containers left after down: {left.split()}")
     print(f"deploy-check: {'FAILED: ' + '; '.join(problems) if problems else 'passed'} "
           f"({time.monotonic() - started:.0f} s; reward {first:.3f} -> {last:.3f}; the buffer and the engine were "
-          "killed mid-run)")  # fmt: skip
+          f"killed mid-run; items scored by each reward replica: {scored})")  # fmt: skip
     summary = logs[logs.rfind("trained steps") :] if "trained steps" in logs else logs[-2000:]
     print(summary.rstrip())
     return 1 if problems else 0

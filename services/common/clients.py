@@ -25,7 +25,9 @@ def channel_options(max_message_mb: int = 256, max_attempts: int = 5, timeout_s:
             "backoffMultiplier": 2,
             "retryableStatusCodes": ["UNAVAILABLE"],
         }
-    service_config = {"methodConfig": [method]}
+    # Round robin over every address the name resolves to: a name with several replicas behind it (compose's
+    # `deploy.replicas`, a Kubernetes headless Service) spreads the calls over all of them.
+    service_config = {"methodConfig": [method], "loadBalancingConfig": [{"round_robin": {}}]}
     max_bytes = max_message_mb * 1024 * 1024
     return [
         ("grpc.service_config", json.dumps(service_config)),
