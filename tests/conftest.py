@@ -74,16 +74,9 @@ def container_redis_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def redis_url(request) -> str:
     """The session's Redis: the embedded server, or the redis:7 container with SLIPSTREAM_TEST_REDIS=container. The
-    tests whose subject is Redis's state run on both (`redis_both` in tests/buffer and tests/common)."""
+    tests whose subject is Redis's state run on both (tests/redis_servers.py)."""
     choice = os.environ.get("SLIPSTREAM_TEST_REDIS", "embedded")
     return request.getfixturevalue("container_redis_url" if choice == "container" else "embedded_redis_url")
-
-
-@pytest.fixture(scope="session", params=["embedded", "redis:7"], name="redis_url")
-def redis_url_on_both(request) -> str:
-    """`redis_url` for the tests whose subject is Redis's state: each runs on the embedded server and on a real
-    redis:7 container. A test folder opts in with `from tests.conftest import redis_url_on_both`."""
-    return request.getfixturevalue("embedded_redis_url" if request.param == "embedded" else "container_redis_url")
 
 
 @pytest.fixture

@@ -240,3 +240,16 @@ def test_train_names_the_closest_option(tmp_path):
     result = run_cli("train", "--rollout-batch-sise", "4", cwd=tmp_path)
     assert result.returncode == 2
     assert "unknown option --rollout-batch-sise; did you mean --rollout-batch-size?" in result.stderr
+
+
+def test_train_joining_a_buffer_checks_its_redis_first(tmp_path, free_port):
+    """A job that joins running services (compose) and is given the buffer's Redis says what is wrong with it in one
+    sentence, rather than waiting for a buffer that cannot start."""
+    model = write_tiny_model(tmp_path / "model")
+    url = f"redis://:secret@127.0.0.1:{free_port()}/0"
+    result = run_cli("train", "--hf-checkpoint", str(model), "--buffer-addr", "127.0.0.1:1", "--redis-url", url,
+                     "--rollout-addr", "127.0.0.1:1", "--reward-addr", "127.0.0.1:1", cwd=tmp_path)  # fmt: skip
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "cannot reach Redis at redis://:***@127.0.0.1:" in last and "fix --redis-url" in last, result.stderr
+    assert "secret" not in result.stderr

@@ -120,6 +120,18 @@ def test_a_failing_service_stops_the_run_and_is_named(service_process, tmp_path)
 
 
 @pytest.mark.timeout(600)
+def test_a_weight_sync_address_not_of_the_trainer_stops_the_run_at_start_with_one_sentence(service_process, tmp_path):
+    """A new user's mistake: an address that is not the trainer's. The trainer hosts the weight group there, finds at
+    start that it cannot reach it, and the run stops naming the setting and the fix."""
+    run = service_process("train", *train_args(tmp_path, steps=5), "--weight-sync-address", "10.255.255.1")
+    assert run.wait(300) == 1, run.log[-3000:]
+    last = run.log.strip().splitlines()[-1]
+    expected = "--weight-sync-address 10.255.255.1: the trainer hosts the weight group there and cannot reach it"
+    assert expected in last, run.log[-3000:]
+    assert not steps_of(tmp_path / "demo") and wait_gone(tmp_path / "demo", timeout_s=60) == []
+
+
+@pytest.mark.timeout(600)
 def test_a_stalled_run_is_stopped_with_the_last_error_of_the_part_that_stalled(service_process, tmp_path):
     """The engine freezes (SIGSTOP: alive, answering nothing, as a GPU hang leaves it): nothing moves, and the run
     stops after --stall-timeout-s instead of waiting forever, naming the rollout and its last error."""

@@ -19,6 +19,7 @@ from services.common.config import ConfigError
 from services.common.errors import StartupError
 from services.common.logs import setup_logging
 from services.common.processes import free_port
+from services.common.redis_connection import open_redis
 from services.rollout.launch import Child, num_gpus, start, stop
 from services.train import report
 from services.train.options import Plan, parse
@@ -60,6 +61,9 @@ class Run:
                 "or start a new one with another --run-id (or remove the folder)"
             )
         self._check_gpus()
+        redis = self.plan.configs["buffer"].redis
+        if o.buffer_addr and redis.url:  # joining a buffer: its Redis, when given, is checked first (one sentence)
+            open_redis(redis, self.run_dir)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.addr["buffer"] = o.buffer_addr or self._service("buffer", [])
         if not o.debug_train_only:
@@ -140,15 +144,17 @@ class Run:
                 except grpc.RpcError:
                     return False
 
-            self._wait_for(serving, f"the {name} service to start")
+            joined = getattr(self.options, f"{name}_addr", None)
+            where = f"its own log (in compose: `docker compose logs {name}`)" if joined else None
+            self._wait_for(serving, f"the {name} service at {self.addr[name]} to serve", where)
 
-    def _wait_for(self, ready, what: str) -> None:
+    def _wait_for(self, ready, what: str, logs: str | None = None) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
         while not ready():
             self._check_children()
             if time.monotonic() > deadline:
-                raise StartupError(f"gave up waiting for {what} after {self.options.startup_timeout_s:.0f} s; "
-                                   f"see the logs in {self.logs}")  # fmt: skip
+                raise StartupError(f"gave up waiting for {what} after {self.options.startup_timeout_s:.0f} s "
+                                   f"(--startup-timeout-s); see {logs or f'the logs in {self.logs}'}")  # fmt: skip
             time.sleep(POLL_S)
 
     def _check_children(self, trainer_may_exit: bool = False) -> bool:

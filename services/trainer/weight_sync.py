@@ -9,6 +9,8 @@ import contextlib
 import logging
 import os
 import queue
+import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +40,10 @@ class EnginesLeft(Exception):
     """An engine left the weight group mid-sync: the group is gone, and the sync starts over without it."""
 
 
+class Unreachable(Exception):
+    """No engine joined the weight group: they cannot reach the trainer at its address, which no retry fixes."""
+
+
 class WeightSyncFailed(Exception):
     """No engine could take the weights, attempt after attempt: the run cannot go on with a policy it cannot serve."""
 
@@ -58,6 +64,8 @@ class WeightSender:
         if config.colocate and not torch.cuda.is_available():  # CPU tensors go by shared-memory file name
             torch.multiprocessing.set_sharing_strategy("file_system")
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None
+        if sender and not config.colocate:
+            _check_reachable(config.weight_sync_address)
 
     def sync(self, version: int) -> bool:
         """Sends the weights as `version`; returns whether the engines serve it. An engine that fails is left out
@@ -77,6 +85,8 @@ class WeightSender:
         with contextlib.suppress(grpc.RpcError):
             self.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=version, reason=str(failure)),
                                          timeout=self.timeout.total_seconds())  # fmt: skip
+        if isinstance(failure, Unreachable):
+            raise WeightSyncFailed(str(failure))
         if isinstance(failure, EnginesLeft):
             raise WeightSyncFailed(f"weight sync of version {version} failed {ATTEMPTS} times; last: {failure}")
         log.warning("weight sync of version %d failed (%s); the engines keep their weights", version, failure)
@@ -87,7 +97,7 @@ class WeightSender:
         try:
             with watchdog:
                 self._send(version, buckets, watchdog)
-        except EnginesLeft as e:
+        except (EnginesLeft, Unreachable) as e:
             self._drop_group()
             return e
         except grpc.RpcError as e:
@@ -122,11 +132,9 @@ class WeightSender:
             group_name=GROUP_NAME, backend=backend,
         ), timeout=self.timeout.total_seconds())  # fmt: skip
         if not colocated and (prepared.group_created or self.group is None):
+            watchdog.progress("joining the weight group")  # its own deadline, the timeout, ends first
             self._drop_group()
-            init = f"tcp://{self.config.weight_sync_address}:{self.port}"
-            # torch's own deadline on the group's collectives comes last: it would end the whole process.
-            self.group = init_custom_process_group(backend, init, prepared.world_size, 0, GROUP_NAME, self.timeout,
-                                                   collective_timeout=self.timeout * STALL_FACTOR * 2)  # fmt: skip
+            self._join(backend, prepared)
         watchdog.progress("after joining the weight group")
         self.timings = {"prepare_s": time.perf_counter() - started}
         flat = self.config.update_weight_flattened_bucket
@@ -166,6 +174,25 @@ class WeightSender:
         self.timings["commit_s"] = time.perf_counter() - started - sum(self.timings.values())
         live = sum(e.success for e in committed.engines)
         log.info("weights of version %d sent to %d engine(s)", version, live)
+
+    def _join(self, backend: str, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
+        """Hosts the weight group as rank 0 and waits for the engines to join it."""
+        address = f"{self.config.weight_sync_address}:{self.port}"
+        last = self.timeout * STALL_FACTOR * 2  # torch's own deadline on collectives comes last: it ends the process
+        try:
+            self.group = init_custom_process_group(backend, f"tcp://{address}", prepared.world_size, 0, GROUP_NAME,
+                                                   self.timeout, collective_timeout=last)  # fmt: skip
+        except dist.DistStoreError as e:
+            if not re.search(r"\b1/\d+ clients joined", str(e)):  # some joined: the others left (EnginesLeft)
+                raise
+            raise Unreachable(
+                f"no engine joined the weight group at {address} within {self.timeout.total_seconds():.0f} s "
+                f"(engines {', '.join(engine.url for engine in prepared.engines)}): --weight-sync-address "
+                f"{self.config.weight_sync_address} must be an address of the trainer's rank 0 that every engine "
+                "reaches, on any port (in compose: the job's service name on the shared network; across hosts: the "
+                "trainer host's address, with no firewall between them); docs/DEPLOY.md, 'Networking for the weight "
+                "group'"
+            ) from None
 
     def _answered(self, result: rollout_pb2.WeightBucketResult, works: list, watchdog: "Watchdog") -> None:
         """The gateway's answer for a bucket: every engine loaded it (so its broadcasts are done), or the group is
@@ -288,6 +315,21 @@ class Watchdog:
                 log.critical("%s, and did not end once the group was aborted; the trainer stops", self.stalled)
                 logging.shutdown()
                 os._exit(STALLED_EXIT_CODE)
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """The trainer hosts the weight group's rendezvous on a free port and connects to it at `address` itself, as the
+    engines do: an address it cannot reach is a wrong setting, found here at start rather than at the first sync."""
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+    with socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6) as server:
+        try:
+            socket.create_connection((address, server.getsockname()[1]), timeout=timeout_s).close()
+        except OSError as e:
+            raise ValueError(
+                f"--weight-sync-address {address}: the trainer hosts the weight group there and cannot reach it itself "
+                f"({e.strerror or e}); pass an address of this host that the engines reach (in compose: the job's "
+                "service name; across hosts: this host's address)"
+            ) from None
 
 
 def _drain(buckets) -> None:

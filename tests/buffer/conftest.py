@@ -15,7 +15,7 @@ from services.common.plugins import load_callable
 from services.common.tiny_checkpoint import write_tokenizer
 from slipstream import samples
 from slipstream.v1 import common_pb2
-from tests.conftest import redis_url_on_both  # noqa: F401  (the buffer's tests run on both Redis servers)
+from tests.redis_servers import redis_url_on_both  # noqa: F401  (the buffer's tests run on both Redis servers)
 
 
 @pytest.fixture(scope="session")

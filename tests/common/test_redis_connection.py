@@ -4,7 +4,7 @@ import pytest
 
 from services.common.errors import StartupError
 from services.common.redis_connection import EmbeddedRedis, RedisConfig, open_redis, redacted
-from tests.conftest import redis_url_on_both  # noqa: F401  (on the embedded server and a redis:7 container)
+from tests.redis_servers import redis_url_on_both  # noqa: F401  (on the embedded server and a redis:7 container)
 
 
 def test_embedded_redis_keeps_data_across_restarts(run_dir):

@@ -1,8 +1,12 @@
-"""Fault injection, for tests only: `python -m tests.rollout.faulty_engine engine <flags>` is a reference
-engine whose weight receives fail the way a broken NCCL link fails them — at once, without taking part in the
-broadcast (as `Cuda failure 'invalid argument'` in NCCL's p2p transport did between a trainer and an engine whose
-NCCL settings differed)."""
+"""Fault injection, for tests only: `python -m tests.rollout.faulty_engine engine <flags> [--fault F]` is a reference
+engine with one fault:
+- `receive` (default): its weight receives fail the way a broken NCCL link fails them — at once, without taking part
+  in the broadcast (as `Cuda failure 'invalid argument'` in NCCL's p2p transport did between a trainer and an engine
+  whose NCCL settings differed);
+- `unreachable`: the trainer's weight-group address leads nowhere from it (a wrong `--weight-sync-address`, another
+  network, a firewall): its connection to the group's rendezvous is refused until it gives up."""
 
+import socket
 import sys
 
 import torch.distributed
@@ -19,6 +23,27 @@ def _broken_broadcast(*args, **kwargs):
     raise RuntimeError(NCCL_ERROR)
 
 
+def _refused_port() -> int:
+    """A port of this machine where nothing listens (bound, never listening: connections are refused)."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    _refused_port.held = held  # kept bound for the process's life
+    return held.getsockname()[1]
+
+
+def _unreachable_store(host, port, *args, **kwargs):
+    return _store("127.0.0.1", _refused_port(), *args, **kwargs)
+
+
 if __name__ == "__main__":
-    torch.distributed.broadcast = _broken_broadcast  # the engine only broadcasts to receive weights
-    sys.exit(main(sys.argv[1:]))
+    args = sys.argv[1:]
+    fault = "receive"
+    if "--fault" in args:
+        at = args.index("--fault")
+        fault = args.pop(at + 1)
+        args.pop(at)
+    if fault == "receive":
+        torch.distributed.broadcast = _broken_broadcast  # the engine only broadcasts to receive weights
+    else:
+        _store, torch.distributed.TCPStore = torch.distributed.TCPStore, _unreachable_store
+    sys.exit(main(args))

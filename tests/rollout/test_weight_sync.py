@@ -141,10 +141,10 @@ def _usage(pid: int) -> dict:
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "rss_mb": rss_kb / 1024}
 
 
-def _sender(system, bucket_mib: float = 0.1, colocate: bool = False) -> WeightSender:
+def _sender(system, bucket_mib: float = 0.1, colocate: bool = False, timeout_s: float = 60) -> WeightSender:
     config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=int(bucket_mib * 2**20),
                              update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1", colocate=colocate,
-                             weight_sync_timeout_s=60)  # fmt: skip
+                             weight_sync_timeout_s=timeout_s)  # fmt: skip
     return WeightSender(config, weights=None, sender=True)
 
 
@@ -229,6 +229,32 @@ def test_a_sync_that_fails_on_every_engine_stops_the_trainer_naming_the_engine_a
         sender.close()
     info = httpx.get(f"{broken}/model_info", timeout=10).json()
     assert info["weight_version"] == "default"
+
+
+def test_engines_that_cannot_reach_the_trainer_stop_it_at_once_naming_the_setting(make_system, start_engine):
+    """A wrong --weight-sync-address (or a network between them) is a setting, not a fault: no engine joins the group,
+    and the trainer stops at its first deadline with one sentence naming the setting, instead of retrying."""
+    system = make_system(num_engines=0)
+    urls = [start_engine("--fault", "unreachable", module="tests.rollout.faulty_engine") for _ in range(2)]
+    for url in urls:
+        system.gateway.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=url), timeout=30)
+    sender = _sender(system, timeout_s=5)
+    passes = []
+
+    def weights():
+        passes.append(len(passes))
+        yield "model.norm.weight", torch.ones(64)
+
+    sender.weights = weights
+    try:
+        with pytest.raises(WeightSyncFailed) as failed:
+            sender.sync(1)
+    finally:
+        sender.close()
+    message = str(failed.value)
+    assert message.startswith("no engine joined the weight group at 127.0.0.1:") and "within 5 s" in message
+    assert "--weight-sync-address 127.0.0.1 must be an address of the trainer's rank 0" in message
+    assert all(url in message for url in urls) and passes == [0]  # one attempt
 
 
 def test_a_sync_the_gateway_aborts_ends_the_trainers_bucket_stream(make_system, free_port):
