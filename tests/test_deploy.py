@@ -92,5 +92,24 @@ def test_every_container_command_line_is_accepted(form, tmp_path):
         assert engine["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["0"]
         assert engine["ipc"] == "host" and "sed -n 's/^--sglang-/--/p'" in " ".join(engine["entrypoint"])
         assert services["job"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["1"]
+        sglang_command_line_is_accepted(engine, flags, tmp_path)
     else:
         assert "deploy" not in services["engine-0"] and "deploy" not in services["job"]
+
+
+def sglang_command_line_is_accepted(engine: dict, flags: Path, tmp_path: Path) -> None:
+    """The SGLang container's entrypoint runs for real (with `python3` printing its arguments): every option it passes
+    is one of the pinned release's server options (deploy/sglang/server_args.txt, read from its sources)."""
+    listed = (REPO / "deploy" / "sglang" / "server_args.txt").read_text().splitlines()
+    release = listed[0].split("sglang-")[1].split("-")[0]
+    assert engine["image"].split(":v")[1].startswith(release + "-"), (engine["image"], release)  # the same release
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    fake.chmod(0o755)
+    script = engine["entrypoint"][-1].replace("/etc/slipstream/run.flags", str(flags))
+    argv = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True,
+                          env={"PATH": f"{fake.parent}:/usr/bin:/bin"}).stdout.split()  # fmt: skip
+    assert argv[:2] == ["-m", "sglang.launch_server"] and "--mem-fraction-static" in argv, argv
+    unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in listed]
+    assert not unknown, f"not options of SGLang {release}: {unknown}"
