@@ -95,7 +95,8 @@ def write_tiny_model(
     **shape,
 ) -> Path:
     """A randomly initialised causal LM (safetensors, config, tokenizer, chat template) under `path`: Qwen3 (or
-    `arch` qwen2 / llama), tiny by default; `shape` overrides config fields (QWEN3_0_6B: that model's layers).
+    `arch` qwen2 / llama / qwen3_moe), tiny by default; `shape` overrides config fields (QWEN3_0_6B: that model's
+    layers). transformers writes the on-disk layout of the released checkpoints (one tensor per expert).
     `corpus` and `vocab_size` shape the tokenizer; `lm_head_scale` sharpens the initial next-token distribution."""
     import torch
     import transformers
@@ -105,6 +106,7 @@ def write_tiny_model(
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
     path = write_tokenizer(path, vocab_size, corpus)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -114,6 +116,9 @@ def write_tiny_model(
         max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0, torch_dtype=dtype,
     )  # fmt: skip
+    if arch == "qwen3_moe":  # Qwen3-30B-A3B's router (renormalised top-k) with 8 small experts, 2 per token
+        settings |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
     config = config_class(**{**settings, **shape})
     torch.manual_seed(seed)
     model = model_class(config).to(getattr(torch, dtype))

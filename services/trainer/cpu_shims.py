@@ -37,6 +37,15 @@ def apply_cpu_shims() -> None:
     _applied = True
 
 
+def apply_missing_te_shims() -> None:
+    """megatron-core 0.16.1's MoE router names `te_general_gemm` even where Transformer Engine is not installed (its
+    import failed, so the name is undefined): defining it as None takes the router's own torch.mm path. CPU or GPU."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 class _TorchOnCpu:
     """`torch` as the pipeline schedules see it: `torch.zeros(..., device="cuda")` lands on the CPU."""
 

@@ -1,4 +1,5 @@
-"""Weight conversion between HF checkpoints (Llama, Qwen2, Qwen3 dense) and megatron-core's GPTModel, both ways.
+"""Weight conversion between HF checkpoints (Llama, Qwen2, Qwen3 dense, Qwen3-MoE) and megatron-core's GPTModel, both
+ways.
 
 HF → Megatron yields one tensor-parallel rank's shards; Megatron → HF takes one *full* parameter at a time (what a
 TP=1 model would hold; `merge_tp_shards` / `gather_tp_param` build it from the shards) and yields HF tensors. The
@@ -10,6 +11,9 @@ Megatron layouts this module owns:
 - `linear_fc1` (gated MLP): [gate; up] at TP=1; at TP>1 each rank holds [its slice of gate; its slice of up].
 - row-parallel `linear_proj` / `linear_fc2` are split on the input (column) dimension.
 - embedding and output layer are padded with zero rows to `padded_vocab_size`, then split on the vocab dimension.
+- MoE layers (`num_experts` > 0): `mlp.router.weight` is HF's `mlp.gate.weight`; expert j is
+  `mlp.experts.local_experts.{j}.linear_fc1/2.weight` with j numbered across all expert-parallel ranks here (a rank's
+  model numbers its own experts from 0), laid out as the dense MLP's and split over the expert-tensor-parallel ranks.
 """
 
 import re
@@ -35,6 +39,8 @@ class ModelShape:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_layernorm: bool
+    num_experts: int = 0  # MoE: routed experts per layer (0: a dense MLP)
+    moe_ffn_hidden_size: int = 0
 
 
 # Layer norms live in their own modules in megatron's local spec and are fused into the next linear in Transformer
@@ -64,6 +70,7 @@ _COLUMN_PARALLEL = {
     "output_layer.weight",
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
 def _pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
@@ -88,9 +95,11 @@ def _split_qkv(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torc
 
 
 def hf_to_megatron(
-    hf: Mapping[str, torch.Tensor], shape: ModelShape, tp_rank: int = 0, tp_size: int = 1, fused_norms: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (megatron name, this rank's shard) for the whole model, layers numbered globally (0..num_layers-1).
+    hf: Mapping[str, torch.Tensor], shape: ModelShape, tp_rank: int = 0, tp_size: int = 1, fused_norms: bool = False,
+    ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1,
+) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """Yields (megatron name, this rank's shard) for the whole model, layers numbered globally (0..num_layers-1), and
+    of the experts those of this expert-parallel rank (numbered globally).
 
     `hf` may be lazy (tensors read on access). `fused_norms` picks Transformer Engine's names for the layer norms.
     With tied embeddings `output_layer.weight` is yielded too (a pipeline's last stage holds its own copy).
@@ -99,6 +108,9 @@ def hf_to_megatron(
     def shard(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return tensor.chunk(tp_size, dim=dim)[tp_rank]
 
+    def expert_shard(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return tensor.chunk(etp_size, dim=dim)[etp_rank]
+
     embed = _pad_vocab(hf["model.embed_tokens.weight"], shape.padded_vocab_size)
     yield "embedding.word_embeddings.weight", shard(embed)
     head = embed if shape.tie_word_embeddings else _pad_vocab(hf["lm_head.weight"], shape.padded_vocab_size)
@@ -106,8 +118,9 @@ def hf_to_megatron(
     yield "decoder.final_layernorm.weight", hf["model.norm.weight"]
     for layer in range(shape.num_layers):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer}."
-        for hf_norm, names in _NORM_NAMES.items():
-            yield dst + names[fused_norms], hf[src + hf_norm]
+        for hf_norm, names in _NORM_NAMES.items():  # an MoE layer's MLP norm stays its own module
+            fused = fused_norms and not (shape.num_experts and hf_norm == "post_attention_layernorm.weight")
+            yield dst + names[fused], hf[src + hf_norm]
         attn = src + "self_attn."
         qkv = [hf[f"{attn}{p}_proj.weight"] for p in "qkv"]
         yield dst + "self_attention.linear_qkv.weight", shard(_fuse_qkv(*qkv, shape))
@@ -117,10 +130,19 @@ def hf_to_megatron(
         if shape.qk_layernorm:
             yield dst + "self_attention.q_layernorm.weight", hf[attn + "q_norm.weight"]
             yield dst + "self_attention.k_layernorm.weight", hf[attn + "k_norm.weight"]
-        for megatron_name, hf_name in _ROW_PARALLEL.items():
-            yield dst + megatron_name, shard(hf[src + hf_name], dim=1)
-        gate, up = shard(hf[src + "mlp.gate_proj.weight"]), shard(hf[src + "mlp.up_proj.weight"])
-        yield dst + "mlp.linear_fc1.weight", torch.cat([gate, up])
+        yield dst + "self_attention.linear_proj.weight", shard(hf[src + "self_attn.o_proj.weight"], dim=1)
+        if not shape.num_experts:
+            yield dst + "mlp.linear_fc2.weight", shard(hf[src + "mlp.down_proj.weight"], dim=1)
+            gate, up = shard(hf[src + "mlp.gate_proj.weight"]), shard(hf[src + "mlp.up_proj.weight"])
+            yield dst + "mlp.linear_fc1.weight", torch.cat([gate, up])
+            continue
+        yield dst + "mlp.router.weight", hf[src + "mlp.gate.weight"]
+        local = shape.num_experts // ep_size
+        for expert in range(ep_rank * local, (ep_rank + 1) * local):
+            hf_expert, megatron_expert = f"{src}mlp.experts.{expert}.", f"{dst}mlp.experts.local_experts.{expert}."
+            gate, up = (expert_shard(hf[f"{hf_expert}{p}_proj.weight"]) for p in ("gate", "up"))
+            yield megatron_expert + "linear_fc1.weight", torch.cat([gate, up])
+            yield megatron_expert + "linear_fc2.weight", expert_shard(hf[hf_expert + "down_proj.weight"], dim=1)
 
 
 def megatron_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
@@ -140,7 +162,16 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> Iterat
     if match is None:
         raise KeyError(f"no HF name for Megatron parameter {name!r}")
     prefix, local = f"model.layers.{match[1]}.", match[2]
-    if local in _REPLICATED:
+    expert = _EXPERT.match(local)
+    if local == "mlp.router.weight":
+        yield prefix + "mlp.gate.weight", tensor
+    elif expert and expert[2] == "linear_fc1":
+        gate, up = tensor.chunk(2)
+        yield f"{prefix}mlp.experts.{expert[1]}.gate_proj.weight", gate
+        yield f"{prefix}mlp.experts.{expert[1]}.up_proj.weight", up
+    elif expert:
+        yield f"{prefix}mlp.experts.{expert[1]}.down_proj.weight", tensor
+    elif local in _REPLICATED:
         yield prefix + _REPLICATED[local], tensor
     elif local in _ROW_PARALLEL:
         yield prefix + _ROW_PARALLEL[local], tensor
@@ -156,10 +187,19 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> Iterat
         raise KeyError(f"no HF name for Megatron parameter {name!r}")
 
 
+def is_expert(name: str) -> bool:
+    """An expert's weight: split over the expert-tensor-parallel ranks rather than the tensor-parallel ones."""
+    match = _LAYER.match(name)
+    return bool(match and _EXPERT.match(match[2]))
+
+
 def tp_split_dim(name: str) -> int | None:
-    """The dimension a Megatron parameter is split on across tensor-parallel ranks; None when replicated."""
+    """The dimension a Megatron parameter is split on across (expert-)tensor-parallel ranks; None when replicated."""
     match = _LAYER.match(name)
     local = match[2] if match else name
+    expert = _EXPERT.match(local)
+    if expert:
+        return 0 if expert[2] == "linear_fc1" else 1
     if local in _ROW_PARALLEL:
         return 1
     if local in _COLUMN_PARALLEL:
@@ -193,8 +233,13 @@ def hf_names_of(shape: ModelShape) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not shape.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.down_proj.weight"]
-    per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up")]
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if shape.num_experts:
+        per_layer.append("mlp.gate.weight")
+        for expert in range(shape.num_experts):
+            per_layer += [f"mlp.experts.{expert}.{p}_proj.weight" for p in ("gate", "up", "down")]
+    else:
+        per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
     if shape.qkv_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]

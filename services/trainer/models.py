@@ -1,5 +1,6 @@
-"""The trainer's model layer: an HF checkpoint directory (Llama, Qwen2, Qwen3 dense) becomes a megatron-core
-GPTModel holding this rank's tensor-parallel shards, on CPU (gloo) or GPU.
+"""The trainer's model layer: an HF checkpoint directory (Llama, Qwen2, Qwen3 dense; the MoE families of
+`families/`) becomes a megatron-core GPTModel holding this rank's tensor- and expert-parallel shards, on CPU (gloo)
+or GPU.
 
 `gpt_config_from_hf` turns config.json into megatron's TransformerConfig and checks it against the requested
 parallelism; `load_gpt_model` builds the model and loads the weights through `hf_names`; `token_logprobs` reads
@@ -24,10 +25,18 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from services.trainer.cpu_shims import apply_cpu_shims, cuda_available
-from services.trainer.hf_names import ModelShape, gather_tp_param, hf_to_megatron, megatron_to_hf, tp_split_dim
+from services.trainer.cpu_shims import apply_cpu_shims, apply_missing_te_shims, cuda_available
+from services.trainer.families import MOE_FAMILIES
+from services.trainer.hf_names import (
+    ModelShape,
+    gather_tp_param,
+    hf_to_megatron,
+    is_expert,
+    megatron_to_hf,
+    tp_split_dim,
+)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_FAMILIES)
 
 try:  # Transformer Engine cannot be installed on the machines measured so far; use it where it is.
     import transformer_engine  # noqa: F401
@@ -153,9 +162,16 @@ def _check_supported(hf: dict, model_type: str) -> None:
         raise ValueError("mlp_bias=true is not supported")
 
 
-def _check_parallel(shape: ModelShape, tp_size: int, pp_size: int) -> None:
+def _check_parallel(shape: ModelShape, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int = 1) -> None:
     heads, groups = shape.num_attention_heads, shape.num_query_groups
     problems = []
+    if ep_size > 1 and not shape.num_experts:
+        problems.append(f"expert-parallel size {ep_size} needs an MoE model; this one has no experts")
+    if shape.num_experts and shape.num_experts % ep_size:
+        problems.append(f"num_experts {shape.num_experts} is not divisible by expert-parallel size {ep_size}")
+    if shape.num_experts and shape.moe_ffn_hidden_size % etp_size:
+        problems.append(f"moe_intermediate_size {shape.moe_ffn_hidden_size} is not divisible by expert-tensor-parallel "
+                        f"size {etp_size}")  # fmt: skip
     if heads % tp_size:
         problems.append(f"num_attention_heads {heads} is not divisible by tensor-parallel size {tp_size}")
     if heads % groups:
@@ -182,6 +198,8 @@ def gpt_config_from_hf(
     pp_size: int = 1,
     dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
+    ep_size: int = 1,
+    etp_size: int | None = None,
 ) -> GPTConfig:
     """Megatron's configuration for an HF config.json (as a dict), checked against the parallelism.
 
@@ -190,6 +208,8 @@ def gpt_config_from_hf(
     """
     model_type = hf.get("model_type", "")
     _check_supported(hf, model_type)
+    moe = MOE_FAMILIES[model_type].moe_settings(hf) if model_type in MOE_FAMILIES else {}
+    etp_size = tp_size if etp_size is None else etp_size  # megatron's default: experts split as the dense layers
     heads = hf["num_attention_heads"]
     shape = ModelShape(
         num_layers=hf["num_hidden_layers"],
@@ -202,9 +222,14 @@ def gpt_config_from_hf(
         padded_vocab_size=padded_vocab_size(hf["vocab_size"], tp_size, make_vocab_size_divisible_by),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        num_experts=moe.get("num_moe_experts", 0),
+        moe_ffn_hidden_size=moe.get("moe_ffn_hidden_size", 0),
     )
-    _check_parallel(shape, tp_size, pp_size)
+    _check_parallel(shape, tp_size, pp_size, ep_size, etp_size)
+    if moe:  # tokens travel to their experts' ranks by all-to-all on GPUs; gloo's all-gather path on CPUs
+        moe |= {"expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
+                "moe_token_dispatcher_type": "alltoall" if cuda_available() else "allgather"}  # fmt: skip
     transformer = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -230,6 +255,7 @@ def gpt_config_from_hf(
         use_cpu_initialization=not cuda_available(),
         batch_p2p_comm=cuda_available(),  # batched p2p ends in torch.cuda.synchronize(); gloo sends one by one
         perform_initialization=False,  # every weight is overwritten by the checkpoint
+        **moe,
     )
     return GPTConfig(
         shape=shape,
@@ -246,8 +272,12 @@ def layer_spec(config: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
     if HAVE_TE:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.shape.qk_layernorm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.shape.qk_layernorm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.shape.num_experts or None, qk_layernorm=config.shape.qk_layernorm
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.shape.num_experts or None, qk_layernorm=config.shape.qk_layernorm, normalization="RMSNorm"
+    )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     if config.shape.qk_layernorm:
@@ -271,6 +301,7 @@ class TorchRMSNorm(torch.nn.RMSNorm):
 def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel:
     """An uninitialised GPTModel for this rank's pipeline stage (megatron's groups must be initialised)."""
     apply_cpu_shims()
+    apply_missing_te_shims()
     model = GPTModel(
         config=config.transformer,
         transformer_layer_spec=layer_spec(config),
@@ -290,7 +321,9 @@ def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel
     # marks tell gradient-norm code which parameters count on every rank.
     for name, param in model.named_parameters():
         dim = tp_split_dim(name)
-        if dim is not None and config.transformer.tensor_model_parallel_size > 1:
+        transformer = config.transformer
+        split = transformer.expert_tensor_parallel_size if is_expert(name) else transformer.tensor_model_parallel_size
+        if dim is not None and split > 1:
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
     return model
 
@@ -321,13 +354,19 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
 
 
 def _global_layer_names(model: GPTModel) -> dict[str, str]:
-    """Model parameter name → the same name with the layer numbered across all pipeline stages."""
+    """Model parameter name → the same name with the layer numbered across all pipeline stages and the expert across
+    all expert-parallel ranks."""
     names = {}
     layers = model.decoder.layers
+    first_expert = parallel_state.get_expert_model_parallel_rank() * (model.config.num_moe_experts or 0)
+    first_expert //= parallel_state.get_expert_model_parallel_world_size()
     for name, _ in model.named_parameters():
         global_name = name
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers.") :].split(".", 1)
+            if rest.startswith("mlp.experts.local_experts."):
+                expert, weight = rest[len("mlp.experts.local_experts.") :].split(".", 1)
+                rest = f"mlp.experts.local_experts.{first_expert + int(expert)}.{weight}"
             global_name = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
         names[name] = global_name
     return names
@@ -345,6 +384,10 @@ def load_hf_weights(model: GPTModel, config: GPTConfig, weights: Mapping[str, to
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         fused_norms=fused_norms,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
     loaded = set()
     with torch.no_grad():
@@ -373,6 +416,8 @@ def load_gpt_model(
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         dtype=dtype,
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
     if transformer_settings:
         config = dataclasses.replace(
@@ -386,13 +431,35 @@ def load_gpt_model(
 
 
 def hf_weights_of(model: GPTModel, config: GPTConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's weights as full HF (name, tensor) pairs, gathered over the tensor-parallel group (a
-    collective: every TP rank iterates it to the end)."""
+    """This pipeline stage's weights as full HF (name, tensor) pairs, gathered over the tensor-parallel group, and
+    the experts over the expert-tensor- and expert-parallel groups, one parameter at a time (a collective: every
+    rank of those groups iterates it to the end)."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     global_names = _global_layer_names(model)
     for name, param in model.named_parameters():
-        full = gather_tp_param(global_names[name], param.detach(), group=tp_group)
-        yield from megatron_to_hf(global_names[name], full, config.shape)
+        if not is_expert(name):
+            full = gather_tp_param(global_names[name], param.detach(), group=tp_group)
+            yield from megatron_to_hf(global_names[name], full, config.shape)
+            continue
+        full = gather_tp_param(name, param.detach(), group=parallel_state.get_expert_tensor_parallel_group())
+        yield from _gather_experts(global_names[name], full, config)
+
+
+def _gather_experts(name: str, tensor: torch.Tensor, config: GPTConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The same local expert of every expert-parallel rank (each holds other experts), as HF pairs in expert order."""
+    group = parallel_state.get_expert_model_parallel_group()
+    ep_size = torch.distributed.get_world_size(group) if group is not None else 1
+    if ep_size == 1:
+        yield from megatron_to_hf(name, tensor, config.shape)
+        return
+    held = [torch.empty_like(tensor) for _ in range(ep_size)]
+    torch.distributed.all_gather(held, tensor.contiguous(), group=group)
+    prefix, rest = name.split("mlp.experts.local_experts.")
+    expert, weight = rest.split(".", 1)
+    local = config.shape.num_experts // ep_size
+    for rank, part in enumerate(held):  # `name` holds this rank's global number; each rank's is offset by `local`
+        number = int(expert) % local + rank * local
+        yield from megatron_to_hf(f"{prefix}mlp.experts.local_experts.{number}.{weight}", part, config.shape)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -28,9 +28,12 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_s: float = 600) -> ParallelInfo:
+def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_s: float = 600, ep_size: int = 1,
+                  etp_size: int | None = None) -> ParallelInfo:  # fmt: skip
     """Initialises torch.distributed from torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a single process
-    without them becomes a world of one) and megatron's model-parallel groups. Idempotent per process."""
+    without them becomes a world of one) and megatron's model-parallel groups: tensor, pipeline, and for MoE expert
+    (`ep_size`, out of the data-parallel ranks) and expert-tensor (`etp_size`, default `tp_size`). Idempotent per
+    process."""
     from megatron.core import parallel_state
 
     apply_cpu_shims()
@@ -40,6 +43,10 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_
             f"world size {world_size} is not divisible by tensor-parallel size {tp_size} times pipeline-parallel size "
             f"{pp_size}; launch a multiple of {tp_size * pp_size} processes"
         )
+    etp = etp_size or tp_size
+    if world_size % (etp * ep_size * pp_size):
+        raise ValueError(f"world size {world_size} is not divisible by expert-tensor-parallel size {etp} x "
+                         f"expert-parallel size {ep_size} x pipeline-parallel size {pp_size}")  # fmt: skip
     if cuda_available():
         apply_nccl_settings()  # before this process's first communicator: the weight group's members must agree
         local_rank = _env_int("LOCAL_RANK", rank % torch.cuda.device_count())
@@ -60,6 +67,8 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp_size,
             pipeline_model_parallel_size=pp_size,
+            expert_model_parallel_size=ep_size,
+            expert_tensor_parallel_size=etp_size,
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         )
     initialised = (

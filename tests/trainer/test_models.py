@@ -86,6 +86,7 @@ CHECKPOINTS = {
     "qwen3-tied": _write_tied,
     "llama-rope-llama3": lambda p: _with_rope(p, "llama", {**LLAMA3_ROPE, "original_max_position_embeddings": 8192}),
     "qwen2-rope-linear": lambda p: _with_rope(p, "qwen2", {"rope_type": "linear", "factor": 4.0}),
+    "qwen3-moe": lambda path: write_tiny_model(path, arch="qwen3_moe"),
 }
 
 
@@ -139,7 +140,7 @@ def test_gradients_equal_hf(name: str, checkpoints: dict[str, Path], megatron_tp
 def test_round_trip_is_bit_identical(checkpoints: dict[str, Path], megatron_tp1, tmp_path: Path) -> None:
     from services.trainer.export import export_hf_checkpoint
 
-    for name in ("qwen2", "qwen3", "qwen3-tied"):
+    for name in ("qwen2", "qwen3", "qwen3-tied", "qwen3-moe"):
         source, out = checkpoints[name], tmp_path / name
         model, config = load_gpt_model(source)
         export_hf_checkpoint(model, config, source, out)
@@ -157,10 +158,12 @@ def test_round_trip_is_bit_identical(checkpoints: dict[str, Path], megatron_tp1,
 @pytest.mark.parametrize("fused_norms", [False, True])
 def test_tp_shards_merge_back_to_hf(checkpoints: dict[str, Path], tp_size: int, fused_norms: bool) -> None:
     """Pure conversion at TP=4 too, where the 2 KV heads are fewer than the ranks and QKV groups are split."""
-    for name in ("qwen2", "qwen3", "qwen3-tied"):
+    for name in ("qwen2", "qwen3", "qwen3-tied", "qwen3-moe"):
         weights = SafetensorsWeights(checkpoints[name])
         config = gpt_config_from_hf(read_hf_config(checkpoints[name]), tp_size=tp_size)
-        ranks = [dict(hf_to_megatron(weights, config.shape, rank, tp_size, fused_norms)) for rank in range(tp_size)]
+        experts = {"etp_size": tp_size}  # the experts split as the dense layers, megatron's default
+        ranks = [dict(hf_to_megatron(weights, config.shape, rank, tp_size, fused_norms, etp_rank=rank, **experts))
+                 for rank in range(tp_size)]  # fmt: skip
         back = {}
         for megatron_name in ranks[0]:
             full = merge_tp_shards(megatron_name, [shards[megatron_name] for shards in ranks])
@@ -175,7 +178,7 @@ def test_tp_shards_merge_back_to_hf(checkpoints: dict[str, Path], tp_size: int, 
         ({}, 3, "num_attention_heads 4 is not divisible by tensor-parallel size 3"),
         ({"intermediate_size": 100}, 8, "intermediate_size 100 is not divisible by tensor-parallel size 8"),
         ({"num_key_value_heads": 3}, 1, "num_attention_heads 4 is not divisible by num_key_value_heads 3"),
-        ({"model_type": "qwen3_moe"}, 1, "model_type 'qwen3_moe' is not supported"),
+        ({"model_type": "deepseek_v3"}, 1, "model_type 'deepseek_v3' is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 1, "rope_type 'yarn' is not supported"),
     ],
 )
@@ -187,21 +190,26 @@ def test_contradicting_config_names_the_numbers(
         gpt_config_from_hf(hf, tp_size=tp_size)
 
 
-TP_NAMES = ("qwen2", "qwen3", "qwen3-tied")
+TP_NAMES = ("qwen2", "qwen3", "qwen3-tied", "qwen3-moe")
+LAYOUTS = {"tp2": (TP_NAMES, {"tp_size": 2}), "ep2": (("qwen3-moe",), {"ep_size": 2})}
 
 
-def test_tp2_over_gloo_equals_tp1(checkpoints: dict[str, Path], megatron_tp1, tmp_path: Path) -> None:
-    dirs = [str(checkpoints[name]) for name in TP_NAMES]
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_over_gloo_equal_one(checkpoints: dict[str, Path], megatron_tp1, tmp_path: Path, layout: str) -> None:
+    """TP=2 (the experts split over the same ranks), and for MoE EP=2 (each rank holds half the experts and tokens go
+    to them by all-gather): the log-probs of one rank, the weights gathered back, an HF export."""
+    names = LAYOUTS[layout][0]
+    dirs = [str(checkpoints[name]) for name in names]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    command += ["--master-port", str(port), "-m", "tests.trainer.test_models", str(tmp_path), *dirs]
+    command += ["--master-port", str(port), "-m", "tests.trainer.test_models", str(tmp_path), layout, *dirs]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     tp2 = torch.load(tmp_path / "tp2.pt")
-    for name, hf_dir in zip(TP_NAMES, dirs, strict=True):
+    for name, hf_dir in zip(names, dirs, strict=True):
         model, config = load_gpt_model(hf_dir)
         tp1 = _megatron_logprobs(model.eval(), config, _token_ids(Path(hf_dir)))
         torch.testing.assert_close(tp2[hf_dir]["logprobs"], tp1, atol=1e-5, rtol=0)
@@ -212,16 +220,16 @@ def test_tp2_over_gloo_equals_tp1(checkpoints: dict[str, Path], megatron_tp1, tm
         assert all(torch.equal(exported[key], original[key]) for key in original)
 
 
-def _tp_worker(out_dir: Path, hf_dirs: list[str]) -> None:
-    """One torchrun rank at TP=2: log-probs through the vocab-parallel path and from gathered logits, the gathered
-    weights compared with the checkpoint, and an HF export written by rank 0."""
+def _tp_worker(out_dir: Path, layout: str, hf_dirs: list[str]) -> None:
+    """One torchrun rank at TP=2 or EP=2: log-probs through the vocab-parallel path and from gathered logits, the
+    gathered weights compared with the checkpoint, and an HF export written by rank 0."""
     from megatron.core import tensor_parallel
 
     from services.trainer.export import export_hf_checkpoint
     from services.trainer.models import hf_weights_of
     from services.trainer.parallel import destroy_parallel, init_parallel
 
-    info = init_parallel(tp_size=2)
+    info = init_parallel(**LAYOUTS[layout][1])
     results = {}
     for hf_dir in hf_dirs:
         model, config = load_gpt_model(hf_dir)
@@ -241,4 +249,4 @@ def _tp_worker(out_dir: Path, hf_dirs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _tp_worker(Path(sys.argv[1]), sys.argv[2:])
+    _tp_worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3:])
