@@ -109,6 +109,17 @@ def service_pid(run_dir: Path, module: str) -> int:
 
 
 @pytest.mark.timeout(600)
+def test_train_runs_the_demo_on_a_qwen3_moe_checkpoint(service_process, tmp_path):
+    """An MoE family end to end: the trainer's Megatron MoE layers, the reference engine's transformers model, and the
+    weight sync between them by the checkpoint's per-expert names."""
+    run = service_process("train", *train_args(tmp_path, steps=3, arch="qwen3_moe"))
+    assert run.wait(420) == 0, run.log[-3000:]
+    assert [s["step"] for s in steps_of(tmp_path / "demo")] == [0, 1, 2]
+    trainer_log = (tmp_path / "demo" / "logs" / "trainer.log").read_text()
+    assert "weights of version 3 sent to 1 engine(s)" in trainer_log, trainer_log[-3000:]
+
+
+@pytest.mark.timeout(600)
 def test_a_failing_service_stops_the_run_and_is_named(service_process, tmp_path):
     run = service_process("train", *train_args(tmp_path, steps=100))
     run_dir = tmp_path / "demo"

@@ -44,21 +44,22 @@ def _row(a: int, b: int) -> dict:
     return {"prompt": [{"role": "user", "content": f"{a} {b}"}], "label": str(max(a, b))}
 
 
-def prepare(folder: Path) -> tuple[Path, Path, Path]:
-    """The tiny model and the data under `folder` (built once): (model, train.jsonl, eval.jsonl)."""
+def prepare(folder: Path, arch: str = "qwen3") -> tuple[Path, Path, Path]:
+    """The tiny model (of family `arch`) and the data under `folder` (built once): (model, train.jsonl, eval.jsonl)."""
     from services.common.tiny_checkpoint import write_tiny_model
 
     model = folder / "model"
     if not (model / "config.json").exists():
         text = [f"<|im_start|>user\n{a} {b}<|im_end|>\n<|im_start|>assistant\n{max(a, b)}<|im_end|>\n"
                 for a, b in itertools.permutations(range(10), 2)]  # fmt: skip
-        write_tiny_model(model, num_layers=2, hidden_size=64, corpus=text, vocab_size=64, lm_head_scale=1.0)
+        write_tiny_model(model, num_layers=2, hidden_size=64, corpus=text, vocab_size=64, lm_head_scale=1.0, arch=arch)
     return (model, *write_data(folder / "data"))
 
 
-def train_args(folder: Path, steps: int, async_buffer_size: int = 0, run_id: str = "demo") -> list[str]:
+def train_args(folder: Path, steps: int, async_buffer_size: int = 0, run_id: str = "demo", arch: str = "qwen3"
+               ) -> list[str]:  # fmt: skip
     """The `slipstream train` command line of the demo."""
-    model, train, evaluation = prepare(folder)
+    model, train, evaluation = prepare(folder, arch)
     args = ["--hf-checkpoint", str(model), "--prompt-data", str(train), "--input-key", "prompt", "--label-key",
             "label", "--apply-chat-template", "--eval-prompt-data", "held_out", str(evaluation),
             "--num-rollout", str(steps), "--eval-interval", str(max(1, steps // 5)), "--output-dir", str(folder),

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.common.weight_group import abort_group, init_custom_process_group, unflatten
+from services.rollout.engine.checkpoint_names import parameter_view
 from services.rollout.engine.responses import control, error, json_response
 
 POLL_S = 0.0005  # how often a receive looks at its broadcasts, the cancel flag and the deadline
@@ -129,7 +130,7 @@ class WeightReceiver:
             parameters = dict(self.engine.model.named_parameters())
             with torch.no_grad():
                 for name, tensor in zip(names, tensors, strict=True):
-                    parameters[name].copy_(tensor)
+                    parameter_view(parameters, name).copy_(tensor)
             if version is not None:
                 self.engine.weight_version = str(version)
 
@@ -139,10 +140,11 @@ class WeightReceiver:
     def _check(self, names: list[str], tensors: list[torch.Tensor]) -> str | None:
         parameters = dict(self.engine.model.named_parameters())
         for name, tensor in zip(names, tensors, strict=True):
-            if name not in parameters:
+            target = parameter_view(parameters, name)
+            if target is None:
                 return f"the model has no parameter named {name!r}"
-            if tuple(parameters[name].shape) != tuple(tensor.shape):
-                return f"{name} has shape {tuple(parameters[name].shape)}, got {tuple(tensor.shape)}"
+            if tuple(target.shape) != tuple(tensor.shape):
+                return f"{name} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}"
         return None
 
     async def update_weight_version(self, request: Request) -> Response:
@@ -161,7 +163,7 @@ class WeightReceiver:
 
     async def get_weights_by_name(self, request: Request) -> Response:
         body = await request.json() if await request.body() else dict(request.query_params)
-        parameter = dict(self.engine.model.named_parameters()).get(body.get("name", ""))
+        parameter = parameter_view(dict(self.engine.model.named_parameters()), body.get("name", ""))
         if parameter is None:
             return error("Get parameter by name failed")
         truncate = int(body.get("truncate_size", 100))
