@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from services.common.tiny_checkpoint import write_tiny_model
 from services.common.weight_group import abort_group, init_custom_process_group
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
@@ -80,6 +81,20 @@ def test_engines_load_the_sent_weights_and_serve_the_new_version(make_system, fr
     samples = [s for g in batch.groups for s in g.samples]
     assert samples and all([(v.version, v.start) for v in s.weight_versions] == [("2", 0)] for s in samples)
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=60)
+
+
+def test_an_moe_engine_loads_every_expert_by_the_checkpoints_names(make_system, free_port, tmp_path):
+    """Qwen3-MoE: the sync sends the checkpoint's per-expert tensors; the engine (transformers' fused experts) holds
+    exactly them afterwards, read back by the same names."""
+    model = write_tiny_model(tmp_path / "moe", arch="qwen3_moe")
+    system = make_system(num_engines=1, model=model)
+    sent = {name: (t * 3).contiguous() for name, t in sorted(load_file(model / "model.safetensors").items())}
+    _, results, committed = _sync(system, free_port(), 1, sent, bucket_size=16)
+    assert all(e.success for r in results for e in r.engines) and all(e.success for e in committed.engines)
+    experts = [name for name in sent if ".mlp.experts." in name or name.endswith("mlp.gate.weight")]
+    assert len(experts) == 2 * (8 * 3 + 1)  # 2 layers: 8 experts of 3 projections, and the router
+    for name in experts:
+        assert torch.equal(_weights_of(system.engines[0], name), sent[name]), name
 
 
 @pytest.mark.parametrize("tp", [1, 2])
