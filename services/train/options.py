@@ -107,7 +107,7 @@ IGNORED = {
     "--wandb-key": "metrics go to TensorBoard under the run folder",
 }  # fmt: skip
 # Megatron parallelisms that are not built: accepted at their neutral value 1.
-SIZE_ONE = ("--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+SIZE_ONE = ("--context-parallel-size",)
 RECOMPUTE = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")  # → --recompute-activations
 
 
@@ -223,6 +223,13 @@ def _check_ranks(options: TrainOptions, trainer: TrainerConfig) -> None:
     if ranks % model_parallel:
         raise ConfigError(f"--actor-num-gpus-per-node {ranks} is not a multiple of --tensor-model-parallel-size "
                           f"times --pipeline-model-parallel-size = {model_parallel}")  # fmt: skip
+    experts = trainer.expert_model_parallel_size * (
+        trainer.expert_tensor_parallel_size or trainer.tensor_model_parallel_size
+    )
+    experts *= trainer.pipeline_model_parallel_size
+    if ranks % experts:
+        raise ConfigError(f"--actor-num-gpus-per-node {ranks} is not a multiple of --expert-model-parallel-size times "
+                          f"--expert-tensor-parallel-size times --pipeline-model-parallel-size = {experts}")  # fmt: skip
     try:
         trainer.batch_sizes(ranks // model_parallel).check()
     except BatchSizeError as e:

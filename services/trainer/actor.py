@@ -16,6 +16,7 @@ from services.trainer.advantages import compute_advantages
 from services.trainer.batching import micro_batches, split_steps
 from services.trainer.config import TrainerConfig
 from services.trainer.data import RolloutBatch, input_tensors, response_tensors
+from services.trainer.hf_names import is_expert
 from services.trainer.losses import approx_kl, policy_loss, token_logprobs_and_entropy
 from services.trainer.optimizer import clip_gradients
 
@@ -30,6 +31,8 @@ class Groups:
     vocab_start: int | None = None  # set when the output layer is split over TP ranks
     vocab_size: int | None = None  # the real vocabulary: Megatron pads the output layer beyond it
     model_parallel: object = None  # TP x PP: where the gradient norm is summed (defaults to the TP group)
+    expert_dp: object = None  # MoE: the ranks holding the same experts, over which their gradients are summed
+    expert_model_parallel: object = None  # MoE: expert-tensor x expert x pipeline ranks, where experts' norms sum
 
 
 class Actor:
@@ -64,7 +67,11 @@ class Actor:
         return {k: v.to(self.device) for k, v in inputs.items()}
 
     def forward(self, model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None)
+        if not getattr(getattr(model, "config", None), "num_moe_experts", None):
+            return model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None)
+        padding = inputs["positions_BL"] >= inputs["lengths_B"][:, None]  # routed, but not in the MoE losses
+        return model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None,
+                     padding_mask=padding)  # fmt: skip
 
     def response_logprobs(self, logits_BLV: torch.Tensor, inputs: dict[str, torch.Tensor]):
         """`[b, R]` log-probs and entropies of the response tokens, from the model's logits `[b, L, V]`."""
@@ -157,10 +164,10 @@ class Actor:
                 loss.backward()
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value
+        sums.update(self._moe_losses(len(mbs)))
         self._reduce_gradients()
-        grad_norm = clip_gradients(
-            self.model, c.clip_grad, self.groups.model_parallel or self.groups.tp, self.groups.tp_rank
-        )
+        grad_norm = clip_gradients(self.model, c.clip_grad, self.groups.model_parallel or self.groups.tp,
+                                   self.groups.tp_rank, self.groups.expert_model_parallel)  # fmt: skip
         self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
@@ -189,7 +196,43 @@ class Actor:
             loss_aggregation="token" if share["token_level"] else "sequence",
         )  # fmt: skip
         part = (float(take["mask"].sum()) if share["token_level"] else float(len(mb))) / share["total"]
+        if self.moe and not self.pipelined:  # the routers' auxiliary losses, added at backward, weigh as this loss
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(part, device=self.device))
         return loss * part, {name: float(value) * part for name, value in metrics.items()}
+
+    @property
+    def moe(self) -> bool:
+        return bool(getattr(getattr(self.model, "config", None), "num_moe_experts", None))
+
+    def _moe_losses(self, num_micro_batches: int) -> dict[str, float]:
+        """The routers' auxiliary losses of this step (megatron's names: load_balancing_loss, z_loss, …, before their
+        coefficients), each the mean over layers and micro-batches, scaled to sum to the mean over DP ranks. Megatron
+        tracks them per layer as the layers run; the tracker is emptied here for the next step."""
+        if not self.moe:
+            return {}
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+        losses = {}
+        for name, tracked in get_moe_layer_wise_logging_tracker().items():
+            values = tracked["values"].detach().clone()
+            pipeline = parallel_state.get_pipeline_model_parallel_group()
+            if dist.get_world_size(pipeline) > 1:  # each stage tracked its own layers
+                dist.all_reduce(values, group=pipeline)
+            # With tensor parallelism (and so sequence parallelism, which MoE training needs) each rank's loss is
+            # its part of the sequence's: summed over the group, as megatron does.
+            if tracked.get("reduce_group") is not None and dist.get_world_size(tracked["reduce_group"]) > 1:
+                dist.all_reduce(values, group=tracked["reduce_group"])
+            dp_size = dist.get_world_size(self.groups.dp) if self.groups.dp is not None else 1
+            losses[name] = float(values.sum()) / (self._moe_layers(len(values)) * num_micro_batches * dp_size)
+        clear_aux_losses_tracker()
+        return losses
+
+    def _moe_layers(self, num_layers: int) -> int:
+        frequency = self.model.config.moe_layer_freq  # megatron's: every k-th layer, or a 0/1 per layer
+        return sum(frequency) if isinstance(frequency, list) else len(range(0, num_layers, frequency))
 
     @property
     def pipelined(self) -> bool:
@@ -202,21 +245,25 @@ class Actor:
         return [[indices[j] for j in mb] for mb in micro_batches(lengths, c.micro_batch_size, max_tokens)]
 
     def _reduce_gradients(self) -> None:
-        """Sums gradients over data-parallel ranks (each micro-batch loss is already scaled by its global share), and
+        """Sums gradients over data-parallel ranks (each micro-batch loss is already scaled by its global share; an
+        MoE expert's over the ranks holding that expert), and
         over tensor-parallel ranks for the replicated parameters that only see this rank's part of the activations:
         Qwen3's per-head QK norms (each rank holds some heads) and, with sequence parallelism, the layer norms — as
         megatron's finalize_model_grads does."""
-        tp = self.groups.tp is not None and dist.get_world_size(self.groups.tp) > 1
-        dp = self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1
+
+        def spans(group) -> bool:
+            return group is not None and dist.get_world_size(group) > 1
+
         for name, param in self.model.named_parameters():
             if param.grad is None:
                 continue
             partial = "q_layernorm" in name or "k_layernorm" in name
             partial = partial or (self.config.sequence_parallel and getattr(param, "sequence_parallel", False))
-            if tp and partial:
+            if partial and spans(self.groups.tp):
                 dist.all_reduce(param.grad, group=self.groups.tp)
-            if dp:
-                dist.all_reduce(param.grad, group=self.groups.dp)
+            replicas = self.groups.expert_dp if is_expert(name) else self.groups.dp
+            if spans(replicas):
+                dist.all_reduce(param.grad, group=replicas)
 
     def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
         if self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1:

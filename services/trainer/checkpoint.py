@@ -15,13 +15,15 @@ import torch.distributed as dist
 LATEST = "latest_checkpointed_iteration.txt"
 
 
-def shard_name(tp_rank: int, pp_rank: int) -> str:
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}.pt"
+def shard_name(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """Megatron's names: `mp_rank_{tp}_{pp}`, and `_{ep}` after them with expert parallelism."""
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + ("" if ep_rank is None else f"_{ep_rank:03d}") + ".pt"
 
 
-def save(root: Path, step: int, state: dict, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0) -> Path:
-    """Writes this rank's `state` (model, optimizer, scheduler, extras) with the RNG states; DP rank 0 of each model
-    shard writes, all ranks wait for each other, and rank 0 then publishes the step as the latest."""
+def save(root: Path, step: int, state: dict, shard: str = shard_name(0, 0), writes: bool = True) -> Path:
+    """Writes this rank's `state` (model, optimizer, scheduler, extras) with the RNG states as `shard` where `writes`
+    (one rank of each model shard: the others hold copies), all ranks wait for each other, and rank 0 then publishes
+    the step as the latest."""
     root = Path(root)
     final = root / f"iter_{step:07d}"
     staging = root / f".iter_{step:07d}.partial"
@@ -29,8 +31,8 @@ def save(root: Path, step: int, state: dict, tp_rank: int = 0, pp_rank: int = 0,
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
-    if dp_rank == 0:
-        torch.save({**state, "step": step, "rng": rng_state()}, staging / shard_name(tp_rank, pp_rank))
+    if writes:
+        torch.save({**state, "step": step, "rng": rng_state()}, staging / shard)
     _barrier()
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -46,14 +48,14 @@ def latest_step(root: Path) -> int | None:
     return int(path.read_text().strip()) if path.is_file() else None
 
 
-def load(root: Path, tp_rank: int = 0, pp_rank: int = 0, step: int | None = None) -> dict:
-    """This rank's state of the latest (or the given) step; restores the RNG states."""
+def load(root: Path, shard: str = shard_name(0, 0), step: int | None = None) -> dict:
+    """This rank's state (`shard`) of the latest (or the given) step; restores the RNG states."""
     step = latest_step(root) if step is None else step
     if step is None:
         raise FileNotFoundError(f"{root} holds no checkpoint ({LATEST} is missing); check --load")
-    path = Path(root) / f"iter_{step:07d}" / shard_name(tp_rank, pp_rank)
+    path = Path(root) / f"iter_{step:07d}" / shard
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint shard {path} is missing: was it saved with another TP/PP size?")
+        raise FileNotFoundError(f"checkpoint shard {path} is missing: was it saved with another TP/PP/EP size?")
     state = torch.load(path, map_location="cpu", weights_only=False)
     set_rng_state(state.pop("rng"))
     return state

@@ -50,6 +50,11 @@ class TrainerConfig(ServiceConfig):
     """Tensor-parallel size."""
     pipeline_model_parallel_size: int = Field(1, ge=1)
     """Pipeline-parallel size."""
+    expert_model_parallel_size: int = Field(1, ge=1)
+    """Expert-parallel size (MoE): each rank of an expert group holds num_experts / this of every layer's experts;
+    carved out of the data-parallel ranks, as in Megatron."""
+    expert_tensor_parallel_size: int | None = Field(None, ge=1)
+    """Tensor-parallel size of each expert (MoE); unset: the tensor-parallel size."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (with TP > 1)."""
     recompute_activations: bool = False

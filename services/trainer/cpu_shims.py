@@ -31,6 +31,7 @@ def apply_cpu_shims() -> None:
     from megatron.core.tensor_parallel import random as megatron_random
 
     torch.cuda.current_device = _current_device_cpu
+    _moe_all_to_all_on_cpu()
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: None
     megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
     schedules.torch = _TorchOnCpu()
@@ -44,6 +45,23 @@ def apply_missing_te_shims() -> None:
 
     if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _moe_all_to_all_on_cpu() -> None:
+    """MoE's all-to-all token dispatcher (tokens travel to their experts' ranks in splits of any size) copies its split
+    sizes to the host on a side CUDA stream; on the CPU they are there already, and become the numpy arrays that path
+    makes. (The all-gather dispatcher needs no shim but the same token count on every expert-parallel rank.)"""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def splits_on_host(self, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                if torch.is_tensor(value := getattr(self, name, None)):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on the CPU"  # __init__ makes one when None
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = splits_on_host
 
 
 class _TorchOnCpu:

@@ -89,14 +89,18 @@ class Trainer:
         from services.trainer.parallel import init_parallel
 
         self.config, self.control = config, control or Control()
-        if config.sequence_parallel and not torch.cuda.is_available():
-            raise ValueError("--sequence-parallel needs GPUs: its reduce-scatter has no gloo (CPU) implementation")
-        self.info = init_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed)
+        self.info = init_parallel(
+            config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed,
+            ep_size=config.expert_model_parallel_size, etp_size=config.expert_tensor_parallel_size,
+        )  # fmt: skip
         dtype = torch.bfloat16 if config.bf16 else torch.float32
         settings = {"sequence_parallel": config.sequence_parallel}
         if config.recompute_activations:
             settings.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.model, self.gpt = load_gpt_model(config.hf_checkpoint, dtype=dtype, **settings)
+        if self.gpt.shape.num_experts and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+            raise ValueError("an MoE model trains with tensor parallelism only under sequence parallelism (megatron's "
+                             "MoE layer splits the tokens over the TP ranks): add --sequence-parallel")  # fmt: skip
         reference = None
         if config.use_kl_loss or config.kl_coef:
             reference, _ = load_gpt_model(config.hf_checkpoint, dtype=dtype)
@@ -117,11 +121,19 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         config.batch_sizes(self.dp_size).check()
+        ep_rank = parallel_state.get_expert_model_parallel_rank() if config.expert_model_parallel_size > 1 else None
+        self.shard = checkpoint.shard_name(self.tp_rank, self.pp_rank, ep_rank)
+        # One rank of each shard writes it: replica 0's, and with experts those holding replica 0's experts.
+        self.writes_checkpoint = self.dp_rank == 0 or (
+            ep_rank is not None and parallel_state.get_expert_data_parallel_rank() == 0
+        )
         local_vocab = self.gpt.shape.padded_vocab_size // self.info.tp_size
         groups = Groups(
             dp=parallel_state.get_data_parallel_group(), tp=parallel_state.get_tensor_model_parallel_group(),
             tp_rank=self.tp_rank, vocab_start=self.tp_rank * local_vocab if self.info.tp_size > 1 else None,
             vocab_size=self.gpt.shape.vocab_size, model_parallel=parallel_state.get_model_parallel_group(),
+            expert_dp=parallel_state.get_expert_data_parallel_group(),
+            expert_model_parallel=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
         )  # fmt: skip
         self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference)
         if config.advantage_estimator == "ppo":
@@ -133,11 +145,15 @@ class Trainer:
         if config.load:
             self._resume(Path(config.load))
         self.weights = None
-        if config.rollout_addr and self.dp_rank == 0:
+        # The ranks of data-parallel replica 0 gather the weights for the sender (global rank 0); with expert
+        # parallelism the experts live on every data-parallel rank, so every rank takes part.
+        experts_spread = config.expert_model_parallel_size > 1
+        if config.rollout_addr and (self.dp_rank == 0 or experts_spread):
             from services.trainer.models import hf_weights_of
             from services.trainer.weight_sync import WeightSender
 
             peers = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            peers = dist.group.WORLD if experts_spread else peers
             self.weights = WeightSender(
                 config, lambda: hf_weights_of(self.model, self.gpt), sender=dist.get_rank() == 0, peers=peers
             )
@@ -178,7 +194,7 @@ class Trainer:
             load_hf_weights(self.model, self.gpt, SafetensorsWeights(path))
             log.info("started from the HF weights in %s", path)
             return
-        state = checkpoint.load(path, self.tp_rank, self.pp_rank)
+        state = checkpoint.load(path, self.shard)
         for name, part in self._state().items():
             if name not in state:
                 raise ValueError(f"checkpoint {path} has no {name}: was it saved with another --advantage-estimator?")
@@ -196,7 +212,7 @@ class Trainer:
             raise ValueError("nowhere to save: pass --save, or give a path")
         state = {name: part.state_dict() for name, part in self._state().items()}
         state["policy_version"] = self.policy_version
-        path = checkpoint.save(root, self.step, state, self.tp_rank, self.pp_rank, self.dp_rank)
+        path = checkpoint.save(root, self.step, state, self.shard, writes=self.writes_checkpoint)
         if self.config.save_hf:
             from services.trainer.export import export_hf_checkpoint
 

@@ -227,9 +227,9 @@ def gpt_config_from_hf(
         moe_ffn_hidden_size=moe.get("moe_ffn_hidden_size", 0),
     )
     _check_parallel(shape, tp_size, pp_size, ep_size, etp_size)
-    if moe:  # tokens travel to their experts' ranks by all-to-all on GPUs; gloo's all-gather path on CPUs
+    if moe:  # tokens travel to their experts' ranks by all-to-all (any number of tokens per rank)
         moe |= {"expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
-                "moe_token_dispatcher_type": "alltoall" if cuda_available() else "allgather"}  # fmt: skip
+                "moe_token_dispatcher_type": "alltoall"}  # fmt: skip
     transformer = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,

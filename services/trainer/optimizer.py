@@ -76,21 +76,28 @@ def build_scheduler(optimizer, warmup: int, decay_steps: int | None, style: str,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, decay_steps, style, ratio))
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float, tp_group=None, tp_rank: int = 0) -> float:
+def clip_gradients(
+    model: torch.nn.Module, max_norm: float, tp_group=None, tp_rank: int = 0, expert_group=None
+) -> float:
     """Clips gradients to `max_norm` (0: no clipping) and returns the global norm. A tensor-parallel shard counts on
-    every rank, a replicated parameter (norms) only on TP rank 0, and the squares are summed over the TP group."""
-    squares = torch.zeros((), dtype=torch.float32)
+    every rank, a replicated parameter (norms) only on TP rank 0, and the squares are summed over the TP group; an
+    MoE expert's over `expert_group` (expert-tensor x expert-parallel ranks), each of which holds other experts."""
+    from services.trainer.hf_names import is_expert
+
+    squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
     grads = []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.grad is None:
             continue
         grads.append(param.grad)
-        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-            squares = squares + param.grad.detach().float().pow(2).sum().cpu()
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        squares = squares.to(grads[0].device) if grads else squares
-        dist.all_reduce(squares, group=tp_group)
-    norm = float(squares.sqrt())
+        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0 or is_expert(name):
+            squares[is_expert(name)] += param.grad.detach().float().pow(2).sum().cpu()
+    for experts, group in ((False, tp_group), (True, expert_group)):
+        if group is not None and dist.get_world_size(group) > 1:
+            summed = squares[experts].to(grads[0].device) if grads else squares[experts]
+            dist.all_reduce(summed, group=group)
+            squares[experts] = summed.cpu()
+    norm = float((squares[False] + squares[True]).sqrt())
     if max_norm > 0 and norm > max_norm:
         for grad in grads:
             grad.mul_(max_norm / (norm + 1e-6))

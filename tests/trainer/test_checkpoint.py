@@ -61,5 +61,5 @@ def test_missing_checkpoints_say_what_to_check(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
         checkpoint.load(tmp_path)
     checkpoint.save(tmp_path, 5, {"x": 1})
-    with pytest.raises(FileNotFoundError, match="saved with another TP/PP size"):
-        checkpoint.load(tmp_path, tp_rank=1)
+    with pytest.raises(FileNotFoundError, match="saved with another TP/PP/EP size"):
+        checkpoint.load(tmp_path, checkpoint.shard_name(1, 0))

@@ -3,6 +3,8 @@ TP-aware gradient clipping) and DP=2 (each rank its part of the batch, gradients
 parameters of TP=1, DP=1. AdamW's epsilon is raised (1e-3) so that gradients that are zero up to rounding, which
 differ in sign between the runs, do not become full-size updates: what is compared is the training, not the noise."""
 
+import json
+
 import pytest
 import torch
 
@@ -57,6 +59,63 @@ def test_pp2_training_equals_pp1(single, filled_buffer, model, tmp_path, torchru
     for stage, state in enumerate(stages):  # local layer 0 of stage s is global layer s (one layer per stage)
         for name, value in state.items():
             merged[name.replace("decoder.layers.0.", f"decoder.layers.{stage}.")] = value
+    for name, expected in single.items():
+        if isinstance(expected, torch.Tensor):
+            torch.testing.assert_close(merged[name], expected, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from services.common.tiny_checkpoint import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("moe-model"), arch="qwen3_moe")
+
+
+def _experts_merged(folder, shards: list[str]) -> dict:
+    """One state dict from expert-parallel ranks' shards: rank e's local expert j is global expert e * local + j."""
+    merged = {}
+    for ep_rank, shard in enumerate(shards):
+        state = torch.load(folder / "iter_0000002" / shard, weights_only=False)["model"]
+        local = 1 + max(int(n.split("local_experts.")[1].split(".")[0]) for n in state if "local_experts." in n)
+        for name, value in state.items():
+            if "local_experts." in name:
+                head, rest = name.split("local_experts.")
+                expert, tail = rest.split(".", 1)
+                name = f"{head}local_experts.{ep_rank * local + int(expert)}.{tail}"
+            merged[name] = value
+    return merged
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2"])
+def test_moe_training_with_experts_or_tensors_split_equals_one_rank(layout, moe_model, filled_buffer,
+                                                                      service_process, torchrun, tmp_path):  # fmt: skip
+    """Qwen3-MoE for two steps: EP=2 (each rank four of the eight experts, tokens gathered to them; DP=2) and TP=2
+    (experts split over the TP ranks, sequence-parallel as megatron's MoE needs) end with the weights of one rank,
+    and report the same load-balancing loss."""
+
+    def run(name: str, *extra: str) -> list[dict]:
+        args = trainer_args(moe_model, filled_buffer(name), tmp_path / name, *STEPS, *extra,
+                            "--steps-file", str(tmp_path / f"steps-{name}.jsonl"))  # fmt: skip
+        if extra:
+            torchrun(args)
+        else:
+            assert service_process(*args).wait(timeout_s=240) == 0
+        return [json.loads(line)["metrics"] for line in (tmp_path / f"steps-{name}.jsonl").read_text().splitlines()]
+
+    reported = run("one")
+    single = weights(tmp_path / "one", 2)
+    split = {"ep2": ["--expert-model-parallel-size", "2"], "tp2": ["--tensor-model-parallel-size", "2",
+                                                                 "--sequence-parallel"]}[layout]  # fmt: skip
+    reported_split = run(layout, *split)
+    for step, step_split in zip(reported, reported_split, strict=True):
+        assert step["load_balancing_loss"] > 0
+        assert step_split["load_balancing_loss"] == pytest.approx(step["load_balancing_loss"], rel=1e-5)
+    if layout == "ep2":
+        merged = _experts_merged(tmp_path / layout, ["mp_rank_00_000_000.pt", "mp_rank_00_000_001.pt"])
+    else:
+        shards = [torch.load(tmp_path / layout / "iter_0000002" / f"mp_rank_{r:02d}_000.pt", weights_only=False)["model"]
+                  for r in range(2)]  # fmt: skip
+        merged = {name: merge_tp_shards(name, [shard[name] for shard in shards]) for name in shards[0]}
     for name, expected in single.items():
         if isinstance(expected, torch.Tensor):
             torch.testing.assert_close(merged[name], expected, atol=1e-5, rtol=1e-4, msg=name)
