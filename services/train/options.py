@@ -228,8 +228,8 @@ def _check_ranks(options: TrainOptions, trainer: TrainerConfig) -> None:
     )
     experts *= trainer.pipeline_model_parallel_size
     if ranks % experts:
-        raise ConfigError(f"--actor-num-gpus-per-node {ranks} is not a multiple of --expert-model-parallel-size times "
-                          f"--expert-tensor-parallel-size times --pipeline-model-parallel-size = {experts}")  # fmt: skip
+        raise ConfigError(f"--actor-num-gpus-per-node {ranks} is not a multiple of --expert-model-parallel-size "
+                          f"x --expert-tensor-parallel-size x --pipeline-model-parallel-size = {experts}")  # fmt: skip
     try:
         trainer.batch_sizes(ranks // model_parallel).check()
     except BatchSizeError as e:

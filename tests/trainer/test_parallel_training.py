@@ -113,8 +113,8 @@ def test_moe_training_with_experts_or_tensors_split_equals_one_rank(layout, moe_
     if layout == "ep2":
         merged = _experts_merged(tmp_path / layout, ["mp_rank_00_000_000.pt", "mp_rank_00_000_001.pt"])
     else:
-        shards = [torch.load(tmp_path / layout / "iter_0000002" / f"mp_rank_{r:02d}_000.pt", weights_only=False)["model"]
-                  for r in range(2)]  # fmt: skip
+        folder = tmp_path / layout / "iter_0000002"
+        shards = [torch.load(folder / f"mp_rank_{r:02d}_000.pt", weights_only=False)["model"] for r in range(2)]
         merged = {name: merge_tp_shards(name, [shard[name] for shard in shards]) for name in shards[0]}
     for name, expected in single.items():
         if isinstance(expected, torch.Tensor):
