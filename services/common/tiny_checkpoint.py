@@ -81,6 +81,46 @@ QWEN3_0_6B = dict(num_hidden_layers=28, hidden_size=1024, intermediate_size=3072
                   rope_theta=1000000.0, rms_norm_eps=1e-6)  # fmt: skip
 
 
+# Each family's distinguishing features, in miniature (hidden 64): GLM-4-9B-0414 (qkv bias, half of each head
+# rotated, interleaved; sandwich norms; fused gate_up_proj), GLM-4.5 (a dense first layer, then 8 routed experts top-2
+# + a shared one behind a sigmoid router with e_score_correction_bias, routed_scaling_factor 2.5), DeepSeek-V3
+# (multi-latent attention with yarn rope, and its router: 8 experts in 2 groups, a token's 2 from 1 group).
+FAMILY_SETTINGS = {
+    "glm4": dict(attention_bias=True, partial_rotary_factor=0.5, rms_norm_eps=1e-5),
+    "glm4_moe": dict(
+        num_hidden_layers=3, attention_bias=True, partial_rotary_factor=0.5, use_qk_norm=False,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_nextn_predict_layers=0, rms_norm_eps=1e-5,
+    ),
+    "deepseek_v3": dict(
+        num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=32, first_k_dense_replace=1,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=24, rope_interleave=True, num_mtp_layers=0, max_position_embeddings=1280,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                         "beta_slow": 1.0},
+    ),
+}  # fmt: skip
+
+
+def _spread(model) -> None:
+    """Weights that HF initialises trivially, made random, so that a norm, bias or routing mix-up shows: norms around
+    1, biases around 0, routers' scores apart (no near-ties between experts), a random expert-score correction."""
+    import torch
+
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith("norm.weight"):
+            tensor.copy_(1 + 0.2 * torch.randn_like(tensor))
+        elif name.endswith(".bias"):
+            tensor.copy_(0.1 * torch.randn_like(tensor))
+        elif name.endswith("mlp.gate.weight"):
+            tensor.normal_(0, 0.3)
+        elif name.endswith("e_score_correction_bias"):
+            tensor.copy_(0.3 * torch.randn_like(tensor))
+
+
 def write_tiny_model(
     path: Path,
     num_layers: int = 2,
@@ -95,9 +135,10 @@ def write_tiny_model(
     **shape,
 ) -> Path:
     """A randomly initialised causal LM (safetensors, config, tokenizer, chat template) under `path`: Qwen3 (or
-    `arch` qwen2 / llama / qwen3_moe), tiny by default; `shape` overrides config fields (QWEN3_0_6B: that model's
-    layers). transformers writes the on-disk layout of the released checkpoints (one tensor per expert).
-    `corpus` and `vocab_size` shape the tokenizer; `lm_head_scale` sharpens the initial next-token distribution."""
+    `arch` qwen2 / llama / qwen3_moe / glm4 / glm4_moe / deepseek_v3), tiny by default; `shape` overrides config
+    fields (QWEN3_0_6B: that model's layers). transformers writes the on-disk layout of the released checkpoints
+    (one tensor per expert). `corpus` and `vocab_size` shape the tokenizer; `lm_head_scale` sharpens the initial
+    next-token distribution."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -107,6 +148,9 @@ def write_tiny_model(
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     }[arch]
     path = write_tokenizer(path, vocab_size, corpus)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -119,11 +163,14 @@ def write_tiny_model(
     if arch == "qwen3_moe":  # Qwen3-30B-A3B's router (renormalised top-k) with 8 small experts, 2 per token
         settings |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    settings |= FAMILY_SETTINGS.get(arch, {})
     config = config_class(**{**settings, **shape})
     torch.manual_seed(seed)
     model = model_class(config).to(getattr(torch, dtype))
     with torch.no_grad():  # larger logits than the default init, so sampling is not uniform noise
         model.lm_head.weight.mul_(lm_head_scale)
+        if arch in FAMILY_SETTINGS:
+            _spread(model)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     return path

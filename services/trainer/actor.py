@@ -257,7 +257,9 @@ class Actor:
         for name, param in self.model.named_parameters():
             if param.grad is None:
                 continue
-            partial = "q_layernorm" in name or "k_layernorm" in name
+            # Qwen3's and GLM-4.5's QK norms are per head (each TP rank some heads); MLA's see the whole latent.
+            per_head = not getattr(getattr(self.model, "config", None), "multi_latent_attention", False)
+            partial = per_head and ("q_layernorm" in name or "k_layernorm" in name)
             partial = partial or (self.config.sequence_parallel and getattr(param, "sequence_parallel", False))
             if partial and spans(self.groups.tp):
                 dist.all_reduce(param.grad, group=self.groups.tp)

@@ -39,12 +39,17 @@ def apply_cpu_shims() -> None:
 
 
 def apply_missing_te_shims() -> None:
-    """megatron-core 0.16.1's MoE router names `te_general_gemm` even where Transformer Engine is not installed (its
-    import failed, so the name is undefined): defining it as None takes the router's own torch.mm path. CPU or GPU."""
+    """Where Transformer Engine is not installed, CPU or GPU: megatron-core 0.16.1's MoE router names
+    `te_general_gemm` (its import failed, so the name is undefined): defined as None, the router takes its own torch.mm
+    path. Multi-latent attention imports TE's stand-ins (mocks, not classes), believes TE present and fails on
+    `isinstance(linear_proj, TELinear)`, a check for an FP8 memory saving only: told the truth, it skips it."""
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
 
 
 def _moe_all_to_all_on_cpu() -> None:

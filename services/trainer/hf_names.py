@@ -1,27 +1,29 @@
-"""Weight conversion between HF checkpoints (Llama, Qwen2, Qwen3 dense, Qwen3-MoE) and megatron-core's GPTModel, both
-ways.
+"""Weight conversion between HF checkpoints and megatron-core's GPTModel, both ways, for every family of `families/`
+(each names its tensors by `Rule`s: which HF tensors make a Megatron one, how tensor-parallel ranks split it).
 
-HF → Megatron yields one tensor-parallel rank's shards; Megatron → HF takes one *full* parameter at a time (what a
-TP=1 model would hold; `merge_tp_shards` / `gather_tp_param` build it from the shards) and yields HF tensors. The
-weight sync to the rollout engines streams through `megatron_to_hf` too, so every step is a slice, view or concat:
-a round trip is bit-identical.
+HF → Megatron yields one rank's shards; Megatron → HF takes one *full* parameter at a time (what a TP=1 model would
+hold; `merge_tp_shards` / `gather_tp_param` build it from the shards) and yields HF tensors. The weight sync to the
+rollout engines streams through `megatron_to_hf` too, so every step is a slice, view or concat: a round trip is
+bit-identical.
 
 Megatron layouts this module owns:
 - `linear_qkv`: rows grouped per query group g as [q heads of g, k_g, v_g]; TP ranks take equal row blocks.
-- `linear_fc1` (gated MLP): [gate; up] at TP=1; at TP>1 each rank holds [its slice of gate; its slice of up].
+- gated MLPs' `linear_fc1`: [gate; up] at TP=1; at TP>1 each rank holds [its slice of gate; its slice of up].
 - row-parallel `linear_proj` / `linear_fc2` are split on the input (column) dimension.
 - embedding and output layer are padded with zero rows to `padded_vocab_size`, then split on the vocab dimension.
-- MoE layers (`num_experts` > 0): `mlp.router.weight` is HF's `mlp.gate.weight`; expert j is
-  `mlp.experts.local_experts.{j}.linear_fc1/2.weight` with j numbered across all expert-parallel ranks here (a rank's
-  model numbers its own experts from 0), laid out as the dense MLP's and split over the expert-tensor-parallel ranks.
+- MoE layers: expert j is `mlp.experts.local_experts.{j}.…` with j numbered across all expert-parallel ranks here (a
+  rank's model numbers its own experts from 0), split over the expert-tensor-parallel ranks.
 """
 
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from services.trainer.families import ALL_RULES
+from services.trainer.families.base import DENSE, Rule
 
 
 @dataclass(frozen=True)
@@ -41,36 +43,17 @@ class ModelShape:
     qk_layernorm: bool
     num_experts: int = 0  # MoE: routed experts per layer (0: a dense MLP)
     moe_ffn_hidden_size: int = 0
+    rules: Mapping[str, Rule] = field(default_factory=lambda: DENSE, compare=False)  # the family's tensor names
 
 
-# Layer norms live in their own modules in megatron's local spec and are fused into the next linear in Transformer
-# Engine's spec; the two names of each norm are interchangeable.
-_NORM_NAMES = {
-    "input_layernorm.weight": ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-    "post_attention_layernorm.weight": ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-}
-# Megatron name within a layer → HF name within a layer, for tensors that are copied unchanged.
-_REPLICATED = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-}
-_ROW_PARALLEL = {
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-_COLUMN_PARALLEL = {
-    "self_attention.linear_qkv.weight",
-    "self_attention.linear_qkv.bias",
-    "mlp.linear_fc1.weight",
-    "embedding.word_embeddings.weight",
-    "output_layer.weight",
+# Transformer Engine's spec fuses a layer's norms into the next linear: its names for the local spec's norms.
+_FUSED_NORMS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_GLOBAL_SPLIT = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0}
 
 
 def _pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
@@ -94,60 +77,62 @@ def _split_qkv(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torc
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def _template(local: str) -> tuple[str, str | None]:
+    """A layer-local Megatron name as its rule's key (`{j}` for the expert number) and the expert number."""
+    expert = _EXPERT.match(local)
+    return (f"mlp.experts.local_experts.{{j}}.{expert[2]}", expert[1]) if expert else (local, None)
+
+
+def _shard(rule: Rule, tensors: list[torch.Tensor], shape: ModelShape, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of the Megatron tensor that `rule` makes of the HF `tensors`."""
+
+    def split(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if rule.dim is None else tensor.chunk(size, dim=rule.dim)[rank]
+
+    if rule.fuse == "qkv":
+        return split(_fuse_qkv(*tensors, shape))
+    if rule.fuse == "gate_up":
+        gate, up = tensors if len(tensors) == 2 else tensors[0].chunk(2)
+        return torch.cat([split(gate), split(up)])
+    return split(tensors[0])
+
+
 def hf_to_megatron(
     hf: Mapping[str, torch.Tensor], shape: ModelShape, tp_rank: int = 0, tp_size: int = 1, fused_norms: bool = False,
     ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1,
 ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """Yields (megatron name, this rank's shard) for the whole model, layers numbered globally (0..num_layers-1), and
-    of the experts those of this expert-parallel rank (numbered globally).
+    of the experts those of this expert-parallel rank (numbered globally). A layer's tensors are those of the
+    family's rules whose HF tensors the checkpoint holds (dense or MoE layer, with or without biases, ...).
 
     `hf` may be lazy (tensors read on access). `fused_norms` picks Transformer Engine's names for the layer norms.
     With tied embeddings `output_layer.weight` is yielded too (a pipeline's last stage holds its own copy).
     """
-
-    def shard(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return tensor.chunk(tp_size, dim=dim)[tp_rank]
-
-    def expert_shard(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return tensor.chunk(etp_size, dim=dim)[etp_rank]
-
     embed = _pad_vocab(hf["model.embed_tokens.weight"], shape.padded_vocab_size)
-    yield "embedding.word_embeddings.weight", shard(embed)
+    yield "embedding.word_embeddings.weight", embed.chunk(tp_size)[tp_rank]
     head = embed if shape.tie_word_embeddings else _pad_vocab(hf["lm_head.weight"], shape.padded_vocab_size)
-    yield "output_layer.weight", shard(head)
+    yield "output_layer.weight", head.chunk(tp_size)[tp_rank]
     yield "decoder.final_layernorm.weight", hf["model.norm.weight"]
+    local_experts = shape.num_experts // ep_size
     for layer in range(shape.num_layers):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer}."
-        for hf_norm, names in _NORM_NAMES.items():  # an MoE layer's MLP norm stays its own module
-            fused = fused_norms and not (shape.num_experts and hf_norm == "post_attention_layernorm.weight")
-            yield dst + names[fused], hf[src + hf_norm]
-        attn = src + "self_attn."
-        qkv = [hf[f"{attn}{p}_proj.weight"] for p in "qkv"]
-        yield dst + "self_attention.linear_qkv.weight", shard(_fuse_qkv(*qkv, shape))
-        if shape.qkv_bias:
-            biases = [hf[f"{attn}{p}_proj.bias"] for p in "qkv"]
-            yield dst + "self_attention.linear_qkv.bias", shard(_fuse_qkv(*biases, shape))
-        if shape.qk_layernorm:
-            yield dst + "self_attention.q_layernorm.weight", hf[attn + "q_norm.weight"]
-            yield dst + "self_attention.k_layernorm.weight", hf[attn + "k_norm.weight"]
-        yield dst + "self_attention.linear_proj.weight", shard(hf[src + "self_attn.o_proj.weight"], dim=1)
-        if not shape.num_experts:
-            yield dst + "mlp.linear_fc2.weight", shard(hf[src + "mlp.down_proj.weight"], dim=1)
-            gate, up = shard(hf[src + "mlp.gate_proj.weight"]), shard(hf[src + "mlp.up_proj.weight"])
-            yield dst + "mlp.linear_fc1.weight", torch.cat([gate, up])
-            continue
-        yield dst + "mlp.router.weight", hf[src + "mlp.gate.weight"]
-        local = shape.num_experts // ep_size
-        for expert in range(ep_rank * local, (ep_rank + 1) * local):
-            hf_expert, megatron_expert = f"{src}mlp.experts.{expert}.", f"{dst}mlp.experts.local_experts.{expert}."
-            gate, up = (expert_shard(hf[f"{hf_expert}{p}_proj.weight"]) for p in ("gate", "up"))
-            yield megatron_expert + "linear_fc1.weight", torch.cat([gate, up])
-            yield megatron_expert + "linear_fc2.weight", expert_shard(hf[hf_expert + "down_proj.weight"], dim=1)
+        moe_layer = f"{src}mlp.gate.weight" in hf
+        for name, rule in shape.rules.items():
+            experts = range(ep_rank * local_experts, (ep_rank + 1) * local_experts) if "{j}" in name else [None]
+            for j in experts:
+                sources = [src + part.format(j=j) for part in rule.hf]
+                if not all(source in hf for source in sources):
+                    continue
+                rank, size = (etp_rank, etp_size) if j is not None else (tp_rank, tp_size)
+                local = name.format(j=j)
+                if fused_norms and local in _FUSED_NORMS and not (moe_layer and local == "pre_mlp_layernorm.weight"):
+                    local = _FUSED_NORMS[local]  # an MoE layer's MLP norm stays its own module
+                yield dst + local, _shard(rule, [hf[s] for s in sources], shape, rank, size)
 
 
 def megatron_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields the HF (name, tensor) pairs held by one full (TP-merged) Megatron parameter with a global layer
-    number. The tensors may be views of `tensor`; clone before writing them where storage must not be shared."""
+    """Yields the HF (name, tensor) pairs held by one full (TP-merged) Megatron tensor with a global layer number.
+    The tensors may be views of `tensor`; clone before writing them where storage must not be shared."""
     if name == "embedding.word_embeddings.weight":
         yield "model.embed_tokens.weight", tensor[: shape.vocab_size]
         return
@@ -159,52 +144,33 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> Iterat
         yield "model.norm.weight", tensor
         return
     match = _LAYER.match(name)
-    if match is None:
+    local = {fused: plain for plain, fused in _FUSED_NORMS.items()}.get(match[2], match[2]) if match else ""
+    template, expert = _template(local)
+    rule = shape.rules.get(template)
+    if rule is None:
         raise KeyError(f"no HF name for Megatron parameter {name!r}")
-    prefix, local = f"model.layers.{match[1]}.", match[2]
-    expert = _EXPERT.match(local)
-    if local == "mlp.router.weight":
-        yield prefix + "mlp.gate.weight", tensor
-    elif expert and expert[2] == "linear_fc1":
-        gate, up = tensor.chunk(2)
-        yield f"{prefix}mlp.experts.{expert[1]}.gate_proj.weight", gate
-        yield f"{prefix}mlp.experts.{expert[1]}.up_proj.weight", up
-    elif expert:
-        yield f"{prefix}mlp.experts.{expert[1]}.down_proj.weight", tensor
-    elif local in _REPLICATED:
-        yield prefix + _REPLICATED[local], tensor
-    elif local in _ROW_PARALLEL:
-        yield prefix + _ROW_PARALLEL[local], tensor
-    elif local in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        suffix = local.rsplit(".", 1)[1]
-        for proj, part in zip("qkv", _split_qkv(tensor, shape), strict=True):
-            yield f"{prefix}self_attn.{proj}_proj.{suffix}", part
-    elif local == "mlp.linear_fc1.weight":
-        gate, up = tensor.chunk(2)
-        yield prefix + "mlp.gate_proj.weight", gate
-        yield prefix + "mlp.up_proj.weight", up
+    hf_names = [f"model.layers.{match[1]}.{part.format(j=expert)}" for part in rule.hf]
+    if rule.fuse == "qkv":
+        yield from zip(hf_names, _split_qkv(tensor, shape), strict=True)
+    elif rule.fuse == "gate_up" and len(hf_names) == 2:
+        yield from zip(hf_names, tensor.chunk(2), strict=True)
     else:
-        raise KeyError(f"no HF name for Megatron parameter {name!r}")
+        yield hf_names[0], tensor
 
 
 def is_expert(name: str) -> bool:
-    """An expert's weight: split over the expert-tensor-parallel ranks rather than the tensor-parallel ones."""
+    """A routed expert's weight: split over the expert-tensor-parallel ranks rather than the tensor-parallel ones."""
     match = _LAYER.match(name)
     return bool(match and _EXPERT.match(match[2]))
 
 
 def tp_split_dim(name: str) -> int | None:
     """The dimension a Megatron parameter is split on across (expert-)tensor-parallel ranks; None when replicated."""
+    if name in _GLOBAL_SPLIT:
+        return _GLOBAL_SPLIT[name]
     match = _LAYER.match(name)
-    local = match[2] if match else name
-    expert = _EXPERT.match(local)
-    if expert:
-        return 0 if expert[2] == "linear_fc1" else 1
-    if local in _ROW_PARALLEL:
-        return 1
-    if local in _COLUMN_PARALLEL:
-        return 0
-    return None
+    rule = ALL_RULES.get(_template(match[2] if match else name)[0])
+    return rule.dim if rule else None
 
 
 def merge_tp_shards(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
@@ -226,23 +192,3 @@ def gather_tp_param(name: str, shard: torch.Tensor, group: dist.ProcessGroup | N
     shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, shard.contiguous(), group=group)
     return merge_tp_shards(name, shards)
-
-
-def hf_names_of(shape: ModelShape) -> list[str]:
-    """Every tensor name an HF checkpoint of this shape holds (lm_head only when untied)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not shape.tie_word_embeddings:
-        names.append("lm_head.weight")
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    if shape.num_experts:
-        per_layer.append("mlp.gate.weight")
-        for expert in range(shape.num_experts):
-            per_layer += [f"mlp.experts.{expert}.{p}_proj.weight" for p in ("gate", "up", "down")]
-    else:
-        per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
-    if shape.qkv_bias:
-        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    if shape.qk_layernorm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    return names + [f"model.layers.{i}.{n}" for i in range(shape.num_layers) for n in per_layer]

@@ -1,6 +1,5 @@
-"""The trainer's model layer: an HF checkpoint directory (Llama, Qwen2, Qwen3 dense; the MoE families of
-`families/`) becomes a megatron-core GPTModel holding this rank's tensor- and expert-parallel shards, on CPU (gloo)
-or GPU.
+"""The trainer's model layer: an HF checkpoint directory (of a family in `families/`) becomes a megatron-core
+GPTModel holding this rank's tensor- and expert-parallel shards, on CPU (gloo) or GPU.
 
 `gpt_config_from_hf` turns config.json into megatron's TransformerConfig and checks it against the requested
 parallelism; `load_gpt_model` builds the model and loads the weights through `hf_names`; `token_logprobs` reads
@@ -18,15 +17,14 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from services.trainer.cpu_shims import apply_cpu_shims, apply_missing_te_shims, cuda_available
-from services.trainer.families import MOE_FAMILIES
+from services.trainer.families import FAMILIES
 from services.trainer.hf_names import (
     ModelShape,
     gather_tp_param,
@@ -36,7 +34,7 @@ from services.trainer.hf_names import (
     tp_split_dim,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_FAMILIES)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 try:  # Transformer Engine cannot be installed on the machines measured so far; use it where it is.
     import transformer_engine  # noqa: F401
@@ -58,6 +56,8 @@ class GPTConfig:
     seq_len_interpolation_factor: float | None
     rope_scaling: bool
     rope_scaling_factor: float
+    rotary_percent: float = 1.0
+    layer_class: type | None = None  # a family's own TransformerLayer (GLM-4's sandwich norms)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -79,6 +79,8 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: object | None = None,
+        k_channels: int | None = None,  # multi-latent attention's q/k and v head sizes: SDPA takes them as they come
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         unsupported = {
@@ -155,9 +157,6 @@ def _check_supported(hf: dict, model_type: str) -> None:
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU) is")
     if hf.get("use_sliding_window"):
         raise ValueError("use_sliding_window=true is not supported; set it to false in config.json")
-    # Megatron has one switch for every linear bias; these would put a bias on o_proj / the MLP as well.
-    if model_type != "qwen2" and hf.get("attention_bias"):
-        raise ValueError(f"attention_bias=true is not supported for {model_type}")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
 
@@ -208,7 +207,8 @@ def gpt_config_from_hf(
     """
     model_type = hf.get("model_type", "")
     _check_supported(hf, model_type)
-    moe = MOE_FAMILIES[model_type].moe_settings(hf) if model_type in MOE_FAMILIES else {}
+    family = FAMILIES[model_type]
+    settings = family.settings(hf)
     etp_size = tp_size if etp_size is None else etp_size  # megatron's default: experts split as the dense layers
     heads = hf["num_attention_heads"]
     shape = ModelShape(
@@ -221,16 +221,17 @@ def gpt_config_from_hf(
         vocab_size=hf["vocab_size"],
         padded_vocab_size=padded_vocab_size(hf["vocab_size"], tp_size, make_vocab_size_divisible_by),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
-        num_experts=moe.get("num_moe_experts", 0),
-        moe_ffn_hidden_size=moe.get("moe_ffn_hidden_size", 0),
+        qkv_bias=settings.get("add_qkv_bias", False),
+        qk_layernorm=settings.get("qk_layernorm", False),
+        num_experts=settings.get("num_moe_experts") or 0,
+        moe_ffn_hidden_size=settings.get("moe_ffn_hidden_size") or 0,
+        rules=family.rules,
     )
     _check_parallel(shape, tp_size, pp_size, ep_size, etp_size)
-    if moe:  # tokens travel to their experts' ranks by all-to-all (any number of tokens per rank)
-        moe |= {"expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
-                "moe_token_dispatcher_type": "alltoall"}  # fmt: skip
-    transformer = TransformerConfig(
+    if shape.num_experts:  # tokens travel to their experts' ranks by all-to-all (any number of tokens per rank)
+        settings |= {"expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
+                     "moe_token_dispatcher_type": "alltoall"}  # fmt: skip
+    transformer = family.config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=heads,
@@ -240,10 +241,8 @@ def gpt_config_from_hf(
         normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         add_bias_linear=False,
-        add_qkv_bias=shape.qkv_bias,
         gated_linear_unit=True,
         activation_func=F.silu,
-        qk_layernorm=shape.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         tensor_model_parallel_size=tp_size,
@@ -255,37 +254,40 @@ def gpt_config_from_hf(
         use_cpu_initialization=not cuda_available(),
         batch_p2p_comm=cuda_available(),  # batched p2p ends in torch.cuda.synchronize(); gloo sends one by one
         perform_initialization=False,  # every weight is overwritten by the checkpoint
-        **moe,
+        **settings,
     )
+    rope = _rope_settings(hf) if family.gpt_rope else _rope_settings({})  # MLA's rope is in its config
     return GPTConfig(
         shape=shape,
         transformer=transformer,
         model_type=model_type,
         max_sequence_length=hf.get("max_position_embeddings", 4096),
-        **_rope_settings(hf),
+        **rope,
+        rotary_percent=family.rotary_percent(hf),
+        layer_class=family.layer_class,
     )
 
 
-def layer_spec(config: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
-    """Transformer Engine's layer spec where it is installed; otherwise megatron's local spec with the SDPA core
-    attention. Both name parameters as megatron does (see hf_names for the layer-norm difference)."""
-    if HAVE_TE:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.shape.num_experts or None, qk_layernorm=config.shape.qk_layernorm
-        )
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.shape.num_experts or None, qk_layernorm=config.shape.qk_layernorm, normalization="RMSNorm"
-    )
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
-    if config.shape.qk_layernorm:
-        spec.submodules.self_attention.submodules.q_layernorm = TorchRMSNorm
-        spec.submodules.self_attention.submodules.k_layernorm = TorchRMSNorm
-    return TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(config.transformer), layer_norm=TorchRMSNorm
-    )
+def layer_spec(config: GPTConfig) -> TransformerBlockSubmodules:
+    """megatron's decoder block spec for this pipeline stage (dense and MoE layers as `moe_layer_freq` says, MLA
+    where the family has it): Transformer Engine's modules where it is installed; otherwise megatron's local ones
+    with the SDPA core attention and torch's RMSNorm. Both name parameters as megatron does (see hf_names for the
+    layer-norm difference)."""
+    block = get_gpt_decoder_block_spec(config.transformer, use_transformer_engine=HAVE_TE, normalization="RMSNorm")
+    for spec in {id(s): s for s in block.layer_specs}.values():  # the dense and the MoE layer's spec, each once
+        if config.layer_class is not None:
+            spec.module = config.layer_class
+        if HAVE_TE:
+            continue
+        layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+        attention.core_attention = SDPACoreAttention
+        layer.input_layernorm = layer.pre_mlp_layernorm = TorchRMSNorm
+        for norm in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+            if config.transformer.qk_layernorm and hasattr(attention, norm):
+                setattr(attention, norm, TorchRMSNorm)
+    if not HAVE_TE:
+        block.layer_norm = TorchRMSNorm
+    return block
 
 
 class TorchRMSNorm(torch.nn.RMSNorm):
@@ -316,6 +318,7 @@ def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel
         rope_scaling=config.rope_scaling,
         rope_scaling_factor=config.rope_scaling_factor,
         seq_len_interpolation_factor=config.seq_len_interpolation_factor,
+        rotary_percent=config.rotary_percent,
     )
     # Megatron marks its tensor-parallel shards only when it initialises them, and these are loaded instead; the
     # marks tell gradient-norm code which parameters count on every rank.
@@ -346,11 +349,21 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+def checkpoint_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds: the parameters, and the routers' expert-score corrections (DeepSeek-V3's
+    `e_score_correction_bias`, megatron's `expert_bias` buffer)."""
+    buffers = {name: buffer for name, buffer in model.named_buffers() if name.endswith("router.expert_bias")}
+    return dict(model.named_parameters()) | buffers
 
 
 def _global_layer_names(model: GPTModel) -> dict[str, str]:
@@ -360,7 +373,7 @@ def _global_layer_names(model: GPTModel) -> dict[str, str]:
     layers = model.decoder.layers
     first_expert = parallel_state.get_expert_model_parallel_rank() * (model.config.num_moe_experts or 0)
     first_expert //= parallel_state.get_expert_model_parallel_world_size()
-    for name, _ in model.named_parameters():
+    for name in checkpoint_tensors(model):
         global_name = name
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers.") :].split(".", 1)
@@ -375,7 +388,7 @@ def _global_layer_names(model: GPTModel) -> dict[str, str]:
 def load_hf_weights(model: GPTModel, config: GPTConfig, weights: Mapping[str, torch.Tensor]) -> None:
     """Copies this rank's shards of the HF `weights` into `model`; raises ValueError on a missing tensor or a shape
     that does not match."""
-    params = dict(model.named_parameters())
+    params = checkpoint_tensors(model)
     by_global = {global_name: name for name, global_name in _global_layer_names(model).items()}
     fused_norms = any(name.endswith("linear_qkv.layer_norm_weight") for name in params)
     shards = hf_to_megatron(
@@ -399,6 +412,8 @@ def load_hf_weights(model: GPTModel, config: GPTConfig, weights: Mapping[str, to
                 raise ValueError(
                     f"{global_name}: checkpoint gives {tuple(shard.shape)}, model has {params[name].shape}"
                 )
+            if name.endswith("router.expert_bias"):  # float32 whatever the model's dtype, as megatron and HF keep it
+                params[name].data = params[name].data.float()
             params[name].copy_(shard)
             loaded.add(name)
     if missing := sorted(set(params) - loaded):
@@ -436,7 +451,7 @@ def hf_weights_of(model: GPTModel, config: GPTConfig) -> Iterator[tuple[str, tor
     rank of those groups iterates it to the end)."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     global_names = _global_layer_names(model)
-    for name, param in model.named_parameters():
+    for name, param in checkpoint_tensors(model).items():
         if not is_expert(name):
             full = gather_tp_param(global_names[name], param.detach(), group=tp_group)
             yield from megatron_to_hf(global_names[name], full, config.shape)

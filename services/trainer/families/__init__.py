@@ -1,6 +1,16 @@
-"""Model families beyond the dense Llama / Qwen2 / Qwen3 that `models.py` builds: one module per family, each turning
-its config.json into megatron-core's settings for the layers it adds (`moe_settings`)."""
+"""The model families the trainer builds, by config.json's `model_type`: one module per family (`base.Family`: its
+megatron-core settings and its tensors' HF names), all on megatron-core's own layers."""
 
-from services.trainer.families import qwen3_moe
+from services.trainer.families import deepseek_v3, dense, glm4, glm4_moe, qwen3_moe
+from services.trainer.families.base import Family, Rule
 
-MOE_FAMILIES = {"qwen3_moe": qwen3_moe}
+FAMILIES: dict[str, Family] = {
+    "llama": dense.LLAMA,
+    "qwen2": dense.QWEN2,
+    "qwen3": dense.QWEN3,
+    "qwen3_moe": qwen3_moe.FAMILY,
+    "glm4": glm4.FAMILY,
+    "glm4_moe": glm4_moe.FAMILY,
+    "deepseek_v3": deepseek_v3.FAMILY,
+}
+ALL_RULES: dict[str, Rule] = {name: rule for family in FAMILIES.values() for name, rule in family.rules.items()}
