@@ -67,9 +67,12 @@ class Actor:
         return {k: v.to(self.device) for k, v in inputs.items()}
 
     def forward(self, model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        if not getattr(getattr(model, "config", None), "num_moe_experts", None):
+        config = getattr(model, "config", None)
+        # Padding is routed like any token but kept out of the routers' auxiliary losses. (Only where they exist:
+        # megatron-core 0.16.1's expert-bias token count cannot take the mask.)
+        if not getattr(config, "moe_aux_loss_coeff", 0) and not getattr(config, "moe_z_loss_coeff", None):
             return model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None)
-        padding = inputs["positions_BL"] >= inputs["lengths_B"][:, None]  # routed, but not in the MoE losses
+        padding = inputs["positions_BL"] >= inputs["lengths_B"][:, None]
         return model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None,
                      padding_mask=padding)  # fmt: skip
 

@@ -97,28 +97,42 @@ def test_an_moe_engine_loads_every_expert_by_the_checkpoints_names(make_system, 
         assert torch.equal(_weights_of(system.engines[0], name), sent[name]), name
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path, tp):
-    """The whole loop: the gateway rolls out, the trainer (TP=1, or TP=2 under torchrun: the sender gathers the
-    shards) trains two steps and sends its weights after each; the engines end with exactly the trainer's final
-    weights (its HF export), under version 2."""
-    system = make_system(num_engines=2)
+LAYOUTS = {  # family, and the trainer's parallelism (torchrun's processes: TP x EP)
+    "qwen3": ("qwen3", []),
+    "qwen3-tp2": ("qwen3", ["--tensor-model-parallel-size", "2"]),
+    "glm4": ("glm4", []),
+    "glm4-moe": ("glm4_moe", []),
+    "deepseek-v3-ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path, layout):
+    """The whole loop: the gateway rolls out, the trainer (one process; or two under torchrun, TP=2: the sender
+    gathers the shards; EP=2: each rank holds half the experts and all gather them) trains two steps and sends its
+    weights after each; the engines (transformers' model of the family) end with exactly the trainer's final
+    weights (its HF export), every tensor by the checkpoint's name, under version 2."""
+    arch, parallel = LAYOUTS[layout]
+    model = tiny_model if arch == "qwen3" else write_tiny_model(tmp_path / arch, arch=arch)
+    system = make_system(num_engines=2, model=model)
     system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
     trainer = service_process(
-        "trainer", "--port", "0", "--metrics-port", "null", "--hf-checkpoint", str(tiny_model),
+        "trainer", "--port", "0", "--metrics-port", "null", "--hf-checkpoint", str(model),
         "--buffer-addr", system.buffer_address, "--rollout-addr", system.thread.address, "--num-rollout", "2",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--lr", "1e-3",
         "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "hf"), "--update-weight-buffer-size", str(2**20),
-        "--tensor-model-parallel-size", str(tp), nproc=tp,
+        *parallel, nproc=2 if parallel else 1,
     )  # fmt: skip
     assert trainer.wait(timeout_s=300) == 0, trainer.log[-4000:]
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=60)
     assert "weights of version 2 sent to 2 engine(s)" in trainer.log
     exported = load_file(tmp_path / "hf" / "model.safetensors")
+    trained = "model.layers.0.self_attn.o_proj.weight"
+    assert not torch.equal(exported[trained], load_file(model / "model.safetensors")[trained])
     for url in system.engines:
         assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "2"
-        for name in ("model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
-            assert torch.equal(_weights_of(url, name), exported[name])
+        for name, tensor in exported.items():
+            assert torch.equal(_weights_of(url, name), tensor), name
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
 
 

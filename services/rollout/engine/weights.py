@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.common.weight_group import abort_group, init_custom_process_group, unflatten
-from services.rollout.engine.checkpoint_names import parameter_view
+from services.rollout.engine.checkpoint_names import checkpoint_tensors, parameter_view
 from services.rollout.engine.responses import control, error, json_response
 
 POLL_S = 0.0005  # how often a receive looks at its broadcasts, the cancel flag and the deadline
@@ -127,7 +127,7 @@ class WeightReceiver:
         def load() -> None:
             if body.get("abort_all_requests"):
                 self.engine.abort(self.engine.running(), "Abort by weight update")
-            parameters = dict(self.engine.model.named_parameters())
+            parameters = checkpoint_tensors(self.engine.model)
             with torch.no_grad():
                 for name, tensor in zip(names, tensors, strict=True):
                     parameter_view(parameters, name).copy_(tensor)
@@ -138,7 +138,7 @@ class WeightReceiver:
         return control(True, "Succeeded to update model weights.")
 
     def _check(self, names: list[str], tensors: list[torch.Tensor]) -> str | None:
-        parameters = dict(self.engine.model.named_parameters())
+        parameters = checkpoint_tensors(self.engine.model)
         for name, tensor in zip(names, tensors, strict=True):
             target = parameter_view(parameters, name)
             if target is None:
@@ -163,7 +163,7 @@ class WeightReceiver:
 
     async def get_weights_by_name(self, request: Request) -> Response:
         body = await request.json() if await request.body() else dict(request.query_params)
-        parameter = parameter_view(dict(self.engine.model.named_parameters()), body.get("name", ""))
+        parameter = parameter_view(checkpoint_tensors(self.engine.model), body.get("name", ""))
         if parameter is None:
             return error("Get parameter by name failed")
         truncate = int(body.get("truncate_size", 100))
