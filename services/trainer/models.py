@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from services.trainer.cpu_shims import apply_cpu_shims, apply_missing_te_shims, cuda_available
-from services.trainer.families import FAMILIES
+from services.trainer.families import FAMILIES, Family
 from services.trainer.hf_names import (
     ModelShape,
     gather_tp_param,
@@ -57,7 +57,7 @@ class GPTConfig:
     rope_scaling: bool
     rope_scaling_factor: float
     rotary_percent: float = 1.0
-    layer_class: type | None = None  # a family's own TransformerLayer (GLM-4's sandwich norms)
+    family: Family = FAMILIES["llama"]
 
 
 class SDPACoreAttention(MegatronModule):
@@ -264,7 +264,7 @@ def gpt_config_from_hf(
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         **rope,
         rotary_percent=family.rotary_percent(hf),
-        layer_class=family.layer_class,
+        family=family,
     )
 
 
@@ -275,8 +275,9 @@ def layer_spec(config: GPTConfig) -> TransformerBlockSubmodules:
     layer-norm difference)."""
     block = get_gpt_decoder_block_spec(config.transformer, use_transformer_engine=HAVE_TE, normalization="RMSNorm")
     for spec in {id(s): s for s in block.layer_specs}.values():  # the dense and the MoE layer's spec, each once
-        if config.layer_class is not None:
-            spec.module = config.layer_class
+        if config.family.layer_class is not None:
+            spec.module = config.family.layer_class
+        config.family.adapt_spec(spec, config.transformer)
         if HAVE_TE:
             continue
         layer, attention = spec.submodules, spec.submodules.self_attention.submodules
@@ -320,6 +321,7 @@ def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel
         seq_len_interpolation_factor=config.seq_len_interpolation_factor,
         rotary_percent=config.rotary_percent,
     )
+    config.family.adapt_model(model, config.transformer)
     # Megatron marks its tensor-parallel shards only when it initialises them, and these are loaded instead; the
     # marks tell gradient-norm code which parameters count on every rank.
     for name, param in model.named_parameters():

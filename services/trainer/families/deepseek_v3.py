@@ -11,6 +11,7 @@ held fixed: its aux-loss-free update, `moe_router_bias_update_rate`, is 0 so tra
 chosen weights renormalised and scaled by `routed_scaling_factor`, experts picked from the best `topk_group` of
 `n_group` groups."""
 
+from megatron.core.post_training.modelopt.layers import Linear
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from services.trainer.families.base import DENSE, MOE, Family, Rule, copied
@@ -93,6 +94,22 @@ def settings(hf: dict) -> dict:
     }
 
 
+def whole_kv_down_projection(spec, config) -> None:
+    """Every tensor-parallel rank computes the whole KV down-projection (as megatron's Transformer Engine spec does).
+    Split over the ranks (the local spec's choice), megatron-core 0.16.1 all-gathers its output and passes on the
+    rope key's gradient from each rank's own heads only, losing the others'; whole, the rope key crosses megatron's
+    sequence-parallel gather, whose backward sums every rank's part."""
+    spec.submodules.self_attention.submodules.linear_kv_down_proj = Linear
+
+
+def mark_kv_down_projection(model, config) -> None:
+    """Under sequence parallelism each rank's copy of the KV down-projection sees its part of the sequence: marked,
+    its gradient is summed over the tensor-parallel ranks as the layer norms' is."""
+    for name, param in model.named_parameters():
+        if name.endswith("self_attention.linear_kv_down_proj.weight"):
+            param.sequence_parallel = config.sequence_parallel
+
+
 RULES = {
     **DENSE,
     **MOE,
@@ -100,8 +117,9 @@ RULES = {
     "self_attention.linear_q_down_proj.weight": Rule(("self_attn.q_a_proj.weight",), 0),
     "self_attention.q_layernorm.weight": copied("self_attn.q_a_layernorm.weight"),
     "self_attention.linear_q_up_proj.weight": Rule(("self_attn.q_b_proj.weight",), 0),
-    "self_attention.linear_kv_down_proj.weight": Rule(("self_attn.kv_a_proj_with_mqa.weight",), 0),
+    "self_attention.linear_kv_down_proj.weight": copied("self_attn.kv_a_proj_with_mqa.weight"),  # whole on each rank
     "self_attention.kv_layernorm.weight": copied("self_attn.kv_a_layernorm.weight"),
     "self_attention.linear_kv_up_proj.weight": Rule(("self_attn.kv_b_proj.weight",), 0),
 }
-FAMILY = Family(rules=RULES, settings=settings, config_class=MLATransformerConfig, gpt_rope=False)
+FAMILY = Family(rules=RULES, settings=settings, config_class=MLATransformerConfig, gpt_rope=False,
+                adapt_spec=whole_kv_down_projection, adapt_model=mark_kv_down_projection)  # fmt: skip
