@@ -253,3 +253,21 @@ def test_train_joining_a_buffer_checks_its_redis_first(tmp_path, free_port):
     last = result.stderr.strip().splitlines()[-1]
     assert "cannot reach Redis at redis://:***@127.0.0.1:" in last and "fix --redis-url" in last, result.stderr
     assert "secret" not in result.stderr
+
+
+def test_train_takes_slimes_moe_flags():
+    """slime's MoE model arguments (scripts/models/qwen3-30B-A3B.sh, deepseek-v3.sh): the shape flags are read from
+    config.json instead (a warning each), expert parallelism and the routers' loss go to the trainer, and a router
+    bias update, which would route the trainer away from the engines, stops the launch naming why."""
+    from services.train.options import ConfigError, route
+
+    slime = ["--num-experts", "128", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768", "--moe-grouped-gemm",
+             "--moe-token-dispatcher-type", "alltoall", "--multi-latent-attention", "--kv-lora-rank", "512",
+             "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0", "--moe-layer-freq", "[0]*3+[1]*58",
+             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff", "0.001",
+             "--moe-router-load-balancing-type", "seq_aux_loss"]  # fmt: skip
+    trainer = route(slime)["trainer"]
+    assert trainer == ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                       "--moe-aux-loss-coeff", "0.001", "--moe-router-load-balancing-type", "seq_aux_loss"]  # fmt: skip
+    with pytest.raises(ConfigError, match="--moe-router-bias-update-rate 0.001: only 0 is supported"):
+        route(["--moe-router-bias-update-rate", "0.001"])

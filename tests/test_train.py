@@ -109,10 +109,12 @@ def service_pid(run_dir: Path, module: str) -> int:
 
 
 @pytest.mark.timeout(600)
-def test_train_runs_the_demo_on_a_qwen3_moe_checkpoint(service_process, tmp_path):
-    """An MoE family end to end: the trainer's Megatron MoE layers, the reference engine's transformers model, and the
-    weight sync between them by the checkpoint's per-expert names."""
-    run = service_process("train", *train_args(tmp_path, steps=3, arch="qwen3_moe"))
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_train_runs_the_demo_on_an_moe_checkpoint(service_process, tmp_path, arch):
+    """The MoE families end to end (Qwen3-MoE; DeepSeek-V3: multi-latent attention, shared experts, its router): the
+    trainer's Megatron layers, the reference engine's transformers model, and the weight sync between them by the
+    checkpoint's per-expert names."""
+    run = service_process("train", *train_args(tmp_path, steps=3, arch=arch))
     assert run.wait(420) == 0, run.log[-3000:]
     assert [s["step"] for s in steps_of(tmp_path / "demo")] == [0, 1, 2]
     trainer_log = (tmp_path / "demo" / "logs" / "trainer.log").read_text()

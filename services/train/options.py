@@ -96,7 +96,18 @@ IGNORED = {
         "--vocab-size", "--qk-layernorm", "--position-embedding-type", "--add-qkv-bias", "--seq-length",
         "--max-position-embeddings", "--make-vocab-size-divisible-by", "--attention-dropout", "--hidden-dropout",
         "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--attention-backend",
+        # MoE and multi-latent attention (families/ read them from config.json)
+        "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-shared-expert-intermediate-size",
+        "--moe-router-pre-softmax", "--moe-router-score-function", "--moe-router-enable-expert-bias",
+        "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk", "--moe-layer-freq",
+        "--moe-router-dtype", "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+        "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
+        "--rotary-percent", "--rotary-interleaved", "--post-self-attn-layernorm", "--post-mlp-layernorm",
+        "--rope-type", "--original-max-position-embeddings", "--beta-fast", "--beta-slow",
     )},
+    **{flag: "the trainer picks megatron's MoE kernels (all-to-all dispatch, per-expert GEMMs on CPU and GPU)"
+       for flag in ("--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-permute-fusion",
+                    "--moe-shared-expert-overlap", "--moe-router-fusion", "--no-rope-fusion")},
     "--optimizer": "the optimizer is AdamW (Megatron's)",
     "--use-distributed-optimizer": "the optimizer state is not sharded",
     "--megatron-to-hf-mode": "weights are converted to HF names by the trainer itself",
@@ -106,8 +117,14 @@ IGNORED = {
     "--wandb-group": "metrics go to TensorBoard under the run folder",
     "--wandb-key": "metrics go to TensorBoard under the run folder",
 }  # fmt: skip
-# Megatron parallelisms that are not built: accepted at their neutral value 1.
-SIZE_ONE = ("--context-parallel-size",)
+# Flags accepted only at their neutral value, with the reason.
+NEUTRAL = {
+    "--context-parallel-size": ("1", "this parallelism is not built"),
+    "--moe-router-bias-update-rate": (
+        "0",
+        "the routers' expert-score corrections stay the checkpoint's, as the engines' do",
+    ),
+}
 RECOMPUTE = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")  # → --recompute-activations
 
 
@@ -132,9 +149,10 @@ def route(argv: list[str]) -> dict[str, list[str]]:
             routed["rollout"] += chunk
         elif flag in IGNORED:
             ignored.append(f"{flag} ({IGNORED[flag]})")
-        elif flag in SIZE_ONE:
-            if values != ["1"]:
-                raise ConfigError(f"{flag} {' '.join(values)}: only 1 is supported (this parallelism is not built)")
+        elif flag in NEUTRAL:
+            neutral, reason = NEUTRAL[flag]
+            if not _is_number(values, float(neutral)):
+                raise ConfigError(f"{flag} {' '.join(values)}: only {neutral} is supported ({reason})")
         elif flag in RECOMPUTE:
             if flag == "--recompute-granularity" and values != ["selective"]:
                 routed["trainer"].append("--recompute-activations")
@@ -235,6 +253,13 @@ def _check_ranks(options: TrainOptions, trainer: TrainerConfig) -> None:
     except BatchSizeError as e:
         dp = ranks // model_parallel
         raise ConfigError(f"{e} (the trainer's {ranks} rank(s) make a data-parallel size of {dp})") from None
+
+
+def _is_number(values: list[str], number: float) -> bool:
+    try:
+        return len(values) == 1 and float(values[0]) == number
+    except ValueError:
+        return False
 
 
 def _flags(model: type[StrictModel]) -> set[str]:

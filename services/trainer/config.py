@@ -55,6 +55,12 @@ class TrainerConfig(ServiceConfig):
     carved out of the data-parallel ranks, as in Megatron."""
     expert_tensor_parallel_size: int | None = Field(None, ge=1)
     """Tensor-parallel size of each expert (MoE); unset: the tensor-parallel size."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] | None = None
+    """The MoE routers' load-balancing loss; unset: the family's (Qwen3-MoE: aux_loss; DeepSeek-V3, GLM-4.5: none)."""
+    moe_aux_loss_coeff: float | None = Field(None, ge=0)
+    """Weight of that loss; unset: the checkpoint's (Qwen3-MoE: router_aux_loss_coef)."""
+    moe_z_loss_coeff: float | None = Field(None, ge=0)
+    """Weight of the routers' z-loss (megatron's); unset: none."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (with TP > 1)."""
     recompute_activations: bool = False

@@ -95,6 +95,9 @@ class Trainer:
         )  # fmt: skip
         dtype = torch.bfloat16 if config.bf16 else torch.float32
         settings = {"sequence_parallel": config.sequence_parallel}
+        for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if getattr(config, name) is not None:
+                settings[name] = getattr(config, name)
         if config.recompute_activations:
             settings.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.model, self.gpt = load_gpt_model(config.hf_checkpoint, dtype=dtype, **settings)
