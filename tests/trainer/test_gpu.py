@@ -1,5 +1,6 @@
-"""GPU checks (skipped without two GPUs): sequence parallelism over NCCL trains like plain tensor parallelism, and
-two pipeline stages through Megatron's schedule (batched NCCL p2p) train like one GPU.
+"""GPU checks (skipped without two GPUs): sequence parallelism over NCCL trains like plain tensor parallelism, two
+pipeline stages through Megatron's schedule (batched NCCL p2p) train like one GPU, and so do two expert-parallel
+ranks of an MoE model (tokens to their experts by NCCL all-to-all).
 
 Run on a machine with 2 GPUs: `python -m pytest tests/trainer/test_gpu.py -m gpu`.
 """
@@ -59,6 +60,29 @@ def test_two_pipeline_stages_train_like_one_gpu(tmp_path):
         torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_expert_parallel_ranks_train_like_one_gpu(tmp_path):
+    """Each rank trains the same batch (so the step equals one GPU's) with four of the eight experts of each layer."""
+    from services.common.tiny_checkpoint import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model", hidden_size=128, arch="qwen3_moe")
+    _run(model, tmp_path / "one", "single")
+    _run(model, tmp_path / "ep", "ep2")
+    single = torch.load(tmp_path / "one" / "rank0.pt")
+    merged = {}
+    for rank in range(2):  # rank r's local expert j is expert 4 r + j
+        for name, value in torch.load(tmp_path / "ep" / f"rank{rank}.pt").items():
+            head, _, rest = name.partition("local_experts.")
+            if rest:
+                expert, tail = rest.split(".", 1)
+                name = f"{head}local_experts.{4 * rank + int(expert)}.{tail}"
+            merged[name] = value
+    assert sorted(merged) == sorted(single)
+    for name, value in single.items():
+        torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def _worker(model: str, out: Path, layout: str) -> None:
     """One rank: a trainer (TP=2 ± sequence parallelism, PP=2, or one GPU) trains two steps on a fixed batch."""
     import numpy as np
@@ -68,7 +92,8 @@ def _worker(model: str, out: Path, layout: str) -> None:
     from services.trainer.loop import Trainer
 
     parallel = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}, "single": {},
-                "tp2sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True}}[layout]  # fmt: skip
+                "tp2sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+                "ep2": {"expert_model_parallel_size": 2}}[layout]  # fmt: skip
     config = TrainerConfig(hf_checkpoint=model, rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8,
                            micro_batch_size=2, lr=1e-3, adam_eps=1e-3, **parallel)  # fmt: skip
     trainer = Trainer(config)

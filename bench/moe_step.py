@@ -1,0 +1,157 @@
+"""The trainer's RL step on an MoE model with expert parallelism: a Qwen3-30B-A3B-shaped model (its attention, its
+128 experts with 8 per token, its vocabulary) with fewer layers, trained by `services.trainer.actor` under torchrun,
+each rank holding 128 / EP of every layer's experts (tokens reach them by megatron's all-to-all dispatcher).
+
+Each step trains `--micro-batches` sequences of `--seq-len` tokens per data-parallel rank (here every rank: EP is
+carved out of DP); bf16 with float32 AdamW masters. Tokens/s counts all tokens of the step over all GPUs; MFU uses
+the active parameters (attention, router, 8 experts' MLPs, embeddings) in the PaLM count 6·N + 12·L·H·Q·S.
+
+Run (GPUs):  python bench/moe_step.py --ep 2 --layers 4
+Run (CPU, a tiny model, to check the script): .venv/bin/python bench/moe_step.py --ep 2 --tiny --seq-len 64
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+QWEN3_30B_A3B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     vocab_size=151936, norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960)  # fmt: skip
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, vocab_size=512,
+            norm_topk_prob=True)  # fmt: skip
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4}
+
+
+def write_model(path: Path, shape: dict) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**shape, tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def worker(path: Path, args) -> dict:
+    """One torchrun rank: times the steps, returns its figures."""
+    from megatron.core import parallel_state
+
+    from services.trainer.actor import Actor, Groups
+    from services.trainer.config import TrainerConfig
+    from services.trainer.data import RolloutBatch
+    from services.trainer.models import load_gpt_model
+    from services.trainer.optimizer import build_optimizer, build_scheduler
+    from services.trainer.parallel import init_parallel
+
+    init_parallel(1, 1, ep_size=args.ep)
+    cuda = torch.cuda.is_available()
+    model, gpt = load_gpt_model(path, dtype=torch.bfloat16 if cuda else torch.float32)
+    n, dp = args.micro_batches, parallel_state.get_data_parallel_world_size()
+    config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=n * dp, global_batch_size=n * dp,
+                           micro_batch_size=1, lr=1e-6, clip_grad=1.0, expert_model_parallel_size=args.ep)  # fmt: skip
+    optimizer = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    groups = Groups(dp=parallel_state.get_data_parallel_group(), vocab_size=gpt.shape.vocab_size,
+                    expert_dp=parallel_state.get_expert_data_parallel_group(),
+                    expert_model_parallel=parallel_state.get_expert_tensor_model_pipeline_parallel_group())  # fmt: skip
+    actor = Actor(config, model, optimizer, build_scheduler(optimizer, 0, None, "constant", 1e-6, 0.0), groups)
+    gen = torch.Generator().manual_seed(1 + parallel_state.get_data_parallel_rank())
+    tokens = torch.randint(0, gpt.shape.vocab_size, (n, args.seq_len), generator=gen)
+    response = args.seq_len - args.prompt_len
+    old, adv = -torch.rand(n, response, generator=gen) * 3, torch.randn(n, response, generator=gen)
+    rollout = RolloutBatch(
+        tokens=list(tokens.numpy()), prompt_lengths=[args.prompt_len] * n,
+        loss_masks=[torch.ones(response).numpy()] * n, rollout_logprobs=list(old.numpy()), rewards_B=torch.zeros(n),
+        group_size=n, sample_ids=[str(i) for i in range(n)],
+    )  # fmt: skip
+    tensors = {"old": old, "ref": None, "adv": adv, "mask": torch.ones(n, response), "rollout": old}
+    model.train()
+    for _ in range(args.warmup):
+        actor._step(rollout, list(range(n)), tensors)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        metrics = actor._step(rollout, list(range(n)), tensors)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / args.steps
+    memory = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    return {"step_s": seconds, "memory_gib": memory, "load_balancing_loss": metrics.get("load_balancing_loss")}
+
+
+def total_params(shape: dict, layers: int) -> float:
+    h, e = shape["hidden_size"], shape["num_experts"]
+    return (
+        active_params(shape, layers)
+        + layers * (e - shape["num_experts_per_tok"]) * 3 * h * shape["moe_intermediate_size"]
+    )
+
+
+def active_params(shape: dict, layers: int) -> float:
+    h, q, v = shape["hidden_size"], shape["head_dim"], shape["vocab_size"]
+    attention = h * q * (2 * shape["num_attention_heads"] + 2 * shape["num_key_value_heads"])
+    experts = shape["num_experts_per_tok"] * 3 * h * shape["moe_intermediate_size"] + shape["num_experts"] * h
+    return 2 * v * h + layers * (attention + experts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel size = GPUs (torchrun processes)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model, to check the script on a CPU")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--micro-batches", type=int, default=2, help="sequences per rank per step")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.prompt_len = min(args.prompt_len, args.seq_len // 2)
+    shape = {**(TINY if args.tiny else QWEN3_30B_A3B), "num_hidden_layers": args.layers}
+    if args.worker:  # a torchrun rank: the model folder and where to write the figures
+        path, out = args.worker.split(",")
+        figures = worker(Path(path), args)
+        if int(os.environ.get("RANK", 0)) == 0:
+            Path(out).write_text(json.dumps(figures))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(Path(tmp) / "model", shape)
+        out = Path(tmp) / "figures.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ep), __file__,
+                   *sys.argv[1:], "--worker", f"{Path(tmp) / 'model'},{out}"]  # fmt: skip
+        subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        figures = json.loads(out.read_text())
+    report(figures, args, shape)
+
+
+def report(figures: dict, args, shape: dict) -> None:
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    peak = next((p for key, p in PEAK_TFLOPS.items() if key in name), None)
+    tokens = args.ep * args.micro_batches * args.seq_len
+    rate = tokens / figures["step_s"]
+    q, layers = shape["head_dim"], shape["num_hidden_layers"]
+    flops = 6 * active_params(shape, layers) + 12 * layers * shape["num_attention_heads"] * q * args.seq_len
+    mfu = f"{rate / args.ep * flops / (peak * 1e12):.1%}" if peak else "n/a"
+    print(f"\nQwen3-30B-A3B-shaped, {layers} layers ({total_params(shape, layers) / 1e9:.2f} B params over {args.ep} "
+          f"rank(s), {active_params(shape, layers) / 1e9:.2f} B active), EP={args.ep}, {args.micro_batches} x "
+          f"{args.seq_len} tokens per rank per step, bf16 + fp32 AdamW; {args.ep} x {name}")  # fmt: skip
+    print("EP | step s | tokens/s | tokens/s per GPU | MFU | peak memory per GPU | load-balancing loss")
+    print("--- | --- | --- | --- | --- | --- | ---")
+    print(f"{args.ep} | {figures['step_s']:.3f} | {rate:,.0f} | {rate / args.ep:,.0f} | {mfu} | "
+          f"{figures['memory_gib']:.1f} GiB | {figures['load_balancing_loss']:.4f}")  # fmt: skip
+    print(f"\nReproduce: python bench/moe_step.py --ep {args.ep} --layers {layers} --seq-len {args.seq_len} "
+          f"--micro-batches {args.micro_batches}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
