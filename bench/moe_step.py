@@ -128,7 +128,8 @@ def main() -> None:
         out = Path(tmp) / "figures.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ep), __file__,
                    *sys.argv[1:], "--worker", f"{Path(tmp) / 'model'},{out}"]  # fmt: skip
-        subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        path = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+        subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": path})
         figures = json.loads(out.read_text())
     report(figures, args, shape)
 
