@@ -6,7 +6,7 @@ Each step trains `--micro-batches` sequences of `--seq-len` tokens per data-para
 carved out of DP); bf16 with float32 AdamW masters. Tokens/s counts all tokens of the step over all GPUs; MFU uses
 the active parameters (attention, router, 8 experts' MLPs, embeddings) in the PaLM count 6·N + 12·L·H·Q·S.
 
-Run (GPUs):  python bench/moe_step.py --ep 2 --layers 4
+Run (GPUs):  python bench/moe_step.py --ep 2 --layers 3
 Run (CPU, a tiny model, to check the script): .venv/bin/python bench/moe_step.py --ep 2 --tiny --seq-len 64
 """
 
@@ -38,6 +38,8 @@ def write_model(path: Path, shape: dict) -> None:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None  # the GPU's memory is the trainer's
 
 
 def worker(path: Path, args) -> dict:
@@ -106,7 +108,7 @@ def active_params(shape: dict, layers: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size = GPUs (torchrun processes)")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a tiny model, to check the script on a CPU")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--prompt-len", type=int, default=512)
