@@ -6,6 +6,7 @@ aggregation) across all data-parallel ranks, so the summed gradient is that of t
 whatever the micro-batch and rank sizes.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,11 @@ class Actor:
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups, self.ref_model = groups, ref_model
         self.critic = None  # PPO: a Critic trained beside the policy
+        self.routing = None
+        if config.use_routing_replay:
+            from services.trainer.routing_replay import RoutingReplay
+
+            self.routing = RoutingReplay()
         self.device = next(model.parameters()).device
         if config.compile_model:
             for layer in getattr(getattr(model, "decoder", None), "layers", []):
@@ -98,12 +104,13 @@ class Actor:
         return logprobs, (entropies if entropy else None)
 
     @torch.no_grad()
-    def full_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
-        """`[B, R]` log-probs of the whole rank's batch (old policy or reference), micro-batch by micro-batch. With
-        pipeline parallelism only the last stage has them (the others get zeros, and do not need them)."""
+    def full_logprobs(self, model, batch: RolloutBatch, mbs: list[list[int]] | None = None, record: bool = False):
+        """`[B, R]` log-probs of the whole rank's batch (old policy or reference), micro-batch by micro-batch (`mbs`,
+        by default the batch's; `record`: the routers record their choices for routing replay). With pipeline
+        parallelism only the last stage has them (the others get zeros, and do not need them)."""
         width = max(batch.response_lengths())
         out = torch.zeros(len(batch), width)
-        mbs = self._micro_batches(batch, list(range(len(batch))))
+        mbs = mbs or self._micro_batches(batch, list(range(len(batch))))
         if self.pipelined:
             from services.trainer.pipeline import pipeline_logprobs
 
@@ -111,7 +118,8 @@ class Actor:
                 out[indices, : lp.shape[1]] = lp.float().cpu()
             return out
         for indices in mbs:
-            lp, _ = self.logprobs(model, batch, indices)
+            with self.routing.record(indices) if record else contextlib.nullcontext():
+                lp, _ = self.logprobs(model, batch, indices)
             out[indices, : lp.shape[1]] = lp.float().cpu()
         return out
 
@@ -123,7 +131,16 @@ class Actor:
         tensors = response_tensors(batch)
         mask_BR = tensors["loss_mask_BR"]
         self.model.eval()  # the old policy's log-probs: no dropout
-        old_BR = tensors["rollout_logprobs_BR"] if c.use_rollout_logprobs else self.full_logprobs(self.model, batch)
+        steps = split_steps(list(range(len(batch))), c.num_steps_per_rollout)
+        if self.routing is not None:  # recorded in the training's micro-batches, replayed in each step's
+            self.routing.clear()
+            mbs = [mb for indices in steps for mb in self._micro_batches(batch, indices)]
+            old_BR = self.full_logprobs(self.model, batch, mbs, record=True)
+            old_BR = tensors["rollout_logprobs_BR"] if c.use_rollout_logprobs else old_BR
+        elif c.use_rollout_logprobs:
+            old_BR = tensors["rollout_logprobs_BR"]
+        else:
+            old_BR = self.full_logprobs(self.model, batch)
         ref_BR = self.full_logprobs(self.ref_model, batch) if self.ref_model is not None else None
         values_BR = self.critic.full_values(batch) if self.critic is not None else None
         kl_BR = approx_kl(old_BR, ref_BR, "k1") * mask_BR if ref_BR is not None and c.kl_coef else None
@@ -137,7 +154,7 @@ class Actor:
         critic_t = {"old_values": values_BR, "returns": returns_BR, "mask": mask_BR}
         self.model.train()
         results = []
-        for indices in split_steps(list(range(len(batch))), c.num_steps_per_rollout):
+        for indices in steps:
             metrics = {}
             if self.critic is not None:
                 critic = self.critic._step(batch, indices, critic_t)
@@ -163,8 +180,11 @@ class Actor:
         else:
             sums = {}
             for mb in mbs:
-                loss, metrics = self.micro_batch_loss(batch, mb, t, share)
-                loss.backward()
+                with self.routing.replay(mb) if self.routing is not None else contextlib.nullcontext():
+                    loss, metrics = self.micro_batch_loss(batch, mb, t, share)
+                    if self.routing is not None:
+                        self.routing.backward()
+                    loss.backward()
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value
         sums.update(self._moe_losses(len(mbs)))

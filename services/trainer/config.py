@@ -61,6 +61,9 @@ class TrainerConfig(ServiceConfig):
     """Weight of that loss; unset: the checkpoint's (Qwen3-MoE: router_aux_loss_coef)."""
     moe_z_loss_coeff: float | None = Field(None, ge=0)
     """Weight of the routers' z-loss (megatron's); unset: none."""
+    use_routing_replay: bool = False
+    """MoE: the training forward routes each token to the experts the old policy chose for it (recorded while
+    computing the old log-probs), so an update changes the experts' weights but not which experts answer."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (with TP > 1)."""
     recompute_activations: bool = False
@@ -184,6 +187,9 @@ class TrainerConfig(ServiceConfig):
         if self.colocate and (not self.rollout_addr or self.update_weights_interval != 1):
             raise ValueError("colocate hands the GPU back to the engines at each sync: it needs --rollout-addr and "
                              "--update-weights-interval 1")  # fmt: skip
+        if self.use_routing_replay and self.pipeline_model_parallel_size > 1:
+            raise ValueError("--use-routing-replay records and replays micro-batch by micro-batch outside megatron's "
+                             "pipeline schedule: use --pipeline-model-parallel-size 1")  # fmt: skip
         if self.rollout_addr and self.pipeline_model_parallel_size > 1:
             raise ValueError("weight sync gathers every layer in one process: use --pipeline-model-parallel-size 1")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:

@@ -132,3 +132,52 @@ def test_ppo_trains_the_critic_first_then_the_policy(tmp_path):
     assert "loss" not in steps[0] and "loss" not in steps[1] and "loss" in steps[2]  # critic-only, then both
     moved = [not torch.equal(a, b) for a, b in zip(policy, actor.model.parameters(), strict=True)]
     assert any(moved)
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_routing_replay_trains_through_the_experts_the_old_policy_chose(tmp_path, replay):
+    """Qwen3-MoE, two optimizer steps on one rollout with a large learning rate: with --use-routing-replay every
+    training forward (the second step's too, after the first moved the routers) sends each token to the experts the
+    old policy chose; without it the second step's routing has moved."""
+    from services.common.tiny_checkpoint import write_tiny_model
+    from services.trainer.models import load_gpt_model
+    from services.trainer.parallel import init_parallel
+
+    init_parallel(tp_size=1)
+    settings = {"moe_enable_routing_replay": True} if replay else {}
+    model, gpt = load_gpt_model(write_tiny_model(tmp_path / "m", arch="qwen3_moe"), **settings)
+    config = TrainerConfig(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4, num_steps_per_rollout=2,
+                           lr=0.05, micro_batch_size=2, clip_grad=0.0, use_routing_replay=replay)  # fmt: skip
+    optimizer = build_optimizer(model, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8)
+    actor = Actor(config, model, optimizer, build_scheduler(optimizer, 0, None, "constant", config.lr, 0.0),
+                  Groups(vocab_size=gpt.shape.vocab_size))  # fmt: skip
+    calls = []  # (samples of the micro-batch, its routers' choices), in call order
+
+    def logprobs(model, batch, indices, entropy=False):
+        calls.append((indices, []))
+        return forward(model, batch, indices, entropy)
+
+    forward, actor.logprobs = actor.logprobs, logprobs
+    for layer in model.decoder.layers:
+        layer.mlp.router.register_forward_hook(lambda module, args, output: calls[-1][1].append(output[1].clone()))
+    try:
+        actor.train_rollout(_batch())
+    finally:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
+
+    def by_token(forwards) -> dict:
+        """(sample, position, layer) -> the experts chosen (routers see a micro-batch's tokens position-major)."""
+        chosen = {}
+        for indices, maps in forwards:
+            for layer, routing_map in enumerate(maps):
+                for b, sample in enumerate(indices):
+                    for position in range(len(_batch().tokens[sample])):
+                        chosen[sample, position, layer] = routing_map[position * len(indices) + b]
+        return chosen
+
+    old, first, second = (by_token(forwards) for forwards in (calls[:4], calls[4:6], calls[6:]))
+    assert all(torch.equal(routing, old[token]) for token, routing in first.items())  # nothing has moved yet
+    same = [torch.equal(routing, old[token]) for token, routing in second.items()]
+    assert all(same) if replay else not all(same)
