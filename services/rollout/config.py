@@ -58,6 +58,10 @@ class RolloutConfig(ServiceConfig):
     weight_sync_timeout_s: float = Field(120.0, gt=0)
     """Deadline of each engine call of a weight sync (joining the group, loading a bucket, committing); an engine
     past it is evicted and the sync goes on without it."""
+    use_rollout_routing_replay: bool = False
+    """MoE: every /generate asks the engine for the experts it routed each token to (SGLang's return_routed_experts;
+    engines launched here get --enable-return-routed-experts), and each sample carries them for the trainer to
+    replay."""
     partial_rollout: bool = False
     """Samples aborted by a pause keep their tokens and continue later with max_new_tokens reduced (slime's
     --partial-rollout); off, they are generated again from the prompt."""

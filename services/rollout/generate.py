@@ -6,6 +6,7 @@ and the weight-version spans the engine reports, so nothing is re-tokenized betw
 """
 
 import asyncio
+import base64
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument
@@ -37,6 +38,8 @@ class GenerateContext:
     async def generate(self, input_ids: list[int], sampling_params: dict | None = None, **extra) -> dict:
         """One /generate call (one sequence) with log-probs: SGLang's answer (`output_ids`, `meta_info`, `text`)."""
         payload = {"input_ids": input_ids, "sampling_params": sampling_params or self.sampling_params}
+        if getattr(self.config, "use_rollout_routing_replay", False):
+            payload["return_routed_experts"] = True
         answer, engine = await self.pool.generate({**payload, "return_logprob": True, **extra}, self.affinity)
         self.engines.append(engine.url)
         return answer
@@ -108,6 +111,8 @@ def extend_sample(sample: common_pb2.Sample, output: dict, engine_url: str) -> c
     sample.rollout_logprobs += arrays.encode_logprobs(logprobs)
     sample.response_length += len(response)
     sample.response_text += output.get("text", "")
+    if meta.get("routed_experts"):  # the engine's routing of the whole input and output: the sample's so far
+        sample.routed_experts = base64.b64decode(meta["routed_experts"])
     finish = (meta.get("finish_reason") or {}).get("type", "abort")
     sample.status = _STATUS.get(finish, common_pb2.SAMPLE_STATUS_FAILED)
     sample.status_message = (meta.get("finish_reason") or {}).get("message") or ""

@@ -109,6 +109,7 @@ def engine_command(config: RolloutConfig, port: int, tp_size: int, on_gpu: bool)
     """`python -m sglang.launch_server …` when SGLang is installed, else the reference engine; --sglang-* options
     are passed to either as given."""
     common = ["--model-path", config.hf_checkpoint, "--host", "127.0.0.1", "--port", str(port)]
+    common += ["--enable-return-routed-experts"] if config.use_rollout_routing_replay else []
     if importlib.util.find_spec("sglang") is not None:
         return [sys.executable, "-m", "sglang.launch_server", *common, "--tp-size", str(tp_size), *config.sglang_args]
     if tp_size > 1:

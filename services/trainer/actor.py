@@ -42,7 +42,7 @@ class Actor:
         self.groups, self.ref_model = groups, ref_model
         self.critic = None  # PPO: a Critic trained beside the policy
         self.routing = None
-        if config.use_routing_replay:
+        if config.replays_routing:
             from services.trainer.routing_replay import RoutingReplay
 
             self.routing = RoutingReplay()
@@ -104,10 +104,11 @@ class Actor:
         return logprobs, (entropies if entropy else None)
 
     @torch.no_grad()
-    def full_logprobs(self, model, batch: RolloutBatch, mbs: list[list[int]] | None = None, record: bool = False):
+    def full_logprobs(self, model, batch: RolloutBatch, mbs: list[list[int]] | None = None, routing: str = ""):
         """`[B, R]` log-probs of the whole rank's batch (old policy or reference), micro-batch by micro-batch (`mbs`,
-        by default the batch's; `record`: the routers record their choices for routing replay). With pipeline
-        parallelism only the last stage has them (the others get zeros, and do not need them)."""
+        by default the batch's; `routing` "record": the routers record their choices for routing replay, "replay":
+        they route as recorded). With pipeline parallelism only the last stage has them (the others get zeros, and
+        do not need them)."""
         width = max(batch.response_lengths())
         out = torch.zeros(len(batch), width)
         mbs = mbs or self._micro_batches(batch, list(range(len(batch))))
@@ -118,7 +119,7 @@ class Actor:
                 out[indices, : lp.shape[1]] = lp.float().cpu()
             return out
         for indices in mbs:
-            with self.routing.record(indices) if record else contextlib.nullcontext():
+            with getattr(self.routing, routing)(indices) if routing else contextlib.nullcontext():
                 lp, _ = self.logprobs(model, batch, indices)
             out[indices, : lp.shape[1]] = lp.float().cpu()
         return out
@@ -132,10 +133,15 @@ class Actor:
         mask_BR = tensors["loss_mask_BR"]
         self.model.eval()  # the old policy's log-probs: no dropout
         steps = split_steps(list(range(len(batch))), c.num_steps_per_rollout)
-        if self.routing is not None:  # recorded in the training's micro-batches, replayed in each step's
+        if (
+            self.routing is not None
+        ):  # in the training's micro-batches: recorded (or the engines'), replayed in each step
             self.routing.clear()
             mbs = [mb for indices in steps for mb in self._micro_batches(batch, indices)]
-            old_BR = self.full_logprobs(self.model, batch, mbs, record=True)
+            if c.use_rollout_routing_replay:
+                for mb in mbs:
+                    self.routing.recorded[tuple(mb)] = self._engines_routing(batch, mb)
+            old_BR = self.full_logprobs(self.model, batch, mbs, "replay" if c.use_rollout_routing_replay else "record")
             old_BR = tensors["rollout_logprobs_BR"] if c.use_rollout_logprobs else old_BR
         elif c.use_rollout_logprobs:
             old_BR = tensors["rollout_logprobs_BR"]
@@ -252,6 +258,23 @@ class Actor:
             losses[name] = float(values.sum()) / (self._moe_layers(len(values)) * num_micro_batches * dp_size)
         clear_aux_losses_tracker()
         return losses
+
+    def _engines_routing(self, batch: RolloutBatch, mb: list[int]) -> list[torch.Tensor]:
+        """Each MoE router's `[tokens, top-k]` for micro-batch `mb` from the engines' routing its samples carry, in
+        the router's token order (position-major, this rank's part of the sequence under sequence parallelism)."""
+        from services.trainer.routing_replay import engines_routing
+
+        config = self.model.config
+        frequency = config.moe_layer_freq
+        moe = frequency if isinstance(frequency, list) else [int(i % frequency == 0) for i in range(config.num_layers)]
+        sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
+        return engines_routing(
+            [batch.routed_experts[i] if batch.routed_experts else b"" for i in mb],
+            [len(batch.tokens[i]) for i in mb], [batch.sample_ids[i] for i in mb],
+            length=self.inputs(batch, mb)["tokens_BL"].shape[1], layers=config.num_layers,
+            topk=config.moe_router_topk, moe_layers=[i for i, is_moe in enumerate(moe) if is_moe],
+            part=(self.groups.tp_rank, config.tensor_model_parallel_size) if sequence_parallel else (0, 1),
+        )  # fmt: skip
 
     def _moe_layers(self, num_layers: int) -> int:
         frequency = self.model.config.moe_layer_freq  # megatron's: every k-th layer, or a 0/1 per layer

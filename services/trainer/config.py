@@ -64,6 +64,9 @@ class TrainerConfig(ServiceConfig):
     use_routing_replay: bool = False
     """MoE: the training forward routes each token to the experts the old policy chose for it (recorded while
     computing the old log-probs), so an update changes the experts' weights but not which experts answer."""
+    use_rollout_routing_replay: bool = False
+    """MoE: the training forwards (the old policy's log-probs too) route each token to the experts the engine chose
+    when it generated the sample (SGLang's return_routed_experts, carried by the sample)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (with TP > 1)."""
     recompute_activations: bool = False
@@ -174,6 +177,10 @@ class TrainerConfig(ServiceConfig):
     """Append one JSON line per step here: step, policy version, the trained group ids, the metrics and the step's
     time split (what `slipstream train` shows and plots)."""
 
+    @property
+    def replays_routing(self) -> bool:
+        return self.use_routing_replay or self.use_rollout_routing_replay
+
     def batch_sizes(self, dp_size: int) -> BatchSizes:
         return BatchSizes(
             self.rollout_batch_size, self.n_samples_per_prompt, self.global_batch_size, self.num_steps_per_rollout,
@@ -187,8 +194,8 @@ class TrainerConfig(ServiceConfig):
         if self.colocate and (not self.rollout_addr or self.update_weights_interval != 1):
             raise ValueError("colocate hands the GPU back to the engines at each sync: it needs --rollout-addr and "
                              "--update-weights-interval 1")  # fmt: skip
-        if self.use_routing_replay and self.pipeline_model_parallel_size > 1:
-            raise ValueError("--use-routing-replay records and replays micro-batch by micro-batch outside megatron's "
+        if self.replays_routing and self.pipeline_model_parallel_size > 1:
+            raise ValueError("routing replay records and replays micro-batch by micro-batch outside megatron's "
                              "pipeline schedule: use --pipeline-model-parallel-size 1")  # fmt: skip
         if self.rollout_addr and self.pipeline_model_parallel_size > 1:
             raise ValueError("weight sync gathers every layer in one process: use --pipeline-model-parallel-size 1")

@@ -27,6 +27,7 @@ class RolloutBatch:
     rewards_B: torch.Tensor
     group_size: int
     sample_ids: list[str]
+    routed_experts: list[bytes] | None = None  # the engines' routing per sample (int32), for rollout routing replay
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -39,7 +40,7 @@ class RolloutBatch:
 
 
 def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> RolloutBatch:
-    tokens, prompts, masks, logprobs, rewards, ids = [], [], [], [], [], []
+    tokens, prompts, masks, logprobs, rewards, ids, routed = [], [], [], [], [], [], []
     for group in groups:
         if len(group.samples) != group_size:
             raise BatchError(f"group {group.group_id} has {len(group.samples)} samples, expected {group_size}")
@@ -70,7 +71,9 @@ def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> Rollou
             logprobs.append(lps if len(lps) else np.zeros(sample.response_length, np.float32))
             rewards.append(sample.reward)
             ids.append(sample.sample_id)
-    return RolloutBatch(tokens, prompts, masks, logprobs, torch.tensor(rewards, dtype=torch.float32), group_size, ids)
+            routed.append(sample.routed_experts)
+    rewards_B = torch.tensor(rewards, dtype=torch.float32)
+    return RolloutBatch(tokens, prompts, masks, logprobs, rewards_B, group_size, ids, routed)
 
 
 def pad_rows(rows: list[np.ndarray], width: int, dtype=torch.float32) -> torch.Tensor:

@@ -98,14 +98,14 @@ class Trainer:
         for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
             if getattr(config, name) is not None:
                 settings[name] = getattr(config, name)
-        if config.use_routing_replay:
+        if config.replays_routing:
             settings["moe_enable_routing_replay"] = True
         if config.recompute_activations:
             settings.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.model, self.gpt = load_gpt_model(config.hf_checkpoint, dtype=dtype, **settings)
-        if config.use_routing_replay and not self.gpt.shape.num_experts:
-            raise ValueError(f"--use-routing-replay replays the experts' routing: {config.hf_checkpoint} has no "
-                             "experts (a dense model); drop the flag")  # fmt: skip
+        if config.replays_routing and not self.gpt.shape.num_experts:
+            raise ValueError(f"routing replay replays the experts' routing: {config.hf_checkpoint} has no experts "
+                             "(a dense model); drop --use-routing-replay / --use-rollout-routing-replay")  # fmt: skip
         if self.gpt.shape.num_experts and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
             raise ValueError("an MoE model trains with tensor parallelism only under sequence parallelism (megatron's "
                              "MoE layer splits the tokens over the TP ranks): add --sequence-parallel")  # fmt: skip

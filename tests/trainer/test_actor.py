@@ -181,3 +181,48 @@ def test_routing_replay_trains_through_the_experts_the_old_policy_chose(tmp_path
     assert all(torch.equal(routing, old[token]) for token, routing in first.items())  # nothing has moved yet
     same = [torch.equal(routing, old[token]) for token, routing in second.items()]
     assert all(same) if replay else not all(same)
+
+
+def test_rollout_routing_replay_routes_every_forward_as_the_engine_did(tmp_path):
+    """--use-rollout-routing-replay: the samples carry the engine's routing (SGLang's routed_experts: int32 [tokens - 1,
+    layers, top-k]); the old policy's forward and the training's route every token as given, whatever the routers
+    would choose."""
+    import numpy as np
+
+    from services.common.tiny_checkpoint import write_tiny_model
+    from services.trainer.models import load_gpt_model
+    from services.trainer.parallel import init_parallel
+
+    init_parallel(tp_size=1)
+    model, gpt = load_gpt_model(write_tiny_model(tmp_path / "m", arch="qwen3_moe"), moe_enable_routing_replay=True)
+    config = TrainerConfig(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8, lr=1e-3,
+                           micro_batch_size=2, use_rollout_routing_replay=True)  # fmt: skip
+    optimizer = build_optimizer(model, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8)
+    actor = Actor(config, model, optimizer, build_scheduler(optimizer, 0, None, "constant", config.lr, 0.0),
+                  Groups(vocab_size=gpt.shape.vocab_size))  # fmt: skip
+    batch, generator = _batch(), torch.Generator().manual_seed(0)
+    engine = [torch.stack([torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(2)])
+                           for _ in range(len(tokens) - 1)]).int() for tokens in batch.tokens]  # fmt: skip
+    batch.routed_experts = [np.ascontiguousarray(chosen.numpy()).tobytes() for chosen in engine]
+    calls = []
+
+    def logprobs(model, batch, indices, entropy=False):
+        calls.append((indices, []))
+        return forward(model, batch, indices, entropy)
+
+    forward, actor.logprobs = actor.logprobs, logprobs
+    for layer in model.decoder.layers:
+        layer.mlp.router.register_forward_hook(lambda module, args, output: calls[-1][1].append(output[1].clone()))
+    try:
+        actor.train_rollout(batch)
+    finally:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
+    assert len(calls) == 8  # the old policy's 4 micro-batches, then the step's 4
+    for indices, maps in calls:
+        for layer, routing_map in enumerate(maps):
+            for b, sample in enumerate(indices):
+                for position, experts in enumerate(engine[sample][:, layer]):
+                    chosen = routing_map[position * len(indices) + b].nonzero().flatten()
+                    assert sorted(chosen.tolist()) == sorted(experts.tolist())
