@@ -173,6 +173,9 @@ class WeightSender:
         )
         self.timings["commit_s"] = time.perf_counter() - started - sum(self.timings.values())
         live = sum(e.success for e in committed.engines)
+        if not live:  # every engine failed its commit (and was evicted): none serves this version
+            raise EnginesLeft(f"no engine committed version {version}: " + "; ".join(
+                f"{e.url}: {e.message}" for e in committed.engines))  # fmt: skip
         log.info("weights of version %d sent to %d engine(s)", version, live)
 
     def _join(self, backend: str, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
