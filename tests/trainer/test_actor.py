@@ -134,6 +134,26 @@ def test_ppo_trains_the_critic_first_then_the_policy(tmp_path):
     assert any(moved)
 
 
+def _routing_of_each_forward(actor: Actor, batch) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Trains one rollout; returns each forward's samples and its routers' choices (routing maps), in call order."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    calls = []
+
+    def logprobs(model, batch, indices, entropy=False):
+        calls.append((indices, []))
+        return forward(model, batch, indices, entropy)
+
+    forward, actor.logprobs = actor.logprobs, logprobs
+    for layer in actor.model.decoder.layers:
+        layer.mlp.router.register_forward_hook(lambda module, args, output: calls[-1][1].append(output[1].clone()))
+    try:
+        actor.train_rollout(batch)
+    finally:
+        RouterReplay.clear_global_router_replay_instances()  # the next model's routers register anew
+    return calls
+
+
 @pytest.mark.parametrize("replay", [True, False])
 def test_routing_replay_trains_through_the_experts_the_old_policy_chose(tmp_path, replay):
     """Qwen3-MoE, two optimizer steps on one rollout with a large learning rate: with --use-routing-replay every
@@ -151,21 +171,7 @@ def test_routing_replay_trains_through_the_experts_the_old_policy_chose(tmp_path
     optimizer = build_optimizer(model, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8)
     actor = Actor(config, model, optimizer, build_scheduler(optimizer, 0, None, "constant", config.lr, 0.0),
                   Groups(vocab_size=gpt.shape.vocab_size))  # fmt: skip
-    calls = []  # (samples of the micro-batch, its routers' choices), in call order
-
-    def logprobs(model, batch, indices, entropy=False):
-        calls.append((indices, []))
-        return forward(model, batch, indices, entropy)
-
-    forward, actor.logprobs = actor.logprobs, logprobs
-    for layer in model.decoder.layers:
-        layer.mlp.router.register_forward_hook(lambda module, args, output: calls[-1][1].append(output[1].clone()))
-    try:
-        actor.train_rollout(_batch())
-    finally:
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        RouterReplay.clear_global_router_replay_instances()
+    calls = _routing_of_each_forward(actor, _batch())
 
     def by_token(forwards) -> dict:
         """(sample, position, layer) -> the experts chosen (routers see a micro-batch's tokens position-major)."""
@@ -204,21 +210,7 @@ def test_rollout_routing_replay_routes_every_forward_as_the_engine_did(tmp_path)
     engine = [torch.stack([torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(2)])
                            for _ in range(len(tokens) - 1)]).int() for tokens in batch.tokens]  # fmt: skip
     batch.routed_experts = [np.ascontiguousarray(chosen.numpy()).tobytes() for chosen in engine]
-    calls = []
-
-    def logprobs(model, batch, indices, entropy=False):
-        calls.append((indices, []))
-        return forward(model, batch, indices, entropy)
-
-    forward, actor.logprobs = actor.logprobs, logprobs
-    for layer in model.decoder.layers:
-        layer.mlp.router.register_forward_hook(lambda module, args, output: calls[-1][1].append(output[1].clone()))
-    try:
-        actor.train_rollout(batch)
-    finally:
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        RouterReplay.clear_global_router_replay_instances()
+    calls = _routing_of_each_forward(actor, batch)
     assert len(calls) == 8  # the old policy's 4 micro-batches, then the step's 4
     for indices, maps in calls:
         for layer, routing_map in enumerate(maps):
