@@ -102,6 +102,7 @@ LAYOUTS = {  # family, and the trainer's parallelism (torchrun's processes: TP x
     "qwen3-tp2": ("qwen3", ["--tensor-model-parallel-size", "2"]),
     "glm4": ("glm4", []),
     "glm4-moe": ("glm4_moe", []),
+    "qwen3-moe-tp2": ("qwen3_moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "deepseek-v3-ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
 }
 
@@ -109,7 +110,7 @@ LAYOUTS = {  # family, and the trainer's parallelism (torchrun's processes: TP x
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path, layout):
     """The whole loop: the gateway rolls out, the trainer (one process; or two under torchrun, TP=2: the sender
-    gathers the shards; EP=2: each rank holds half the experts and all gather them) trains two steps and sends its
+    gathers the shards, the experts' too; EP=2: each rank holds half the experts and all gather them) trains two steps and sends its
     weights after each; the engines (transformers' model of the family) end with exactly the trainer's final
     weights (its HF export), every tensor by the checkpoint's name, under version 2."""
     arch, parallel = LAYOUTS[layout]
