@@ -110,9 +110,9 @@ LAYOUTS = {  # family, and the trainer's parallelism (torchrun's processes: TP x
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path, layout):
     """The whole loop: the gateway rolls out, the trainer (one process; or two under torchrun, TP=2: the sender
-    gathers the shards, the experts' too; EP=2: each rank holds half the experts and all gather them) trains two steps and sends its
-    weights after each; the engines (transformers' model of the family) end with exactly the trainer's final
-    weights (its HF export), every tensor by the checkpoint's name, under version 2."""
+    gathers the shards, the experts' too; EP=2: each rank holds half the experts and all gather them) trains two
+    steps and sends its weights after each; the engines (transformers' model of the family) end with exactly the
+    trainer's final weights (its HF export), every tensor by the checkpoint's name, under version 2."""
     arch, parallel = LAYOUTS[layout]
     model = tiny_model if arch == "qwen3" else write_tiny_model(tmp_path / arch, arch=arch)
     system = make_system(num_engines=2, model=model)
