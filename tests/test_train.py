@@ -109,12 +109,13 @@ def service_pid(run_dir: Path, module: str) -> int:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_train_runs_the_demo_on_an_moe_checkpoint(service_process, tmp_path, arch):
+@pytest.mark.parametrize(("arch", "extra"), [("qwen3_moe", []), ("deepseek_v3", ["--use-rollout-routing-replay"])])
+def test_train_runs_the_demo_on_an_moe_checkpoint(service_process, tmp_path, arch, extra):
     """The MoE families end to end (Qwen3-MoE; DeepSeek-V3: multi-latent attention, shared experts, its router): the
     trainer's Megatron layers, the reference engine's transformers model, and the weight sync between them by the
-    checkpoint's per-expert names."""
-    run = service_process("train", *train_args(tmp_path, steps=3, arch=arch))
+    checkpoint's per-expert names. DeepSeek-V3 with rollout routing replay: the engines return the experts they chose
+    for every token, the samples carry them, and the trainer routes through them."""
+    run = service_process("train", *train_args(tmp_path, steps=3, arch=arch), *extra)
     assert run.wait(420) == 0, run.log[-3000:]
     assert [s["step"] for s in steps_of(tmp_path / "demo")] == [0, 1, 2]
     trainer_log = (tmp_path / "demo" / "logs" / "trainer.log").read_text()

@@ -17,6 +17,7 @@ from starlette.routing import Route
 from services.rollout.engine.batch import Sequence
 from services.rollout.engine.engine import Engine
 from services.rollout.engine.responses import SSE_DONE, error, generate_output, json_response, sse
+from services.rollout.engine.routing import check_start_len
 from services.rollout.engine.sampling import BadRequest, parse_sampling
 from services.rollout.engine.weights import WeightReceiver
 
@@ -115,14 +116,17 @@ class EngineAPI:
             return str(rids[index])
         return str(rids) if single else f"{rids}_{index}"
 
-    @staticmethod
-    def _sequence(rid: str, prompt: list[int], sampling, body: dict, index: int, sample: int) -> Sequence:
+    def _sequence(self, rid: str, prompt: list[int], sampling, body: dict, index: int, sample: int) -> Sequence:
         pick = lambda key, default: v[index] if isinstance(v := body.get(key, default), list) else v  # noqa: E731
         generator = None
         if sampling.sampling_seed is not None:
             generator = torch.Generator().manual_seed(sampling.sampling_seed + sample)
-        return Sequence(rid, list(prompt), sampling, bool(pick("return_logprob", False)),
-                        int(pick("logprob_start_len", -1)), generator)  # fmt: skip
+        seq = Sequence(rid, list(prompt), sampling, bool(pick("return_logprob", False)),
+                       int(pick("logprob_start_len", -1)), generator)  # fmt: skip
+        if pick("return_routed_experts", False):  # checked even without the server option, as SGLang does
+            seq.routed_experts_start_len = check_start_len(pick("routed_experts_start_len", 0) or 0, len(prompt))
+            seq.return_routed_experts = self.engine.routing is not None  # else the answer lacks the key, as SGLang's
+        return seq
 
     # Aborts, health, info
 

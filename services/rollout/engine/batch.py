@@ -5,11 +5,13 @@ pass for all rows. Rows are right-aligned in the cache (shorter ones padded on t
 the padding, so each row computes exactly what it would alone; finished rows leave the batch.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
+from services.rollout.engine.routing import RoutingCapture
 from services.rollout.engine.sampling import SamplingParams
 
 
@@ -31,6 +33,9 @@ class Sequence:
     text: str = ""
     num_retractions: int = 0
     cached: int = 0  # positions in the KV cache
+    return_routed_experts: bool = False  # asked for, and the server captures routing
+    routed_experts_start_len: int = 0
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] of each forward
 
     @property
     def next_input(self) -> int:
@@ -38,8 +43,8 @@ class Sequence:
 
 
 class Batcher:
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.model, self.device = model, device
+    def __init__(self, model: torch.nn.Module, device: torch.device, routing: RoutingCapture | None = None):
+        self.model, self.device, self.routing = model, device, routing
         self.rows: list[Sequence] = []
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, cache length], 1 where a row has a real position
@@ -56,9 +61,12 @@ class Batcher:
             inputs[row, width - len(tokens) :] = torch.tensor(tokens, device=self.device)
             mask[row, width - len(tokens) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True)
-        for seq, tokens in zip(sequences, ids, strict=True):
+        with self._routing(sequences, inputs.shape) as routed:
+            out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True)
+        for row, (seq, tokens) in enumerate(zip(sequences, ids, strict=True)):
             seq.cached = len(tokens)
+            if routed and seq.return_routed_experts:  # replaces any rows from before a retraction
+                seq.routed_experts = [routed[0][row, width - len(tokens) :].clone()]
         self._join(sequences, out.past_key_values, mask)
         return [out.logits[row, width - len(tokens) :] for row, tokens in enumerate(ids)]
 
@@ -68,17 +76,26 @@ class Batcher:
         inputs = torch.tensor([[seq.next_input] for seq in self.rows], device=self.device)
         positions = torch.tensor([[seq.cached] for seq in self.rows], device=self.device)
         self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=self.device)], 1)
-        out = self.model(
-            input_ids=inputs,
-            position_ids=positions,
-            attention_mask=self.mask,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        with self._routing(self.rows, inputs.shape) as routed:
+            out = self.model(
+                input_ids=inputs,
+                position_ids=positions,
+                attention_mask=self.mask,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
         self.cache = out.past_key_values
-        for seq in self.rows:
+        for row, seq in enumerate(self.rows):
             seq.cached += 1
+            if routed and seq.return_routed_experts:
+                seq.routed_experts.append(routed[0][row].clone())
         return out.logits[:, -1]
+
+    def _routing(self, sequences: list[Sequence], shape: torch.Size):
+        """Captures the forward's routing only when a sequence in it asked for it (SGLang's return_routed_experts)."""
+        if self.routing is None:
+            return contextlib.nullcontext([])
+        return self.routing.forward(tuple(shape), any(seq.return_routed_experts for seq in sequences))
 
     def _join(self, sequences: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:
         width = max(mask.shape[1], self.mask.shape[1] if self.rows else 0)

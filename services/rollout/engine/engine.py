@@ -11,6 +11,7 @@ from concurrent.futures import Future
 import torch
 
 from services.rollout.engine.batch import Batcher, Sequence
+from services.rollout.engine.routing import RoutingCapture
 from services.rollout.engine.sampling import choose_batch
 
 log = logging.getLogger(__name__)
@@ -19,13 +20,14 @@ Listener = Callable[[Sequence, bool], None]  # called after each new token; the 
 
 
 class Engine:
-    def __init__(self, model, tokenizer, device: torch.device, max_batch_size: int, weight_version: str):
-        self.model, self.tokenizer, self.device = model, tokenizer, device
+    def __init__(self, model, tokenizer, device: torch.device, max_batch_size: int, weight_version: str,
+                 routing: RoutingCapture | None = None):  # fmt: skip
+        self.model, self.tokenizer, self.device, self.routing = model, tokenizer, device, routing
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self.max_context = int(getattr(model.config, "max_position_embeddings", 32768))
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.batcher = Batcher(model, device)
+        self.batcher = Batcher(model, device, routing)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.listeners: dict[int, Listener] = {}
         self.paused: str | None = None
@@ -78,6 +80,7 @@ class Engine:
         with self._wake:
             for seq in reversed(rows):
                 seq.num_retractions += 1
+                seq.routed_experts = []  # the prefill that readmits it routes every position again
                 self.waiting.appendleft(seq)
 
     def _loop(self) -> None:

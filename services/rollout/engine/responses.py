@@ -4,6 +4,7 @@ import json
 
 from starlette.responses import Response
 
+from services.rollout.engine import routing
 from services.rollout.engine.batch import Sequence
 
 
@@ -51,6 +52,9 @@ def generate_output(seq: Sequence, text: str, version: str, return_logprob: bool
     meta.update(reasoning_tokens=0, completion_tokens=len(seq.output_ids), cached_tokens=0)
     if finished:
         meta["weight_versions"] = version_spans(seq)
+        if seq.return_routed_experts and seq.routed_experts:  # none for one aborted before its prefill
+            num_tokens = len(seq.prompt_ids) + len(seq.output_ids)
+            meta["routed_experts"] = routing.encode(seq.routed_experts, seq.routed_experts_start_len, num_tokens)
         meta["e2e_latency"] = latency_s
     return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
 

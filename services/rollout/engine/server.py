@@ -15,6 +15,7 @@ def load(config: EngineConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.rollout.engine.engine import Engine
+    from services.rollout.engine.routing import RoutingCapture
 
     if config.device == "cuda" and not torch.cuda.is_available():
         raise StartupError("--device cuda was asked for but CUDA is not available; pass --device cpu")
@@ -26,7 +27,9 @@ def load(config: EngineConfig):
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot load a model from --model-path {config.model_path}: {e}") from None
     device = torch.device(config.device)
-    return Engine(model.to(device).eval(), tokenizer, device, config.max_running_requests, config.weight_version)
+    routing = RoutingCapture(model) if config.enable_return_routed_experts else None
+    return Engine(model.to(device).eval(), tokenizer, device, config.max_running_requests, config.weight_version,
+                  routing)  # fmt: skip
 
 
 def serve(config: EngineConfig) -> int:
