@@ -18,12 +18,13 @@ Megatron layouts this module owns:
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from services.trainer.families import ALL_RULES
-from services.trainer.families.base import DENSE, Rule
+if TYPE_CHECKING:  # the families import megatron-core: loaded with the model, not with this module
+    from services.trainer.families.base import Rule
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ModelShape:
     qk_layernorm: bool
     num_experts: int = 0  # MoE: routed experts per layer (0: a dense MLP)
     moe_ffn_hidden_size: int = 0
-    rules: Mapping[str, Rule] = field(default_factory=lambda: DENSE, compare=False)  # the family's tensor names
+    rules: Mapping[str, "Rule"] = field(default_factory=dict, compare=False)  # the family's tensor names
 
 
 # Transformer Engine's spec fuses a layer's norms into the next linear: its names for the local spec's norms.
@@ -83,7 +84,7 @@ def _template(local: str) -> tuple[str, str | None]:
     return (f"mlp.experts.local_experts.{{j}}.{expert[2]}", expert[1]) if expert else (local, None)
 
 
-def _shard(rule: Rule, tensors: list[torch.Tensor], shape: ModelShape, rank: int, size: int) -> torch.Tensor:
+def _shard(rule: "Rule", tensors: list[torch.Tensor], shape: ModelShape, rank: int, size: int) -> torch.Tensor:
     """This rank's part of the Megatron tensor that `rule` makes of the HF `tensors`."""
 
     def split(tensor: torch.Tensor) -> torch.Tensor:
@@ -168,6 +169,8 @@ def tp_split_dim(name: str) -> int | None:
     """The dimension a Megatron parameter is split on across (expert-)tensor-parallel ranks; None when replicated."""
     if name in _GLOBAL_SPLIT:
         return _GLOBAL_SPLIT[name]
+    from services.trainer.families import ALL_RULES
+
     match = _LAYER.match(name)
     rule = ALL_RULES.get(_template(match[2] if match else name)[0])
     return rule.dim if rule else None
