@@ -245,7 +245,7 @@ class WeightSync:
         for engine in at_fault:
             self.pool.evict(engine, f"weight sync of version {self.version} failed at {where}: {messages[engine.url]}")
         log.warning("weight sync of version %d: %s failed on %s; the trainer starts over",
-                    self.version, where, ", ".join(e.url for e in failed))  # fmt: skip
+                    self.version, where, ", ".join(f"{e.url} ({messages[e.url]})" for e in failed))  # fmt: skip
         await self._leave([e for e in self.engines if e not in at_fault])
         self.group = None
 
