@@ -133,9 +133,7 @@ class Actor:
         mask_BR = tensors["loss_mask_BR"]
         self.model.eval()  # the old policy's log-probs: no dropout
         steps = split_steps(list(range(len(batch))), c.num_steps_per_rollout)
-        if (
-            self.routing is not None
-        ):  # in the training's micro-batches: recorded (or the engines'), replayed in each step
+        if self.routing is not None:  # in the training's micro-batches: recorded (or the engines'), then replayed
             self.routing.clear()
             mbs = [mb for indices in steps for mb in self._micro_batches(batch, indices)]
             if c.use_rollout_routing_replay:
@@ -255,7 +253,7 @@ class Actor:
             if tracked.get("reduce_group") is not None and dist.get_world_size(tracked["reduce_group"]) > 1:
                 dist.all_reduce(values, group=tracked["reduce_group"])
             dp_size = dist.get_world_size(self.groups.dp) if self.groups.dp is not None else 1
-            losses[name] = float(values.sum()) / (self._moe_layers(len(values)) * num_micro_batches * dp_size)
+            losses[name] = float(values.sum()) / (len(self._moe_layers()) * num_micro_batches * dp_size)
         clear_aux_losses_tracker()
         return losses
 
@@ -265,20 +263,21 @@ class Actor:
         from services.trainer.routing_replay import engines_routing
 
         config = self.model.config
-        frequency = config.moe_layer_freq
-        moe = frequency if isinstance(frequency, list) else [int(i % frequency == 0) for i in range(config.num_layers)]
         sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
         return engines_routing(
             [batch.routed_experts[i] if batch.routed_experts else b"" for i in mb],
             [len(batch.tokens[i]) for i in mb], [batch.sample_ids[i] for i in mb],
             length=self.inputs(batch, mb)["tokens_BL"].shape[1], layers=config.num_layers,
-            topk=config.moe_router_topk, moe_layers=[i for i, is_moe in enumerate(moe) if is_moe],
+            topk=config.moe_router_topk, moe_layers=self._moe_layers(),
             part=(self.groups.tp_rank, config.tensor_model_parallel_size) if sequence_parallel else (0, 1),
         )  # fmt: skip
 
-    def _moe_layers(self, num_layers: int) -> int:
-        frequency = self.model.config.moe_layer_freq  # megatron's: every k-th layer, or a 0/1 per layer
-        return sum(frequency) if isinstance(frequency, list) else len(range(0, num_layers, frequency))
+    def _moe_layers(self) -> list[int]:
+        """The model's MoE layers (megatron's `moe_layer_freq`: every k-th layer, or a 0/1 per layer)."""
+        config = self.model.config
+        frequency = config.moe_layer_freq
+        flags = frequency if isinstance(frequency, list) else [i % frequency == 0 for i in range(config.num_layers)]
+        return [layer for layer, is_moe in enumerate(flags) if is_moe]
 
     @property
     def pipelined(self) -> bool:
@@ -300,11 +299,11 @@ class Actor:
         def spans(group) -> bool:
             return group is not None and dist.get_world_size(group) > 1
 
+        # Qwen3's and GLM-4.5's QK norms are per head (each TP rank some heads); MLA's see the whole latent.
+        per_head = not getattr(getattr(self.model, "config", None), "multi_latent_attention", False)
         for name, param in self.model.named_parameters():
             if param.grad is None:
                 continue
-            # Qwen3's and GLM-4.5's QK norms are per head (each TP rank some heads); MLA's see the whole latent.
-            per_head = not getattr(getattr(self.model, "config", None), "multi_latent_attention", False)
             partial = per_head and ("q_layernorm" in name or "k_layernorm" in name)
             partial = partial or (self.config.sequence_parallel and getattr(param, "sequence_parallel", False))
             if partial and spans(self.groups.tp):

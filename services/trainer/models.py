@@ -275,8 +275,6 @@ def layer_spec(config: GPTConfig) -> TransformerBlockSubmodules:
     layer-norm difference)."""
     block = get_gpt_decoder_block_spec(config.transformer, use_transformer_engine=HAVE_TE, normalization="RMSNorm")
     for spec in {id(s): s for s in block.layer_specs}.values():  # the dense and the MoE layer's spec, each once
-        if config.family.layer_class is not None:
-            spec.module = config.family.layer_class
         config.family.adapt_spec(spec, config.transformer)
         if HAVE_TE:
             continue

@@ -69,16 +69,14 @@ def _as_built(target, config) -> None:
 class Family:
     """A model family: `settings(config.json)` gives the TransformerConfig fields beyond the dense decoder's
     (`models.gpt_config_from_hf`), raising ValueError for what megatron-core cannot express; `rules` name its
-    tensors. `rotary_percent`: the share of each head that rope rotates. `layer_class`: a TransformerLayer subclass
-    for a layer megatron's does not build. `gpt_rope`: whether GPTModel's rope arguments apply (MLA owns its own).
-    `adapt_spec(layer spec, config)` and `adapt_model(model, config)`: changes to megatron's spec and built model
-    (each says why)."""
+    tensors. `rotary_percent`: the share of each head that rope rotates. `gpt_rope`: whether GPTModel's rope
+    arguments apply (MLA owns its own). `adapt_spec(layer spec, config)` and `adapt_model(model, config)`: changes to
+    megatron's spec (a layer it does not build, another module) and to the built model (each says why)."""
 
     rules: Mapping[str, Rule]
     settings: Callable[[dict], dict] = _no_settings
     config_class: type = TransformerConfig
     rotary_percent: Callable[[dict], float] = _full_rotary
-    layer_class: type | None = None
     gpt_rope: bool = True
     adapt_spec: Callable = _as_built
     adapt_model: Callable = _as_built

@@ -50,10 +50,14 @@ class SandwichNormLayer(TransformerLayer):
         self.mlp_bda = _norm_before(self.mlp_bda, self.post_mlp_layernorm)
 
 
+def sandwich_layers(spec, config) -> None:
+    spec.module = SandwichNormLayer
+
+
 RULES = {
     **DENSE,
     "post_self_attn_layernorm.weight": copied("post_self_attn_layernorm.weight"),
     "post_mlp_layernorm.weight": copied("post_mlp_layernorm.weight"),
     "mlp.linear_fc1.weight": Rule(("mlp.gate_up_proj.weight",), 0, "gate_up"),
 }
-FAMILY = Family(rules=RULES, settings=settings, rotary_percent=partial_rotary_factor, layer_class=SandwichNormLayer)
+FAMILY = Family(rules=RULES, settings=settings, rotary_percent=partial_rotary_factor, adapt_spec=sandwich_layers)
