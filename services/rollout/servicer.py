@@ -72,10 +72,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.EvaluateResponse(results=results)
 
     async def PrepareWeightSync(self, request, context):
-        world_size, ranks, created = await self.sync.prepare(
-            request.version, request.master_address, request.master_port, request.group_name or "weight_update_group",
-            request.backend or "nccl",
-        )  # fmt: skip
+        sources = [(s.group_name, s.master_address, s.master_port) for s in request.sources] or [
+            (request.group_name or "weight_update_group", request.master_address, request.master_port)
+        ]
+        world_size, ranks, created = await self.sync.prepare(request.version, sources, request.backend or "nccl")
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
         return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created)
 
@@ -86,7 +86,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 names = [t.name for t in bucket.tensors]
                 dtypes, shapes = [t.dtype for t in bucket.tensors], [list(t.shape) for t in bucket.tensors]
                 results = await self.sync.bucket(bucket.bucket_index, names, dtypes, shapes, bucket.load_format,
-                                                  list(bucket.serialized_named_tensors))  # fmt: skip
+                                                  list(bucket.serialized_named_tensors), bucket.group_name)  # fmt: skip
                 yield rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index, engines=_results(results))
         finally:  # a trainer that died mid-stream ends it like one that is done: it must commit or prepare soon
             self.sync.stream_ended()

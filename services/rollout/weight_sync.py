@@ -2,6 +2,11 @@
 between the trainer (rank 0) and every engine's TP ranks, pauses generation, forwards each bucket's tensor specs to
 all engines at once while the trainer broadcasts, then commits the version (engines, generation, buffer).
 
+A trainer with pipeline stages has a sender per stage, each rank 0 of its own group with every engine (the sources).
+Their buckets reach the engines one at a time, in the order they arrive here, the same order on every engine: an
+engine receives one broadcast at a time, and two engines taking two groups' buckets in opposite orders would each
+wait for the other.
+
 Every engine call has a deadline; an engine that fails is evicted and the sync goes on with the others. The group is
 kept across syncs and rebuilt only when the engines taking part change.
 """
@@ -11,7 +16,7 @@ import base64
 import logging
 from dataclasses import dataclass
 
-from services.common.errors import FailedPrecondition, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import Engine, EngineFailure, EnginePool
 from slipstream.v1 import buffer_pb2
@@ -24,10 +29,14 @@ STREAM_END_GRACE_S = 15.0  # after its bucket stream, a trainer commits (or prep
 
 @dataclass
 class Group:
-    name: str
     members: tuple  # ((url, tp_size), ...) in rank order
-    address: tuple  # (master address, port, backend)
+    sources: tuple  # ((group name, master address, port), ...): one group per sender
+    backend: str
     admissions: tuple = ()  # each member's admission count: a re-admitted engine needs a new group
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.sources]
 
 
 @dataclass
@@ -48,10 +57,14 @@ class WeightSync:
         self._joining: asyncio.Task | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self.aborted: asyncio.Future | None = None  # of the open sync: resolves with the reason when it is aborted
+        self.delivering = asyncio.Lock()  # one bucket at a time reaches the engines, whichever sender sent it
 
-    async def prepare(self, version: int, address: str, port: int, group_name: str, backend: str):
-        """Returns (world size, [(url, rank offset, tp size)], whether the trainer must join a new group). Called
-        again with the same version after an engine left, it starts the sync over with the engines still healthy."""
+    async def prepare(self, version: int, sources: list[tuple[str, str, int]], backend: str):
+        """`sources`: (group name, master address, port) of each sender. Returns (world size, [(url, rank offset,
+        tp size)], whether the senders must join new groups). Called again with the same version after an engine
+        left, it starts the sync over with the engines still healthy."""
+        if len({name for name, _, _ in sources}) != len(sources):
+            raise InvalidArgument(f"sources: each sender needs its own group_name, got {[n for n, _, _ in sources]}")
         if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
             await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
         self._watch(0)
@@ -69,7 +82,7 @@ class WeightSync:
             await self.pool.resume()
             raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
         members = tuple((e.url, e.tp_size) for e in engines)
-        group = Group(group_name, members, (address, port, backend), tuple(e.admissions for e in engines))
+        group = Group(members, tuple(sources), backend, tuple(e.admissions for e in engines))
         offsets = [1 + sum(tp for _, tp in members[:i]) for i in range(len(members))]
         world_size = 1 + sum(tp for _, tp in members)
         created = self.group != group and backend != "ipc"  # colocated: tensors travel as handles, no group
@@ -77,13 +90,10 @@ class WeightSync:
             self.group = group
         if created:
             if self.group is not None:
-                await self._each(self._members(), "/destroy_weights_update_group", {"group_name": self.group.name})
+                await self._destroy(self._members())
             self.group = group
-            common = {"master_address": address, "master_port": port, "world_size": world_size,
-                      "group_name": group_name, "backend": backend}  # fmt: skip
-            per_engine = {e.url: {**common, "rank_offset": o} for e, o in zip(engines, offsets, strict=True)}
-            # Each engine's call returns only once the trainer has joined too: it runs while Prepare answers.
-            self._joining = asyncio.create_task(self._each(engines, "/init_weights_update_group", {}, per_engine))
+            # Each engine's call returns only once the sender has joined too: it runs while Prepare answers.
+            self._joining = asyncio.create_task(self._join(engines, offsets, world_size))
         self.engines, self.version = engines, version
         if self.aborted is None or self.aborted.done():
             self.aborted = asyncio.get_running_loop().create_future()
@@ -95,14 +105,22 @@ class WeightSync:
         return world_size, ranks, created
 
     async def bucket(self, index: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                     load_format: str, payloads: list[bytes]) -> list[Result]:  # fmt: skip
-        """Posts one bucket to every engine at once; answers once each has loaded it or failed. After a failure the
-        group is gone (a collective needs all its members): the trainer prepares again and sends from the start.
-        Colocated, the bucket is `payloads` (tensor handles, one per TP rank), posted to /update_weights_from_tensor."""
-        self._check_open()
-        self._watch(0)
+                     load_format: str, payloads: list[bytes], group_name: str = "") -> list[Result]:  # fmt: skip
+        """Posts one bucket of the sender of `group_name` ("": the first) to every engine at once; answers once each
+        has loaded it or failed. After a failure the groups are gone (a collective needs all its members): the
+        senders prepare again and send from the start. Colocated, the bucket is `payloads` (tensor handles, one per
+        TP rank), posted to /update_weights_from_tensor."""
+        async with self.delivering:
+            self._check_open()
+            self._watch(0)
+            return await self._deliver(index, names, dtypes, shapes, load_format, payloads, group_name)
+
+    async def _deliver(self, index, names, dtypes, shapes, load_format, payloads, group_name) -> list[Result]:
+        group_name = group_name or self.group.names[0]
+        if group_name not in self.group.names:
+            raise InvalidArgument(f"group_name: {group_name!r} is none of this sync's groups {self.group.names}")
         results = await self._joined()
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group.name,
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "load_format": load_format or None, "flush_cache": False}  # fmt: skip
         path = "/update_weights_from_distributed"
         if payloads:
@@ -127,10 +145,9 @@ class WeightSync:
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             failed = {t.result().url for t in done if not t.result().success}
-            if failed and first is None and pending and "payloads" not in body and self.group.address[2] != "ipc":
+            if failed and first is None and pending and self.group.backend != "ipc":
                 first = failed
-                stop = {"group_name": self.group.name}
-                await self._each([tasks[t] for t in pending], "/destroy_weights_update_group", stop)
+                await self._destroy([tasks[t] for t in pending])
         return [t.result() for t in tasks], first
 
     async def commit(self, version: int) -> list[Result]:
@@ -251,8 +268,26 @@ class WeightSync:
 
     async def _leave(self, engines: list[Engine]) -> None:
         await self._each(_sessions(engines), "/end_weight_update", {})
-        if self.group.address[2] != "ipc":
-            await self._each(engines, "/destroy_weights_update_group", {"group_name": self.group.name})
+        if self.group.backend != "ipc":
+            await self._destroy(engines)
+
+    async def _join(self, engines: list[Engine], offsets: list[int], world_size: int) -> list[Result]:
+        """Each engine joins every sender's group, in the sources' order (as each sender waits in its own)."""
+
+        async def join(engine: Engine, offset: int) -> Result:
+            for name, address, port in self.group.sources:
+                body = {"master_address": address, "master_port": port, "world_size": world_size, "group_name": name,
+                        "backend": self.group.backend, "rank_offset": offset}  # fmt: skip
+                result = await self._call(engine, "/init_weights_update_group", body)
+                if not result.success:
+                    return result
+            return result
+
+        return list(await asyncio.gather(*(join(e, o) for e, o in zip(engines, offsets, strict=True))))
+
+    async def _destroy(self, engines: list[Engine]) -> None:
+        for name in self.group.names:
+            await self._each(engines, "/destroy_weights_update_group", {"group_name": name})
 
     def _members(self) -> list[Engine]:
         return [self.pool.engines[url] for url, _ in self.group.members if url in self.pool.engines]

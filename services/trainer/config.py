@@ -168,6 +168,17 @@ class TrainerConfig(ServiceConfig):
     """AdamW epsilon."""
     clip_grad: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this (0: off)."""
+    use_distributed_optimizer: bool = False
+    """Shard AdamW's moments and the float32 main weights over the data-parallel ranks (megatron-core's
+    DistributedOptimizer, ZeRO-1): each rank keeps, updates and saves its 1/DP of them."""
+    overlap_grad_reduce: bool = False
+    """Sum each bucket of gradients over the data-parallel ranks as soon as the backward has produced it (megatron's
+    DDP), overlapping that communication with the rest of the backward."""
+    overlap_param_gather: bool = False
+    """With --use-distributed-optimizer: gather each bucket of updated weights during the next forward instead of all
+    of them right after the step (the trainer gathers the rest before it syncs or saves them)."""
+    ddp_bucket_size: int | None = Field(None, ge=1)
+    """Parameters per gradient bucket with --overlap-grad-reduce; unset: megatron's max(40M, 1M x DP size)."""
     tensorboard_dir: str | None = None
     """Write TensorBoard logs here."""
     load_debug_rollout_data: str | None = None
@@ -197,8 +208,6 @@ class TrainerConfig(ServiceConfig):
         if self.replays_routing and self.pipeline_model_parallel_size > 1:
             raise ValueError("routing replay records and replays micro-batch by micro-batch outside megatron's "
                              "pipeline schedule: use --pipeline-model-parallel-size 1")  # fmt: skip
-        if self.rollout_addr and self.pipeline_model_parallel_size > 1:
-            raise ValueError("weight sync gathers every layer in one process: use --pipeline-model-parallel-size 1")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel splits sequences over tensor-parallel ranks: it needs TP > 1")
         if self.pipeline_model_parallel_size > 1 and self.use_dynamic_batch_size:
@@ -206,8 +215,9 @@ class TrainerConfig(ServiceConfig):
                 "pipeline parallelism sends activations of one shape, so micro-batches have --micro-batch-size "
                 "samples: drop --use-dynamic-batch-size or use --pipeline-model-parallel-size 1"
             )
-        if self.pipeline_model_parallel_size > 1 and self.save_hf:
-            raise ValueError("--save-hf needs every layer in one process: use --pipeline-model-parallel-size 1")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather gathers the weights the distributed optimizer updated in shards: "
+                             "add --use-distributed-optimizer or drop it")  # fmt: skip
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu (e.g. --max-tokens-per-gpu 8192)")
         try:

@@ -153,17 +153,21 @@ class Trainer:
         if config.load:
             self._resume(Path(config.load))
         self.weights = None
-        # The ranks of data-parallel replica 0 gather the weights for the sender (global rank 0); with expert
-        # parallelism the experts live on every data-parallel rank, so every rank takes part.
+        # The ranks of data-parallel replica 0 gather the weights for the senders (each pipeline stage's first rank);
+        # with expert parallelism the experts live on every data-parallel rank, so every rank takes part.
         experts_spread = config.expert_model_parallel_size > 1
         if config.rollout_addr and (self.dp_rank == 0 or experts_spread):
             from services.trainer.models import hf_weights_of
             from services.trainer.weight_sync import WeightSender
 
-            peers = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            model_parallel = self.info.tp_size * config.pipeline_model_parallel_size > 1
+            peers = parallel_state.get_model_parallel_group() if model_parallel else None
             peers = dist.group.WORLD if experts_spread else peers
+            sender = self.dp_rank == 0 and self.tp_rank == 0
+            stages = config.pipeline_model_parallel_size > 1
+            senders = parallel_state.get_pipeline_model_parallel_group() if sender and stages else None
             self.weights = WeightSender(
-                config, lambda: hf_weights_of(self.model, self.gpt), sender=dist.get_rank() == 0, peers=peers
+                config, lambda: hf_weights_of(self.model, self.gpt), sender=sender, peers=peers, senders=senders
             )
         self.writer = self._tensorboard()
         self.last_step_end, self.last_step_unix = time.perf_counter(), time.time()
@@ -350,7 +354,7 @@ class Trainer:
         """Rank 0, while it waits for a batch: does a healthy engine serve other weights than the policy's (it
         restarted, or a sync failed)? Generation for this step may wait on it (synchronous training), so it gets the
         weights now rather than at the next step's sync. Asked every RESYNC_CHECK_S of waiting."""
-        if self.weights is None or not self.weights.sender or self.policy_version == 0 or self.config.colocate:
+        if self.weights is None or not self.weights.coordinator or self.policy_version == 0 or self.config.colocate:
             return False
         if time.monotonic() - waited_since < RESYNC_CHECK_S:
             return False

@@ -1,6 +1,7 @@
 """The trainer's side of weight sync: after a step, the full weights (gathered over tensor-parallel ranks, converted
 to HF names) go to every engine over the weight group the gateway sets up, in buckets of `--update-weight-buffer-size`
 MiB: the bucket's specs go to the gateway, which posts them to all engines, while rank 0 broadcasts the tensors.
+With pipeline stages, each stage sends its own layers over its own weight group (see WeightSender).
 
 No sync can hang the trainer: broadcasts are asynchronous, every wait has a deadline, a broken group is aborted (NCCL
 ends its kernels) rather than destroyed, and a watchdog ends a sync that stops making progress."""
@@ -49,12 +50,23 @@ class WeightSyncFailed(Exception):
 
 
 class WeightSender:
-    """Every rank of data-parallel replica 0 iterates the weights (the TP gather is collective); its global rank 0
-    talks to the gateway and broadcasts. `weights()` yields (HF name, full tensor) in order; `peers` is the group of
-    the ranks iterating with the sender (None when it is alone)."""
+    """Every rank of data-parallel replica 0 iterates the weights (the TP gather is collective); a sender talks to
+    the gateway and broadcasts. `weights()` yields this rank's (HF name, full tensor) pairs in order; `peers` is the
+    group of the ranks iterating with the senders (None when one sender is alone).
 
-    def __init__(self, config, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], sender: bool, peers=None):
-        self.config, self.weights, self.sender, self.peers = config, weights, sender, peers
+    With pipeline stages every stage's first rank is a sender of its own layers (`senders`: their group, the
+    pipeline group of replica 0), each rank 0 of its own weight group with every engine: no stage's layers travel
+    through another, the stages convert and gather in parallel, and each sends from its own GPU (and, across nodes,
+    its own network). The first sender (global rank 0) coordinates: it prepares the sync for all and commits once
+    every sender is done; the senders share each outcome, so that they start over, give up or go on together."""
+
+    def __init__(self, config, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], sender: bool, peers=None,
+                 senders=None):  # fmt: skip
+        self.config, self.weights, self.sender, self.peers, self.senders = config, weights, sender, peers, senders
+        self.coordinator = sender and (senders is None or dist.get_rank(senders) == 0)
+        stage = dist.get_rank(senders) if senders is not None else None
+        self.group_name = GROUP_NAME if stage is None else f"{GROUP_NAME}_pp{stage}"
+        self.address = config.weight_sync_address if self.coordinator else _own_address(config.weight_sync_address)
         self.group, self.port, self.stream = None, 0, None
         self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
@@ -65,7 +77,7 @@ class WeightSender:
             torch.multiprocessing.set_sharing_strategy("file_system")
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None
         if sender and not config.colocate:
-            _check_reachable(config.weight_sync_address)
+            _check_reachable(self.address)
 
     def sync(self, version: int) -> bool:
         """Sends the weights as `version`; returns whether the engines serve it. An engine that fails is left out
@@ -77,14 +89,15 @@ class WeightSender:
             failure = self._attempt(version, buckets) if self.sender else _drain(buckets)
             if not self._agree(isinstance(failure, EnginesLeft) and attempt < ATTEMPTS):
                 break
-            if self.sender:
+            if self.coordinator:
                 log.warning("weight sync of version %d, attempt %d: %s; starting over", version, attempt, failure)
         if failure is None or not self.sender:
             return failure is None
         self._drop_group()
-        with contextlib.suppress(grpc.RpcError):
-            self.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=version, reason=str(failure)),
-                                         timeout=self.timeout.total_seconds())  # fmt: skip
+        if self.coordinator:
+            with contextlib.suppress(grpc.RpcError):
+                self.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=version, reason=str(failure)),
+                                             timeout=self.timeout.total_seconds())  # fmt: skip
         if isinstance(failure, Unreachable):
             raise WeightSyncFailed(str(failure))
         if isinstance(failure, EnginesLeft):
@@ -94,24 +107,30 @@ class WeightSender:
 
     def _attempt(self, version: int, buckets) -> Exception | None:
         watchdog = Watchdog(self.timeout.total_seconds() * STALL_FACTOR, self._stalled)
-        try:
-            with watchdog:
-                self._send(version, buckets, watchdog)
-        except (EnginesLeft, Unreachable) as e:
+        with watchdog:
+            try:
+                failure = _failure(watchdog, self._send, version, buckets, watchdog)
+            finally:
+                _drain(buckets)  # the peers take part in every gather, whatever happened here
+            failure = self._settled(failure)
+            if failure is None and self.coordinator:
+                failure = _failure(watchdog, self._commit, version)
+            failure = self._settled(failure)  # the coordinator's commit, to every sender
+        if isinstance(failure, (EnginesLeft, Unreachable)):
             self._drop_group()
-            return e
-        except grpc.RpcError as e:
-            restart = (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION)
-            if watchdog.stalled or e.code() in restart:  # the gateway ended the sync, or the watchdog did
-                self._drop_group()
-                return EnginesLeft(watchdog.stalled or f"the gateway answered {e.code().name}: {e.details()}")
-            return RuntimeError(f"the gateway answered {e.code().name}: {e.details()}")
-        except RuntimeError as e:  # joining the group failed, or a broadcast did
-            self._drop_group()
-            return EnginesLeft(watchdog.stalled or str(e))
-        finally:
-            _drain(buckets)  # the peers take part in every gather, whatever happened here
-        return None
+        return failure
+
+    def _settled(self, failure: Exception | None) -> Exception | None:
+        """Every sender's outcome, the same for all: the first failure in stage order (an engine that left one
+        group left them all), or None."""
+        if self.senders is None:
+            return failure
+        outcomes = [None] * dist.get_world_size(self.senders)
+        mine = None if failure is None else (type(failure).__name__, str(failure))
+        dist.all_gather_object(outcomes, mine, group=self.senders)
+        kind, message = next((o for o in outcomes if o is not None), (None, None))
+        return None if kind is None else {"EnginesLeft": EnginesLeft, "Unreachable": Unreachable}.get(
+            kind, RuntimeError)(message)  # fmt: skip
 
     def _stalled(self) -> None:
         """The watchdog's remedy: whatever the sync waits in ends (a broadcast with the group, an answer with the
@@ -125,12 +144,7 @@ class WeightSender:
         colocated = self.config.colocate
         backend = "ipc" if colocated else "nccl" if torch.cuda.is_available() else "gloo"
         started = time.perf_counter()
-        if self.group is None and not colocated:
-            self.port = free_port("")  # engines on other hosts join it  # a new address: the gateway builds a new group
-        prepared = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
-            version=version, master_address=self.config.weight_sync_address, master_port=self.port,
-            group_name=GROUP_NAME, backend=backend,
-        ), timeout=self.timeout.total_seconds())  # fmt: skip
+        prepared = self._prepare(version, backend)
         if not colocated and (prepared.group_created or self.group is None):
             watchdog.progress("joining the weight group")  # its own deadline, the timeout, ends first
             self._drop_group()
@@ -149,7 +163,8 @@ class WeightSender:
                     continue
                 specs, tensors = bucket
                 requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
-                                                      load_format="flattened_bucket" if flat else ""))  # fmt: skip
+                                                      load_format="flattened_bucket" if flat else "",
+                                                      group_name=self._bucket_group()))  # fmt: skip
                 try:
                     works = [dist.broadcast(t, src=0, group=self.group, async_op=True)
                              for t in ([flatten(list(tensors))] if flat else tensors)]  # fmt: skip
@@ -168,10 +183,39 @@ class WeightSender:
             requests.put(None)
             self.stream = None
         self.timings["send_s"] = time.perf_counter() - started - self.timings["prepare_s"]
+
+    def _prepare(self, version: int, backend: str) -> rollout_pb2.PrepareWeightSyncResponse:
+        """The coordinator prepares the sync for every sender's group; a sender that lost its group offers a new
+        address (port), for which the gateway builds new groups."""
+        if self.group is None and backend != "ipc":
+            self.port = free_port("")  # engines on other hosts join it
+        mine = rollout_pb2.WeightSource(master_address=self.address, master_port=self.port, group_name=self.group_name)
+        sources = [mine]
+        if self.senders is not None:
+            sources = [None] * dist.get_world_size(self.senders)
+            dist.all_gather_object(sources, mine, group=self.senders)
+        answer = [b""]
+        try:
+            if self.coordinator:
+                answer[0] = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
+                    version=version, sources=sources, backend=backend), timeout=self.timeout.total_seconds(),
+                ).SerializeToString()  # fmt: skip
+        finally:  # the other senders wait for the answer, whatever it is
+            if self.senders is not None:
+                dist.broadcast_object_list(answer, src=dist.get_global_rank(self.senders, 0), group=self.senders)
+        if not answer[0]:
+            raise RuntimeError("the coordinator could not prepare the weight sync")
+        return rollout_pb2.PrepareWeightSyncResponse.FromString(answer[0])
+
+    def _bucket_group(self) -> str:
+        return self.group_name if self.senders is not None else ""
+
+    def _commit(self, version: int) -> None:
+        started = time.perf_counter()
         committed = self.gateway.CommitWeightSync(
             rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.timeout.total_seconds()
         )
-        self.timings["commit_s"] = time.perf_counter() - started - sum(self.timings.values())
+        self.timings["commit_s"] = time.perf_counter() - started
         live = sum(e.success for e in committed.engines)
         if not live:  # every engine failed its commit (and was evicted): none serves this version
             raise EnginesLeft(f"no engine committed version {version}: " + "; ".join(
@@ -180,11 +224,11 @@ class WeightSender:
 
     def _join(self, backend: str, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
         """Hosts the weight group as rank 0 and waits for the engines to join it."""
-        address = f"{self.config.weight_sync_address}:{self.port}"
+        address = f"{self.address}:{self.port}"
         last = self.timeout * STALL_FACTOR * 2  # torch's own deadline on collectives comes last: it ends the process
         try:
-            self.group = init_custom_process_group(backend, f"tcp://{address}", prepared.world_size, 0, GROUP_NAME,
-                                                   self.timeout, collective_timeout=last)  # fmt: skip
+            self.group = init_custom_process_group(backend, f"tcp://{address}", prepared.world_size, 0,
+                                                   self.group_name, self.timeout, collective_timeout=last)  # fmt: skip
         except dist.DistStoreError as e:
             if not re.search(r"\b1/\d+ clients joined", str(e)):  # some joined: the others left (EnginesLeft)
                 raise
@@ -213,8 +257,15 @@ class WeightSender:
         """Colocated: the bucket goes as tensor handles (CUDA IPC); it must live until the engines copied it."""
         named = list(zip([s.name for s in specs], tensors, strict=True))
         payload = bytes(ForkingPickler.dumps(named))
-        requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
-                                              serialized_named_tensors=[payload]))  # fmt: skip
+        requests.put(
+            rollout_pb2.WeightBucket(
+                version=version,
+                bucket_index=index,
+                tensors=specs,
+                serialized_named_tensors=[payload],
+                group_name=self._bucket_group(),
+            )
+        )
         self._check(next(responses))
 
     def lagging(self, version: int) -> list[str]:
@@ -229,7 +280,7 @@ class WeightSender:
 
     def release(self) -> None:
         """Colocated: the engines free their GPU memory while this trainer trains (the next sync takes it back)."""
-        if self.sender:
+        if self.coordinator:
             request = rollout_pb2.ReleaseEngineMemoryRequest()
             self.gateway.ReleaseEngineMemory(request, timeout=self.timeout.total_seconds())
 
@@ -333,6 +384,28 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
                 f"({e.strerror or e}); pass an address of this host that the engines reach (in compose: the job's "
                 "service name; across hosts: this host's address)"
             ) from None
+
+
+def _failure(watchdog: Watchdog, step: Callable, *args) -> Exception | None:
+    """What `step` of a sync raised, as the sync's outcome: EnginesLeft where starting over may help."""
+    try:
+        step(*args)
+    except (EnginesLeft, Unreachable) as e:
+        return e
+    except grpc.RpcError as e:
+        restart = (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION)
+        if watchdog.stalled or e.code() in restart:  # the gateway ended the sync, or the watchdog did
+            return EnginesLeft(watchdog.stalled or f"the gateway answered {e.code().name}: {e.details()}")
+        return RuntimeError(f"the gateway answered {e.code().name}: {e.details()}")
+    except RuntimeError as e:  # joining the group failed, or a broadcast did
+        return EnginesLeft(watchdog.stalled or str(e))
+    return None
+
+
+def _own_address(coordinator_address: str) -> str:
+    """Where a sender other than rank 0 hosts its weight group: rank 0's address on rank 0's node (torchrun's
+    GROUP_RANK 0), else this host's name, which the engines must resolve (a pod's name under a headless Service)."""
+    return coordinator_address if int(os.environ.get("GROUP_RANK", "0")) == 0 else socket.getfqdn()
 
 
 def _drain(buckets) -> None:

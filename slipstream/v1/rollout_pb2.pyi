@@ -133,18 +133,30 @@ class EngineRank(_message.Message):
     def __init__(self, url: _Optional[str] = ..., rank_offset: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class PrepareWeightSyncRequest(_message.Message):
-    __slots__ = ("version", "master_address", "master_port", "group_name", "backend")
+    __slots__ = ("version", "master_address", "master_port", "group_name", "backend", "sources")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     version: int
     master_address: str
     master_port: int
     group_name: str
     backend: str
-    def __init__(self, version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[WeightSource]
+    def __init__(self, version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[WeightSource, _Mapping]]] = ...) -> None: ...
+
+class WeightSource(_message.Message):
+    __slots__ = ("master_address", "master_port", "group_name")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    group_name: str
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ...) -> None: ...
 
 class PrepareWeightSyncResponse(_message.Message):
     __slots__ = ("world_size", "engines", "group_created")
@@ -157,18 +169,20 @@ class PrepareWeightSyncResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors")
+    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     version: int
     bucket_index: int
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
     load_format: str
     serialized_named_tensors: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    group_name: str
+    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., group_name: _Optional[str] = ...) -> None: ...
 
 class EngineResult(_message.Message):
     __slots__ = ("url", "success", "message")

@@ -2,6 +2,9 @@
 trainer (rank 0): it asks PrepareWeightSync, joins the group, broadcasts each bucket while SyncWeightBuckets forwards
 it, and commits. Engines then hold exactly the sent weights under the new version, and the buffer knows it."""
 
+import itertools
+import json
+import math
 import os
 import queue
 import signal
@@ -103,16 +106,25 @@ LAYOUTS = {  # family, and the trainer's parallelism (torchrun's processes: TP x
     "glm4": ("glm4", []),
     "glm4-moe": ("glm4_moe", []),
     "qwen3-moe-tp2": ("qwen3_moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "qwen3-pp2": ("qwen3", ["--pipeline-model-parallel-size", "2"]),
+    "qwen3-pp2-tp2": ("qwen3", ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     "deepseek-v3-ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
 }
 
 
+def _processes(parallel: list[str]) -> int:
+    sizes = [int(v) for flag, v in itertools.pairwise(parallel) if flag.endswith("-parallel-size")]
+    return math.prod(sizes)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path, layout):
-    """The whole loop: the gateway rolls out, the trainer (one process; or two under torchrun, TP=2: the sender
-    gathers the shards, the experts' too; EP=2: each rank holds half the experts and all gather them) trains two
-    steps and sends its weights after each; the engines (transformers' model of the family) end with exactly the
-    trainer's final weights (its HF export), every tensor by the checkpoint's name, under version 2."""
+    """The whole loop: the gateway rolls out, the trainer (one process; or several under torchrun, TP=2: the sender
+    gathers the shards, the experts' too; EP=2: each rank holds half the experts and all gather them; PP=2: the
+    stages each send their own layers over their own weight group) trains two steps and sends its weights after
+    each; the engines (transformers' model of the family) end with exactly the trainer's final weights (its HF
+    export, which transformers reads: with PP one part per stage and one index), every tensor by the checkpoint's
+    name, under version 2."""
     arch, parallel = LAYOUTS[layout]
     model = tiny_model if arch == "qwen3" else write_tiny_model(tmp_path / arch, arch=arch)
     system = make_system(num_engines=2, model=model)
@@ -122,12 +134,12 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
         "--buffer-addr", system.buffer_address, "--rollout-addr", system.thread.address, "--num-rollout", "2",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--lr", "1e-3",
         "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "hf"), "--update-weight-buffer-size", str(2**20),
-        *parallel, nproc=2 if parallel else 1,
+        *parallel, nproc=_processes(parallel),
     )  # fmt: skip
     assert trainer.wait(timeout_s=300) == 0, trainer.log[-4000:]
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=60)
     assert "weights of version 2 sent to 2 engine(s)" in trainer.log
-    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    exported = _exported(tmp_path / "hf")
     trained = "model.layers.0.self_attn.o_proj.weight"
     assert not torch.equal(exported[trained], load_file(model / "model.safetensors")[trained])
     for url in system.engines:
@@ -135,6 +147,15 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
         for name, tensor in exported.items():
             assert torch.equal(_weights_of(url, name), tensor), name
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
+
+
+def _exported(folder: Path) -> dict[str, torch.Tensor]:
+    """An HF export's tensors, each from the file its index names (one file: no index)."""
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        return load_file(folder / "model.safetensors")
+    files = json.loads(index.read_text())["weight_map"]
+    return {name: load_file(folder / file)[name] for name, file in files.items()}
 
 
 def test_a_late_engine_gets_the_full_weights_and_100_syncs_leak_nothing(make_system, free_port, tiny_model,
@@ -307,7 +328,8 @@ def test_a_sync_the_gateway_aborts_ends_the_trainers_bucket_stream(make_system, 
     assert raised.value.code() == grpc.StatusCode.ABORTED
     assert "no word from the trainer for 5 s" in raised.value.details()
     info = httpx.get(f"{system.engines[0]}/model_info", timeout=10).json()
-    assert info["weight_version"] == "default" and system.rollout.pool.running.is_set()  # nothing was loaded
+    assert info["weight_version"] == "default"  # nothing was loaded: generation resumes once the group is gone
+    _wait(system.rollout.pool.running.is_set)
 
 
 def test_an_engine_that_restarts_is_readmitted_and_given_the_policy_again(make_system, start_engine, tiny_model):
@@ -397,6 +419,66 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_engines_on_their_version(make
         assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "8"
         assert torch.equal(_weights_of(url, "lm_head.weight"), sent["lm_head.weight"])
     assert system.rollout.pool.running.is_set()
+
+
+STAGE_SENDERS = """
+import json, os, signal, sys
+from types import SimpleNamespace
+import torch.distributed as dist
+from safetensors.torch import load_file
+from services.trainer.weight_sync import WeightSender
+
+address, model, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mine = [(name, (tensor + 0.25).contiguous()) for name, tensor in sorted(load_file(model).items())[rank::2]]
+config = SimpleNamespace(rollout_addr=address, update_weight_buffer_size=int(0.05 * 2**20),
+                         update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
+                         weight_sync_timeout_s=60, colocate=False)
+passes = []
+
+def weights():  # each stage its own half; the second kills an engine in the middle of its first pass
+    passes.append(len(passes))
+    for index, pair in enumerate(mine):
+        if rank == 1 and victim and len(passes) == 1 and index == len(mine) // 2:
+            os.kill(victim, signal.SIGKILL)
+        yield pair
+
+sender = WeightSender(config, weights, sender=True, peers=dist.group.WORLD, senders=dist.group.WORLD)
+print(json.dumps({"rank": rank, "synced": sender.sync(1), "passes": len(passes)}), flush=True)
+sender.close()
+"""
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["", "an-engine-killed"])
+def test_each_stage_sends_its_own_layers_over_its_own_group(make_system, start_engine, tiny_model, tmp_path, free_port,
+                                                            kill):  # fmt: skip
+    """Two senders (pipeline stages, two processes under torchrun), each rank 0 of its own weight group with both
+    engines, send their halves of the weights at once: the gateway delivers their buckets one at a time, and both
+    engines end with every tensor. An engine killed in the middle of the second stage's sync breaks both groups:
+    both stages start over together and the survivor gets every tensor."""
+    system = make_system(num_engines=2)
+    victim, survivor = system.engines
+    script = tmp_path / "senders.py"
+    script.write_text(STAGE_SENDERS)
+    model = tiny_model / "model.safetensors"
+    pid = start_engine.procs[victim].proc.pid if kill else 0
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(script), system.thread.address, str(model), str(pid)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    outcomes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert sorted(o["rank"] for o in outcomes) == [0, 1] and all(o["synced"] for o in outcomes)
+    assert {o["passes"] for o in outcomes} == ({2} if kill else {1})  # both stages started over, or neither did
+    sent = {name: tensor + 0.25 for name, tensor in load_file(model).items()}
+    for url in [survivor] if kill else system.engines:
+        assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "1"
+        for name, tensor in sent.items():
+            assert torch.equal(_weights_of(url, name), tensor), name
+    if kill:
+        assert _engines(system)[victim].state == rollout_pb2.ENGINE_STATE_EVICTED
 
 
 def test_colocated_weights_go_as_tensor_handles_while_the_engines_gave_back_their_memory(make_system, tiny_model):
