@@ -40,6 +40,7 @@ class Engine:
     last_error: str = ""
     version: str = ""  # the engine's SGLang version (0.5.21+ needs begin/end around weight updates)
     admissions: int = 0  # a re-admitted engine may have restarted: it is in no weight group any more
+    gpus: tuple[int, ...] = (0,)  # of its TP ranks, in the node's numbering (SGLang's base_gpu_id, gpu_id_step)
 
 
 class EngineFailure(Exception):
@@ -94,6 +95,8 @@ class EnginePool:
         info = await self._get_json(engine, "/server_info")
         model = await self._get_json(engine, "/model_info")
         engine.tp_size = int(info.get("tp_size") or 1)
+        base, step = int(info.get("base_gpu_id") or 0), int(info.get("gpu_id_step") or 1)
+        engine.gpus = tuple(base + rank * step for rank in range(engine.tp_size))
         engine.version = str(info.get("version", ""))
         engine.weight_version = str(model.get("weight_version", ""))
         engine.model_path = str(model.get("model_path", ""))

@@ -5,7 +5,6 @@ gateway (even when the gateway is SIGKILLed) and is stopped with it."""
 import asyncio
 import importlib.util
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -91,12 +90,10 @@ async def launch_engines(config: RolloutConfig) -> list[Child]:
     children = []
     for index in range(config.rollout_num_gpus // per_engine):
         port = free_port()
-        env = None
-        if gpus:
-            devices = ",".join(str(d) for d in range(index * per_engine, (index + 1) * per_engine))
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices}
-        args = engine_command(config, port, per_engine, on_gpu=bool(gpus))
-        children.append(start(f"engine-{index}", args, port, Path(config.engine_log_dir), env))
+        # Placed by SGLang's --base-gpu-id, every engine seeing the node's GPUs as the trainer does: colocated, it
+        # reads the tensor handles of the trainer rank on its GPU (on CPU, engine i those of local rank i).
+        args = engine_command(config, port, per_engine, on_gpu=bool(gpus), base_gpu_id=index * per_engine)
+        children.append(start(f"engine-{index}", args, port, Path(config.engine_log_dir)))
     try:
         await asyncio.gather(*(wait_ready(c, "/health") for c in children))
     except StartupError:
@@ -105,10 +102,11 @@ async def launch_engines(config: RolloutConfig) -> list[Child]:
     return children
 
 
-def engine_command(config: RolloutConfig, port: int, tp_size: int, on_gpu: bool) -> list[str]:
+def engine_command(config: RolloutConfig, port: int, tp_size: int, on_gpu: bool, base_gpu_id: int = 0) -> list[str]:
     """`python -m sglang.launch_server …` when SGLang is installed, else the reference engine; --sglang-* options
     are passed to either as given."""
     common = ["--model-path", config.hf_checkpoint, "--host", "127.0.0.1", "--port", str(port)]
+    common += ["--base-gpu-id", str(base_gpu_id)]
     common += ["--enable-return-routed-experts"] if config.use_rollout_routing_replay else []
     if importlib.util.find_spec("sglang") is not None:
         return [sys.executable, "-m", "sglang.launch_server", *common, "--tp-size", str(tp_size), *config.sglang_args]

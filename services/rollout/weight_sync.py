@@ -122,25 +122,30 @@ class WeightSync:
         results = await self._joined()
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "load_format": load_format or None, "flush_cache": False}  # fmt: skip
-        path = "/update_weights_from_distributed"
+        path, bodies = "/update_weights_from_distributed", {e.url: body for e in self.engines}
         if payloads:
-            path, body = "/update_weights_from_tensor", {
-                "serialized_named_tensors": [base64.b64encode(p).decode() for p in payloads], "flush_cache": False,
-            }  # fmt: skip
+            encoded = [base64.b64encode(p).decode() for p in payloads]
+            path, bodies = "/update_weights_from_tensor", {e.url: _handed_over(encoded, e) for e in self.engines}
         blamed = None
         if not results:
-            results, blamed = await self._load_everywhere(path, body)
+            results, blamed = await self._load_everywhere(path, bodies)
         self.partial = self.partial or any(r.success for r in results)
         if not all(r.success for r in results):
             await self._break(f"bucket {index}", results, blamed)
         self._watch()
         return results
 
-    async def _load_everywhere(self, path: str, body: dict) -> tuple[list[Result], set[str] | None]:
-        """Posts a bucket to every engine. Once one fails, the others' receives are cancelled at once (destroying
-        the group): a broadcast needs every member, so theirs may never arrive. Returns the results and, when that
-        happened, the engines that failed first (the others failed because of them)."""
-        tasks = {asyncio.create_task(self._call(e, path, body)): e for e in self.engines}
+    async def _load_everywhere(self, path: str, bodies: dict) -> tuple[list[Result], set[str] | None]:
+        """Posts a bucket to every engine (its body in `bodies`, or why it cannot take the bucket). Once one fails,
+        the others' receives are cancelled at once (destroying the group): a broadcast needs every member, so theirs
+        may never arrive. Returns the results and, when that happened, the engines that failed first (the others
+        failed because of them)."""
+
+        async def load(engine: Engine) -> Result:
+            body = bodies[engine.url]
+            return Result(engine.url, False, body) if isinstance(body, str) else await self._call(engine, path, body)
+
+        tasks = {asyncio.create_task(load(e)): e for e in self.engines}
         pending, first = set(tasks), None
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -315,6 +320,16 @@ class WeightSync:
             return Result(engine.url, False, f"{path}: {e}")
         reply = reply if isinstance(reply, dict) else {}  # memory calls answer `null`
         return Result(engine.url, bool(reply.get("success", True)), str(reply.get("message", "")))
+
+
+def _handed_over(payloads: list[str], engine: Engine) -> dict | str:
+    """A colocated bucket for `engine`: the handles of the trainer rank on each of its TP ranks' GPUs (a trainer on
+    one GPU hands every engine the same); or why it has none."""
+    if len(payloads) > 1 and max(engine.gpus) >= len(payloads):
+        return (f"/update_weights_from_tensor: the engine runs on GPUs {list(engine.gpus)} but the trainer holds GPUs "
+                f"0-{len(payloads) - 1}: colocated engines run on the trainer's GPUs (--base-gpu-id)")  # fmt: skip
+    chosen = payloads if len(payloads) == 1 else [payloads[gpu] for gpu in engine.gpus]
+    return {"serialized_named_tensors": chosen, "flush_cache": False}
 
 
 def _sessions(engines: list[Engine]) -> list[Engine]:

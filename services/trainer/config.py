@@ -205,6 +205,9 @@ class TrainerConfig(ServiceConfig):
         if self.colocate and (not self.rollout_addr or self.update_weights_interval != 1):
             raise ValueError("colocate hands the GPU back to the engines at each sync: it needs --rollout-addr and "
                              "--update-weights-interval 1")  # fmt: skip
+        if self.colocate and self.pipeline_model_parallel_size > 1:
+            raise ValueError("--colocate hands every engine's GPU the whole model, and a pipeline stage holds only its "
+                             "layers: spread the trainer with --tensor-model-parallel-size instead")  # fmt: skip
         if self.replays_routing and self.pipeline_model_parallel_size > 1:
             raise ValueError("routing replay records and replays micro-batch by micro-batch outside megatron's "
                              "pipeline schedule: use --pipeline-model-parallel-size 1")  # fmt: skip

@@ -5,6 +5,7 @@ boundary, so a save or a stop is collective."""
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,15 +155,18 @@ class Trainer:
             self._resume(Path(config.load))
         self.weights = None
         # The ranks of data-parallel replica 0 gather the weights for the senders (each pipeline stage's first rank);
-        # with expert parallelism the experts live on every data-parallel rank, so every rank takes part.
-        experts_spread = config.expert_model_parallel_size > 1
-        if config.rollout_addr and (self.dp_rank == 0 or experts_spread):
+        # with expert parallelism the experts live on every data-parallel rank, so every rank takes part; colocated,
+        # every rank hands its copy to the engines on its GPU.
+        all_ranks = config.expert_model_parallel_size > 1 or (config.colocate and self.info.world_size > 1)
+        if config.colocate and self.info.world_size != int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size)):
+            raise ValueError("--colocate hands tensors over by CUDA IPC, within one node: run the trainer on one node")
+        if config.rollout_addr and (self.dp_rank == 0 or all_ranks):
             from services.trainer.models import hf_weights_of
             from services.trainer.weight_sync import WeightSender
 
             model_parallel = self.info.tp_size * config.pipeline_model_parallel_size > 1
             peers = parallel_state.get_model_parallel_group() if model_parallel else None
-            peers = dist.group.WORLD if experts_spread else peers
+            peers = dist.group.WORLD if all_ranks else peers
             sender = self.dp_rank == 0 and self.tp_rank == 0
             stages = config.pipeline_model_parallel_size > 1
             senders = parallel_state.get_pipeline_model_parallel_group() if sender and stages else None

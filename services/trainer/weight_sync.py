@@ -64,6 +64,9 @@ class WeightSender:
                  senders=None):  # fmt: skip
         self.config, self.weights, self.sender, self.peers, self.senders = config, weights, sender, peers, senders
         self.coordinator = sender and (senders is None or dist.get_rank(senders) == 0)
+        # Colocated on several GPUs, every rank hands the engines on its GPU its own copy of each bucket.
+        self.handing_over = config.colocate and peers is not None
+        self.peers_waiting = False  # the sender's: the colocated peers wait in the next bucket's hand-over
         stage = dist.get_rank(senders) if senders is not None else None
         self.group_name = GROUP_NAME if stage is None else f"{GROUP_NAME}_pp{stage}"
         self.address = config.weight_sync_address if self.coordinator else _own_address(config.weight_sync_address)
@@ -86,7 +89,7 @@ class WeightSender:
         False: training goes on, and the next sync starts afresh."""
         for attempt in range(1, ATTEMPTS + 1):
             buckets = self._buckets(self.weights())
-            failure = self._attempt(version, buckets) if self.sender else _drain(buckets)
+            failure = self._attempt(version, buckets) if self.sender else self._follow(buckets)
             if not self._agree(isinstance(failure, EnginesLeft) and attempt < ATTEMPTS):
                 break
             if self.coordinator:
@@ -108,9 +111,13 @@ class WeightSender:
     def _attempt(self, version: int, buckets) -> Exception | None:
         watchdog = Watchdog(self.timeout.total_seconds() * STALL_FACTOR, self._stalled)
         with watchdog:
+            self.peers_waiting = self.handing_over
             try:
                 failure = _failure(watchdog, self._send, version, buckets, watchdog)
             finally:
+                if self.peers_waiting:  # they learn that this attempt ended
+                    self._gather_handles([], [])
+                    self._share_loaded(False)
                 _drain(buckets)  # the peers take part in every gather, whatever happened here
             failure = self._settled(failure)
             if failure is None and self.coordinator:
@@ -179,6 +186,7 @@ class WeightSender:
                 sent = works
             if sent:
                 self._answered(next(responses), sent, watchdog)
+            self.peers_waiting = False  # past the last bucket, as the colocated peers are
         finally:
             requests.put(None)
             self.stream = None
@@ -254,19 +262,47 @@ class WeightSender:
             work.wait()
 
     def _hand_over(self, version: int, index: int, specs: list, tensors, requests: queue.Queue, responses) -> None:
-        """Colocated: the bucket goes as tensor handles (CUDA IPC); it must live until the engines copied it."""
-        named = list(zip([s.name for s in specs], tensors, strict=True))
-        payload = bytes(ForkingPickler.dumps(named))
-        requests.put(
-            rollout_pb2.WeightBucket(
-                version=version,
-                bucket_index=index,
-                tensors=specs,
-                serialized_named_tensors=[payload],
-                group_name=self._bucket_group(),
-            )
-        )
-        self._check(next(responses))
+        """Colocated: the bucket goes as tensor handles (CUDA IPC), one set per GPU: every rank's own copy, each
+        engine reading those of its GPU. They must live until the engines copied them: every rank waits for the
+        gateway's answer."""
+        payloads = self._gather_handles(specs, tensors)
+        try:
+            requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
+                                                  serialized_named_tensors=payloads,
+                                                  group_name=self._bucket_group()))  # fmt: skip
+            self._check(next(responses))
+        except BaseException:
+            self._share_loaded(False)
+            raise
+        self._share_loaded(True)
+
+    def _follow(self, buckets) -> None:
+        """A peer's part in the sync: the gathers, and colocated on several GPUs the hand-over of its copy of each
+        bucket, until the sender's attempt ends."""
+        if self.handing_over:
+            for specs, tensors in buckets:
+                self._gather_handles(specs, tensors)
+                if not self._share_loaded(None):
+                    break
+        _drain(buckets)
+
+    def _gather_handles(self, specs: list, tensors) -> list[bytes]:
+        """This rank's bucket as tensor handles, and at the sender every rank's, in rank (= GPU) order."""
+        payload = bytes(ForkingPickler.dumps(list(zip([s.name for s in specs], tensors, strict=True))))
+        if not self.handing_over:
+            return [payload]
+        payloads = [None] * dist.get_world_size(self.peers) if self.sender else None
+        dist.gather_object(payload, payloads, dst=dist.get_global_rank(self.peers, 0), group=self.peers)
+        return payloads
+
+    def _share_loaded(self, loaded: bool | None) -> bool:
+        """The sender tells the colocated peers whether the engines loaded the bucket (they go on to the next)."""
+        if not self.handing_over:
+            return bool(loaded)
+        flag = [loaded]
+        dist.broadcast_object_list(flag, src=dist.get_global_rank(self.peers, 0), group=self.peers)
+        self.peers_waiting = self.sender and bool(flag[0])
+        return bool(flag[0])
 
     def lagging(self, version: int) -> list[str]:
         """The healthy engines that do not serve `version` (re-admitted after a crash, or missed a sync)."""

@@ -128,7 +128,8 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, t
         reward_service = grpc_service(
             build_reward, RewardConfig(**{"rm_type": "random", "num_workers": 1, **(reward or {})})
         )
-        engines = [start_engine("--model-path", str(model)) for _ in range(num_engines)]
+        # Engine i on "GPU" i: colocated, it reads the tensor handles of trainer rank i.
+        engines = [start_engine("--model-path", str(model), "--base-gpu-id", str(i)) for i in range(num_engines)]
         thread = grpc_service(build_rollout, RolloutConfig(**{
             "engine_urls": engines, "buffer_addr": buffer_service.address, "reward_addr": reward_service.address,
             "rollout_max_response_len": 8, "rollout_concurrency": 8, "rollout_health_check_interval": 0.5, **gateway,

@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 
 from services.common.tiny_checkpoint import write_tiny_model
 from services.common.weight_group import abort_group, init_custom_process_group
+from services.rollout.engines import Engine
+from services.rollout.weight_sync import _handed_over
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
 from tests.rollout.conftest import wait_completed
@@ -109,6 +111,7 @@ LAYOUTS = {  # family, and the trainer's parallelism (torchrun's processes: TP x
     "qwen3-pp2": ("qwen3", ["--pipeline-model-parallel-size", "2"]),
     "qwen3-pp2-tp2": ("qwen3", ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     "deepseek-v3-ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
+    "qwen3-tp2-colocated": ("qwen3", ["--tensor-model-parallel-size", "2", "--colocate"]),
 }
 
 
@@ -121,7 +124,8 @@ def _processes(parallel: list[str]) -> int:
 def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path, layout):
     """The whole loop: the gateway rolls out, the trainer (one process; or several under torchrun, TP=2: the sender
     gathers the shards, the experts' too; EP=2: each rank holds half the experts and all gather them; PP=2: the
-    stages each send their own layers over their own weight group) trains two steps and sends its weights after
+    stages each send their own layers over their own weight group; colocated on two processes as on two GPUs, each
+    rank hands its copy to the engine on its GPU, engine i on "GPU" i) trains two steps and sends its weights after
     each; the engines (transformers' model of the family) end with exactly the trainer's final weights (its HF
     export, which transformers reads: with PP one part per stage and one index), every tensor by the checkpoint's
     name, under version 2."""
@@ -506,6 +510,14 @@ def test_colocated_weights_go_as_tensor_handles_while_the_engines_gave_back_thei
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}
     meta = httpx.post(f"{system.engines[1]}/generate", json=body, timeout=30).json()["meta_info"]
     assert meta["weight_version"] == "2"
+
+
+def test_each_colocated_engine_reads_the_handles_of_the_trainer_rank_on_its_gpu():
+    engines = [Engine("a", tp_size=1, gpus=(1,)), Engine("b", tp_size=2, gpus=(2, 3)), Engine("c", gpus=(4,))]
+    chosen = [_handed_over(["h0", "h1", "h2", "h3"], e) for e in engines]
+    assert [c["serialized_named_tensors"] for c in chosen[:2]] == [["h1"], ["h2", "h3"]]
+    assert "runs on GPUs [4] but the trainer holds GPUs 0-3" in chosen[2]
+    assert _handed_over(["h0"], engines[2])["serialized_named_tensors"] == ["h0"]  # a one-GPU trainer: every engine
 
 
 def _wait(condition, timeout_s: float = 60) -> None:

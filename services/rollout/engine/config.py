@@ -18,6 +18,10 @@ class EngineConfig(StrictModel):
     """HTTP port (SGLang's default)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the model runs."""
+    base_gpu_id: int = Field(0, ge=0)
+    """The GPU it runs on with --device cuda, in the node's numbering (SGLang's option). Colocated with the trainer,
+    it also says whose tensor handles this engine reads: those of the trainer rank on that GPU (on CPU, of that
+    local rank)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights' dtype; auto is float32 on CPU and bfloat16 on CUDA."""
     max_running_requests: int = Field(64, ge=1)

@@ -26,7 +26,7 @@ def load(config: EngineConfig):
         model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot load a model from --model-path {config.model_path}: {e}") from None
-    device = torch.device(config.device)
+    device = torch.device("cuda", config.base_gpu_id) if config.device == "cuda" else torch.device("cpu")
     routing = RoutingCapture(model) if config.enable_return_routed_experts else None
     return Engine(model.to(device).eval(), tokenizer, device, config.max_running_requests, config.weight_version,
                   routing)  # fmt: skip
@@ -45,7 +45,8 @@ def serve(config: EngineConfig) -> int:
         log.error("%s", e)
         return 1
     info = {"model_path": config.model_path, "host": config.host, "port": config.port, "device": config.device,
-            "max_running_requests": config.max_running_requests}  # fmt: skip
+            "max_running_requests": config.max_running_requests, "base_gpu_id": config.base_gpu_id,
+            "gpu_id_step": 1}  # fmt: skip
     app = EngineAPI(engine, info, config.weight_update_timeout_s).app()
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
