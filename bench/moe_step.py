@@ -3,8 +3,9 @@
 each rank holding 128 / EP of every layer's experts (tokens reach them by megatron's all-to-all dispatcher).
 
 Each step trains `--micro-batches` sequences of `--seq-len` tokens per data-parallel rank (here every rank: EP is
-carved out of DP); bf16 with float32 AdamW masters. Tokens/s counts all tokens of the step over all GPUs; MFU uses
-the active parameters (attention, router, 8 experts' MLPs, embeddings) in the PaLM count 6·N + 12·L·H·Q·S.
+carved out of DP) inside megatron's DDP, as the trainer runs it; bf16 with float32 AdamW masters (sharded over the
+data-parallel ranks with `--use-distributed-optimizer`). Tokens/s counts all tokens of the step over all GPUs; MFU
+uses the active parameters (attention, router, 8 experts' MLPs, embeddings) in the PaLM count 6·N + 12·L·H·Q·S.
 
 Run (GPUs):  python bench/moe_step.py --ep 2 --layers 3
 Run (CPU, a tiny model, to check the script): .venv/bin/python bench/moe_step.py --ep 2 --tiny --seq-len 64
@@ -46,11 +47,11 @@ def worker(path: Path, args) -> dict:
     """One torchrun rank: times the steps, returns its figures."""
     from megatron.core import parallel_state
 
+    from services.trainer import data_parallel
     from services.trainer.actor import Actor, Groups
     from services.trainer.config import TrainerConfig
     from services.trainer.data import RolloutBatch
     from services.trainer.models import load_gpt_model
-    from services.trainer.optimizer import build_optimizer, build_scheduler
     from services.trainer.parallel import init_parallel
 
     init_parallel(1, 1, ep_size=args.ep)
@@ -58,12 +59,13 @@ def worker(path: Path, args) -> dict:
     model, gpt = load_gpt_model(path, dtype=torch.bfloat16 if cuda else torch.float32)
     n, dp = args.micro_batches, parallel_state.get_data_parallel_world_size()
     config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=n * dp, global_batch_size=n * dp,
-                           micro_batch_size=1, lr=1e-6, clip_grad=1.0, expert_model_parallel_size=args.ep)  # fmt: skip
-    optimizer = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+                           micro_batch_size=1, lr=1e-6, clip_grad=1.0, expert_model_parallel_size=args.ep,
+                           adam_beta2=0.999, bf16=cuda,
+                           use_distributed_optimizer=args.use_distributed_optimizer)  # fmt: skip
+    ddp, optimizer, scheduler = data_parallel.build(model, config, config.lr)
     groups = Groups(dp=parallel_state.get_data_parallel_group(), vocab_size=gpt.shape.vocab_size,
-                    expert_dp=parallel_state.get_expert_data_parallel_group(),
                     expert_model_parallel=parallel_state.get_expert_tensor_model_pipeline_parallel_group())  # fmt: skip
-    actor = Actor(config, model, optimizer, build_scheduler(optimizer, 0, None, "constant", 1e-6, 0.0), groups)
+    actor = Actor(config, model, optimizer, scheduler, groups, ddp=ddp)
     gen = torch.Generator().manual_seed(1 + parallel_state.get_data_parallel_rank())
     tokens = torch.randint(0, gpt.shape.vocab_size, (n, args.seq_len), generator=gen)
     response = args.seq_len - args.prompt_len
@@ -115,6 +117,11 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard AdamW's state over the data-parallel ranks (megatron's DistributedOptimizer)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
@@ -147,13 +154,16 @@ def report(figures: dict, args, shape: dict) -> None:
     mfu = f"{rate / args.ep * flops / (peak * 1e12):.1%}" if peak else "n/a"
     print(f"\nQwen3-30B-A3B-shaped, {layers} layers ({total_params(shape, layers) / 1e9:.2f} B params over {args.ep} "
           f"rank(s), {active_params(shape, layers) / 1e9:.2f} B active), EP={args.ep}, {args.micro_batches} x "
-          f"{args.seq_len} tokens per rank per step, bf16 + fp32 AdamW; {args.ep} x {name}")  # fmt: skip
+          f"{args.seq_len} tokens per rank per step, bf16 + fp32 AdamW"
+          f"{' (distributed optimizer)' if args.use_distributed_optimizer else ''}; {args.ep} x {name}")  # fmt: skip
     print("EP | step s | tokens/s | tokens/s per GPU | MFU | peak memory per GPU | load-balancing loss")
     print("--- | --- | --- | --- | --- | --- | ---")
     print(f"{args.ep} | {figures['step_s']:.3f} | {rate:,.0f} | {rate / args.ep:,.0f} | {mfu} | "
           f"{figures['memory_gib']:.1f} GiB | {figures['load_balancing_loss']:.4f}")  # fmt: skip
-    print(f"\nReproduce: python bench/moe_step.py --ep {args.ep} --layers {layers} --seq-len {args.seq_len} "
-          f"--micro-batches {args.micro_batches}")  # fmt: skip
+    print(
+        f"\nReproduce: python bench/moe_step.py --ep {args.ep} --layers {layers} --seq-len {args.seq_len} "
+        f"--micro-batches {args.micro_batches}{' --use-distributed-optimizer' * args.use_distributed_optimizer}"
+    )
 
 
 if __name__ == "__main__":

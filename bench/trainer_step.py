@@ -5,9 +5,11 @@ doing the same step on the same random model, batch and device, in the same run.
 Each step trains `--micro-batches` sequences of `--seq-len` tokens (the first `--prompt-len` are the prompt, the
 rest the response that is trained on); both sides compute the same PPO-clip loss (`services.trainer.losses`) and
 use AdamW on bf16 parameters. Tokens/s counts all tokens of the step; MFU uses the PaLM count, 6·N + 12·L·H·Q·S
-FLOPs per token, against the GPU's dense bf16 peak.
+FLOPs per token, against the GPU's dense bf16 peak. `--use-distributed-optimizer` adds the actor inside megatron's
+DDP with torch's AdamW (the trainer's default) and with megatron's DistributedOptimizer (on one GPU: its cost, with
+none of its memory saving, which grows with the data-parallel size).
 
-Run (GPU):  python bench/trainer_step.py --shape qwen3-1.7b
+Run (GPU):  python bench/trainer_step.py --shape qwen3-1.7b --use-distributed-optimizer
 Run (CPU, a tiny model, to check the script): .venv/bin/python bench/trainer_step.py --shape tiny --seq-len 64
 """
 
@@ -58,6 +60,8 @@ def loss_of(logprobs, old, adv):
 def time_steps(step, args, label: str = "") -> float:
     for _ in range(args.warmup):
         step()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
@@ -70,6 +74,10 @@ def time_steps(step, args, label: str = "") -> float:
         step()
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     return (time.perf_counter() - started) / args.steps
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
 def run_hf(path: Path, args, device: str) -> float:
@@ -98,7 +106,11 @@ def free_memory() -> None:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
-def run_megatron(path: Path, args, device: str, compile_layers: bool = False, max_tokens: int | None = None) -> float:
+def run_megatron(path: Path, args, device: str, compile_layers: bool = False, max_tokens: int | None = None,
+                 data_parallel: str = "") -> float:  # fmt: skip
+    """The actor's step; `data_parallel` "ddp": inside megatron's DDP with torch's AdamW, "sharded": with megatron's
+    DistributedOptimizer; "": neither (the actor alone, as on one GPU before megatron's DDP)."""
+    from services.trainer import data_parallel as dp
     from services.trainer.actor import Actor, Groups
     from services.trainer.config import TrainerConfig
     from services.trainer.data import RolloutBatch
@@ -112,10 +124,16 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
     n = args.micro_batches
     config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=n, global_batch_size=n, micro_batch_size=1,
                            lr=1e-6, clip_grad=0.0, eps_clip=0.2, use_dynamic_batch_size=max_tokens is not None,
-                           max_tokens_per_gpu=max_tokens, compile_model=compile_layers)  # fmt: skip
-    optimizer = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    scheduler = build_scheduler(optimizer, 0, None, "constant", 1e-6, 0.0)
-    actor = Actor(config, model, optimizer, scheduler, Groups(vocab_size=gpt.shape.vocab_size))
+                           max_tokens_per_gpu=max_tokens, compile_model=compile_layers, bf16=dtype == torch.bfloat16,
+                           adam_beta2=0.999, use_distributed_optimizer=data_parallel == "sharded")  # fmt: skip
+    groups = Groups(vocab_size=gpt.shape.vocab_size)
+    if data_parallel:
+        ddp, optimizer, scheduler = dp.build(model, config, config.lr)
+        actor = Actor(config, model, optimizer, scheduler, groups, ddp=ddp)
+    else:
+        optimizer = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+        scheduler = build_scheduler(optimizer, 0, None, "constant", 1e-6, 0.0)
+        actor = Actor(config, model, optimizer, scheduler, groups)
     tokens, old, adv = batch(args, gpt.shape.vocab_size, "cpu")
     response = args.seq_len - args.prompt_len
     rollout = RolloutBatch(
@@ -126,7 +144,7 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
     tensors = {"old": old, "ref": None, "adv": adv, "mask": torch.ones(n, response), "rollout": old}
     model.train()
     label = f"trainer{' compiled' if compile_layers else ''}{f' {max_tokens} tokens' if max_tokens else ''}"
-    return time_steps(lambda: actor._step(rollout, list(range(n)), tensors), args, label)
+    return time_steps(lambda: actor._step(rollout, list(range(n)), tensors), args, f"{label} {data_parallel}")
 
 
 def main() -> None:
@@ -139,6 +157,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also time the trainer with torch.compile'd layers")
     parser.add_argument("--max-tokens-per-gpu", type=int, help="also time the trainer with dynamic micro-batches")
+    parser.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="also time the trainer in megatron's DDP, with torch's AdamW and with megatron's "
+                             "DistributedOptimizer")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="print each path's top GPU kernels")
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
@@ -146,19 +167,27 @@ def main() -> None:
     shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
         write_model(Path(tmp), shape, device)
-        results = [("HF transformers (sdpa)", run_hf(Path(tmp), args, device))]
+        results = [("HF transformers (sdpa)", run_hf(Path(tmp), args, device), peak_gib())]
         free_memory()
-        results.append(("slipstream trainer (Megatron-core + SDPA)", run_megatron(Path(tmp), args, device)))
+        results.append(("slipstream trainer (Megatron-core + SDPA)", run_megatron(Path(tmp), args, device), peak_gib()))
         free_memory()
+        if args.use_distributed_optimizer:
+            for label, kind in (
+                ("slipstream trainer, megatron DDP + AdamW", "ddp"),
+                ("slipstream trainer, megatron DDP + --use-distributed-optimizer", "sharded"),
+            ):
+                results.append((label, run_megatron(Path(tmp), args, device, data_parallel=kind), peak_gib()))
+                free_memory()
         if args.max_tokens_per_gpu:
             label = f"slipstream trainer, --max-tokens-per-gpu {args.max_tokens_per_gpu}"
-            results.append((label, run_megatron(Path(tmp), args, device, max_tokens=args.max_tokens_per_gpu)))
+            seconds = run_megatron(Path(tmp), args, device, max_tokens=args.max_tokens_per_gpu)
+            results.append((label, seconds, peak_gib()))
             free_memory()
         if args.compile:
             label = "slipstream trainer, --compile-model" + (
                 f", --max-tokens-per-gpu {args.max_tokens_per_gpu}" if args.max_tokens_per_gpu else ""
             )
-            results.append((label, run_megatron(Path(tmp), args, device, True, args.max_tokens_per_gpu)))
+            results.append((label, run_megatron(Path(tmp), args, device, True, args.max_tokens_per_gpu), peak_gib()))
     report(results, args, shape, device)
 
 
@@ -172,15 +201,17 @@ def report(results, args, shape: dict, device: str) -> None:
     tokens = args.micro_batches * args.seq_len
     print(f"\n{args.shape} ({params / 1e9:.2f} B params), {args.micro_batches} x {args.seq_len} tokens per step, "
           f"bf16, AdamW; {name}")  # fmt: skip
-    print("path | step s | tokens/s | vs HF | MFU")
-    print("--- | --- | --- | --- | ---")
+    print("path | step s | tokens/s | vs HF | MFU | peak memory")
+    print("--- | --- | --- | --- | --- | ---")
     base = tokens / results[0][1]
-    for label, seconds in results:
+    for label, seconds, memory in results:
         rate = tokens / seconds
         mfu = f"{rate * flops_per_token / (peak * 1e12):.1%}" if peak else "n/a"
-        print(f"{label} | {seconds:.3f} | {rate:,.0f} | {rate / base:.2f}x | {mfu}")
+        memory = f"{memory:.1f} GiB" if memory == memory else "n/a"  # nan on the CPU
+        print(f"{label} | {seconds:.3f} | {rate:,.0f} | {rate / base:.2f}x | {mfu} | {memory}")
     print(f"\nReproduce: python bench/trainer_step.py --shape {args.shape} --seq-len {args.seq_len} "
           f"--micro-batches {args.micro_batches}{' --compile' if args.compile else ''}"
+          f"{' --use-distributed-optimizer' if args.use_distributed_optimizer else ''}"
           f"{f' --max-tokens-per-gpu {args.max_tokens_per_gpu}' if args.max_tokens_per_gpu else ''}")  # fmt: skip
 
 

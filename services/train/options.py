@@ -109,7 +109,6 @@ IGNORED = {
        for flag in ("--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-permute-fusion",
                     "--moe-shared-expert-overlap", "--moe-router-fusion", "--no-rope-fusion")},
     "--optimizer": "the optimizer is AdamW (Megatron's)",
-    "--use-distributed-optimizer": "the optimizer state is not sharded",
     "--megatron-to-hf-mode": "weights are converted to HF names by the trainer itself",
     "--ref-load": "the reference model is --hf-checkpoint's weights",
     "--use-wandb": "metrics go to TensorBoard under the run folder",

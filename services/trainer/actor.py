@@ -1,5 +1,6 @@
 """One rollout's training on this rank: log-probs of the old policy and the reference model, advantages, then
-`num_steps_per_rollout` optimizer steps over micro-batches, with gradients summed across data-parallel ranks.
+`num_steps_per_rollout` optimizer steps over micro-batches, with gradients summed across data-parallel ranks by
+megatron's DistributedDataParallel (`data_parallel.py`).
 
 Every micro-batch's loss is scaled by its share of the step's trained tokens (or samples, for sequence-level
 aggregation) across all data-parallel ranks, so the summed gradient is that of the loss over the whole global batch,
@@ -17,7 +18,7 @@ from services.trainer.advantages import compute_advantages
 from services.trainer.batching import micro_batches, split_steps
 from services.trainer.config import TrainerConfig
 from services.trainer.data import RolloutBatch, input_tensors, response_tensors
-from services.trainer.hf_names import is_expert
+from services.trainer.data_parallel import DistributedAdamW
 from services.trainer.losses import approx_kl, policy_loss, token_logprobs_and_entropy
 from services.trainer.optimizer import clip_gradients
 
@@ -32,14 +33,21 @@ class Groups:
     vocab_start: int | None = None  # set when the output layer is split over TP ranks
     vocab_size: int | None = None  # the real vocabulary: Megatron pads the output layer beyond it
     model_parallel: object = None  # TP x PP: where the gradient norm is summed (defaults to the TP group)
-    expert_dp: object = None  # MoE: the ranks holding the same experts, over which their gradients are summed
     expert_model_parallel: object = None  # MoE: expert-tensor x expert x pipeline ranks, where experts' norms sum
 
 
 class Actor:
-    def __init__(self, config: TrainerConfig, model, optimizer, scheduler, groups: Groups, ref_model=None):
+    """Trains `model` with `optimizer` and `scheduler`; `ddp` (`data_parallel.build`), megatron's DDP around `model`,
+    sums the gradients over data-parallel ranks and may be left out only where there is one."""
+
+    def __init__(self, config: TrainerConfig, model, optimizer, scheduler, groups: Groups, ref_model=None, ddp=None):
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
-        self.groups, self.ref_model = groups, ref_model
+        self.groups, self.ref_model, self.ddp = groups, ref_model, ddp
+        if ddp is None and groups.dp is not None and dist.get_world_size(groups.dp) > 1:
+            raise ValueError("data-parallel ranks sum their gradients through megatron's DDP: pass the actor "
+                             "ddp=data_parallel.wrap(model, config)")  # fmt: skip
+        if ddp is not None and self.pipelined:  # the schedule lets the DDP reduce after the last micro-batch only
+            model.config.no_sync_func = ddp.no_sync
         self.critic = None  # PPO: a Critic trained beside the policy
         self.routing = None
         if config.replays_routing:
@@ -166,6 +174,9 @@ class Actor:
             if self.critic is None or rollout >= c.num_critic_only_steps:
                 metrics.update(self._step(batch, indices, per_step))
             results.append(metrics)
+        for part in (self, self.critic):
+            if part is not None:
+                part._gather_weights()
         return results
 
     def _step(self, batch: RolloutBatch, indices: list[int], t: dict) -> dict[str, float]:
@@ -175,6 +186,8 @@ class Actor:
         units = float(t["mask"][indices].sum()) if token_level else float(len(indices))
         total = self._all_reduce_dp(torch.tensor(units, dtype=torch.float64))
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ddp is not None:
+            self.ddp.zero_grad_buffer()
         mbs = self._micro_batches(batch, indices)
         share = {"token_level": token_level, "total": float(total)}
         if self.pipelined:
@@ -183,8 +196,9 @@ class Actor:
             sums = pipeline_train(self, batch, mbs, t, share)
         else:
             sums = {}
-            for mb in mbs:
-                with self.routing.replay(mb) if self.routing is not None else contextlib.nullcontext():
+            for i, mb in enumerate(mbs):
+                replay = self.routing.replay(mb) if self.routing is not None else contextlib.nullcontext()
+                with self._reduce_after(last=i == len(mbs) - 1), replay:
                     loss, metrics = self.micro_batch_loss(batch, mb, t, share)
                     if self.routing is not None:
                         self.routing.backward()
@@ -192,10 +206,13 @@ class Actor:
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value
         sums.update(self._moe_losses(len(mbs)))
-        self._reduce_gradients()
-        grad_norm = clip_gradients(self.model, c.clip_grad, self.groups.model_parallel or self.groups.tp,
-                                   self.groups.tp_rank, self.groups.expert_model_parallel)  # fmt: skip
-        self.optimizer.step()
+        self._finish_gradients()
+        if isinstance(self.optimizer, DistributedAdamW):  # megatron's optimizer clips, and returns the norm
+            grad_norm = self.optimizer.step()
+        else:
+            grad_norm = clip_gradients(self.model, c.clip_grad, self.groups.model_parallel or self.groups.tp,
+                                       self.groups.tp_rank, self.groups.expert_model_parallel)  # fmt: skip
+            self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         metrics = {k: float(self._all_reduce_dp(torch.tensor(v, dtype=torch.float64))) for k, v in sums.items()}
@@ -289,28 +306,38 @@ class Actor:
         max_tokens = c.max_tokens_per_gpu if c.use_dynamic_batch_size else None
         return [[indices[j] for j in mb] for mb in micro_batches(lengths, c.micro_batch_size, max_tokens)]
 
-    def _reduce_gradients(self) -> None:
-        """Sums gradients over data-parallel ranks (each micro-batch loss is already scaled by its global share; an
-        MoE expert's over the ranks holding that expert), and
-        over tensor-parallel ranks for the replicated parameters that only see this rank's part of the activations:
-        Qwen3's per-head QK norms (each rank holds some heads) and, with sequence parallelism, the layer norms — as
-        megatron's finalize_model_grads does."""
+    def _reduce_after(self, last: bool):
+        """Before the last micro-batch's backward megatron's DDP only accumulates; with `--overlap-grad-reduce` it
+        sends each bucket over the data-parallel ranks as soon as the last backward has filled it."""
+        return self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
 
-        def spans(group) -> bool:
-            return group is not None and dist.get_world_size(group) > 1
-
+    def _finish_gradients(self) -> None:
+        """Completes the step's gradients as megatron's finalize_model_grads does: summed over data-parallel ranks by
+        megatron's DDP (an MoE expert's over the ranks holding that expert), then over tensor-parallel ranks for the
+        replicated parameters that only see this rank's part of the activations: Qwen3's per-head QK norms (each rank
+        holds some heads) and, with sequence parallelism, the layer norms. (Not MLA's latent norms, which
+        finalize_model_grads also sums: with the local spec each rank's norm sees the whole latent.)"""
+        if self.ddp is not None:
+            self.ddp.finish_grad_sync()
+        tp = self.groups.tp if self.groups.tp is not None and dist.get_world_size(self.groups.tp) > 1 else None
         # Qwen3's and GLM-4.5's QK norms are per head (each TP rank some heads); MLA's see the whole latent.
         per_head = not getattr(getattr(self.model, "config", None), "multi_latent_attention", False)
         for name, param in self.model.named_parameters():
-            if param.grad is None:
+            grad = getattr(param, "main_grad", None) if self.ddp is not None else param.grad
+            if grad is None:
                 continue
             partial = per_head and ("q_layernorm" in name or "k_layernorm" in name)
             partial = partial or (self.config.sequence_parallel and getattr(param, "sequence_parallel", False))
-            if partial and spans(self.groups.tp):
-                dist.all_reduce(param.grad, group=self.groups.tp)
-            replicas = self.groups.expert_dp if is_expert(name) else self.groups.dp
-            if spans(replicas):
-                dist.all_reduce(param.grad, group=replicas)
+            if partial and tp is not None:
+                dist.all_reduce(grad, group=tp)
+            if self.ddp is not None and not isinstance(self.optimizer, DistributedAdamW):
+                param.grad = grad  # torch's AdamW and the clipping read .grad (megatron's optimizer .main_grad)
+
+    def _gather_weights(self) -> None:
+        """With `--overlap-param-gather` the weights other ranks updated arrive during the next forward; the weight
+        sync and checkpoints read them before that, so they are gathered at the end of a rollout."""
+        if self.ddp is not None and self.ddp.ddp_config.overlap_param_gather:
+            self.ddp.start_param_sync(force_sync=True)
 
     def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
         if self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1:

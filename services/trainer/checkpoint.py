@@ -1,7 +1,8 @@
 """Training checkpoints for exact resume: every rank's model shard, optimizer and scheduler state, the random
 number generators, the step and the policy version, in Megatron's layout (`iter_0000042/mp_rank_00_000.pt` and
-`latest_checkpointed_iteration.txt`). A checkpoint is written to a temporary folder and renamed into place, and the
-`latest` file is written last, so a crash mid-save leaves the previous checkpoint as the latest."""
+`latest_checkpointed_iteration.txt`); with the distributed optimizer each data-parallel rank also writes its shard of
+the optimizer (`mp_rank_00_000_optim_dp001.pt`). A checkpoint is written to a temporary folder and renamed into
+place, and the `latest` file is written last, so a crash mid-save leaves the previous checkpoint as the latest."""
 
 import os
 import random
@@ -20,10 +21,18 @@ def shard_name(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + ("" if ep_rank is None else f"_{ep_rank:03d}") + ".pt"
 
 
-def save(root: Path, step: int, state: dict, shard: str = shard_name(0, 0), writes: bool = True) -> Path:
+def optimizer_shard_name(shard: str, dp_rank: int) -> str:
+    """A data-parallel rank's shard of the distributed optimizer: the model shard's name with `_optim_dpDDD`
+    (`mp_rank_01_000_optim_dp003.pt`)."""
+    return f"{shard.removesuffix('.pt')}_optim_dp{dp_rank:03d}.pt"
+
+
+def save(root: Path, step: int, state: dict, shard: str = shard_name(0, 0), writes: bool = True,
+         own: tuple[str, dict] | None = None) -> Path:  # fmt: skip
     """Writes this rank's `state` (model, optimizer, scheduler, extras) with the RNG states as `shard` where `writes`
-    (one rank of each model shard: the others hold copies), all ranks wait for each other, and rank 0 then publishes
-    the step as the latest."""
+    (one rank of each model shard: the others hold copies), and `own` (file name, state), what only this rank holds
+    (its shard of a distributed optimizer), whatever `writes` says; all ranks wait for each other, and rank 0 then
+    publishes the step as the latest."""
     root = Path(root)
     final = root / f"iter_{step:07d}"
     staging = root / f".iter_{step:07d}.partial"
@@ -33,6 +42,8 @@ def save(root: Path, step: int, state: dict, shard: str = shard_name(0, 0), writ
     _barrier()
     if writes:
         torch.save({**state, "step": step, "rng": rng_state()}, staging / shard)
+    if own is not None:
+        torch.save({**own[1], "step": step}, staging / own[0])
     _barrier()
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -48,8 +59,9 @@ def latest_step(root: Path) -> int | None:
     return int(path.read_text().strip()) if path.is_file() else None
 
 
-def load(root: Path, shard: str = shard_name(0, 0), step: int | None = None) -> dict:
-    """This rank's state (`shard`) of the latest (or the given) step; restores the RNG states."""
+def load(root: Path, shard: str = shard_name(0, 0), step: int | None = None, own: str | None = None) -> dict:
+    """This rank's state (`shard`, and the file `own` merged in) of the latest (or the given) step; restores the RNG
+    states."""
     step = latest_step(root) if step is None else step
     if step is None:
         raise FileNotFoundError(f"{root} holds no checkpoint ({LATEST} is missing); check --load")
@@ -57,6 +69,11 @@ def load(root: Path, shard: str = shard_name(0, 0), step: int | None = None) -> 
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint shard {path} is missing: was it saved with another TP/PP/EP size?")
     state = torch.load(path, map_location="cpu", weights_only=False)
+    if own is not None:
+        if not (path.parent / own).is_file():
+            raise FileNotFoundError(f"optimizer shard {path.parent / own} is missing: was it saved without "
+                                    "--use-distributed-optimizer, or with another data-parallel size?")  # fmt: skip
+        state.update(torch.load(path.parent / own, map_location="cpu", weights_only=False))
     set_rng_state(state.pop("rng"))
     return state
 

@@ -2,9 +2,12 @@
 
 The trainer runs the same Megatron code on the 2-core CPU test machines as on GPUs; megatron-core assumes CUDA in a
 few spots, and this module is the only place that papers over them. On a CUDA machine every function here is a no-op.
-What is *not* shimmed: `get_megatron_optimizer` (it calls `.cuda()`); the trainer uses torch's AdamW everywhere.
-The pipeline schedules are, narrowly: their token counter is allocated with `device="cuda"`.
+The pipeline schedules are shimmed narrowly (their token counter is allocated with `device="cuda"`), and so is the
+distributed optimizer (`--use-distributed-optimizer`): megatron's optimizer allocates its flags with `device="cuda"` and
+sorts parameters into fp32 / fp16 / bf16 by their CUDA type names.
 """
+
+import functools
 
 import torch
 
@@ -22,8 +25,9 @@ def _current_device_cpu() -> str:
 
 def apply_cpu_shims() -> None:
     """Patches `torch.cuda.current_device` to return "cpu" when CUDA is absent, makes megatron's activation
-    recompute keep no CUDA RNG state (there is none; the CPU state it also keeps is the one that matters), and the
-    pipeline schedules allocate their token counter on the CPU. Idempotent; no-op on CUDA."""
+    recompute keep no CUDA RNG state (there is none; the CPU state it also keeps is the one that matters), the
+    pipeline schedules allocate their token counter on the CPU, and megatron's optimizer runs there (see
+    `_optimizer_on_cpu`). Idempotent; no-op on CUDA."""
     global _applied
     if _applied or cuda_available():
         return
@@ -35,7 +39,46 @@ def apply_cpu_shims() -> None:
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: None
     megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
     schedules.torch = _TorchOnCpu()
+    _optimizer_on_cpu()
     _applied = True
+
+
+def _optimizer_on_cpu() -> None:
+    """megatron's DistributedOptimizer on the CPU: its modules (and the norm helper of megatron's utils, which clipping
+    calls) allocate their flags and norms with `device="cuda"`, which land on the CPU; and its constructor and its
+    gradient clipping tell fp32 from fp16 / bf16 parameters by CUDA type names (`torch.cuda.FloatTensor`), which CPU
+    tensors give while those run."""
+    import megatron.core.utils as megatron_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    for module in (megatron_optimizer, clip_grads, megatron_utils):
+        module.torch = _TorchOnCpu()
+    cls = distrib_optimizer.DistributedOptimizer
+    cls.__init__ = _with_cuda_type_names(cls.__init__)
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = megatron_optimizer.clip_grad_by_total_norm_fp32 = clip
+
+
+_tensor_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not self.is_cuda:
+        return _tensor_type(self).replace("torch.", "torch.cuda.", 1)
+    return _tensor_type(self, dtype, non_blocking, **kwargs)
+
+
+def _with_cuda_type_names(function):
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        torch.Tensor.type = _cuda_type_name
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.type = _tensor_type
+
+    return run
 
 
 def apply_missing_te_shims() -> None:
@@ -70,7 +113,8 @@ def _moe_all_to_all_on_cpu() -> None:
 
 
 class _TorchOnCpu:
-    """`torch` as the pipeline schedules see it: `torch.zeros(..., device="cuda")` lands on the CPU."""
+    """`torch` as a megatron module sees it: `torch.zeros(..., device="cuda")` and `torch.tensor(...,
+    device="cuda")` land on the CPU."""
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
@@ -80,6 +124,12 @@ class _TorchOnCpu:
         if kwargs.get("device") == "cuda":
             kwargs["device"] = "cpu"
         return torch.zeros(*args, **kwargs)
+
+    @staticmethod
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.tensor(*args, **kwargs)
 
 
 def seed_model_parallel_rng(seed: int) -> None:

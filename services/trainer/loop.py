@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 
 from services.common.clients import open_channel
-from services.trainer import checkpoint
+from services.trainer import checkpoint, data_parallel
 from services.trainer.actor import Actor, Groups
 from services.trainer.config import TrainerConfig
 from services.trainer.data import from_groups
-from services.trainer.optimizer import build_optimizer, build_scheduler
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -114,17 +113,7 @@ class Trainer:
         if config.use_kl_loss or config.kl_coef:
             reference, _ = load_gpt_model(config.hf_checkpoint, dtype=dtype)
             reference.eval().requires_grad_(False)
-        self.optimizer = build_optimizer(
-            self.model, config.lr, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_eps
-        )
-        self.scheduler = build_scheduler(
-            self.optimizer,
-            config.lr_warmup_iters,
-            config.lr_decay_iters,
-            config.lr_decay_style,
-            config.lr,
-            config.min_lr,
-        )
+        self.ddp, self.optimizer, self.scheduler = data_parallel.build(self.model, config, config.lr)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -132,6 +121,10 @@ class Trainer:
         config.batch_sizes(self.dp_size).check()
         ep_rank = parallel_state.get_expert_model_parallel_rank() if config.expert_model_parallel_size > 1 else None
         self.shard = checkpoint.shard_name(self.tp_rank, self.pp_rank, ep_rank)
+        # With the distributed optimizer each data-parallel rank also writes its own optimizer shard.
+        self.optimizer_shard = None
+        if config.use_distributed_optimizer:
+            self.optimizer_shard = checkpoint.optimizer_shard_name(self.shard, self.dp_rank)
         # One rank of each shard writes it: replica 0's, and with experts those holding replica 0's experts.
         self.writes_checkpoint = self.dp_rank == 0 or (
             ep_rank is not None and parallel_state.get_expert_data_parallel_rank() == 0
@@ -141,10 +134,9 @@ class Trainer:
             dp=parallel_state.get_data_parallel_group(), tp=parallel_state.get_tensor_model_parallel_group(),
             tp_rank=self.tp_rank, vocab_start=self.tp_rank * local_vocab if self.info.tp_size > 1 else None,
             vocab_size=self.gpt.shape.vocab_size, model_parallel=parallel_state.get_model_parallel_group(),
-            expert_dp=parallel_state.get_expert_data_parallel_group(),
             expert_model_parallel=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
         )  # fmt: skip
-        self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference)
+        self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference, ddp=self.ddp)
         if config.advantage_estimator == "ppo":
             self.actor.critic = self._critic(config, dtype, settings, groups)
         self.step, self.policy_version = 0, 0
@@ -182,14 +174,8 @@ class Trainer:
         from services.trainer.critic import Critic, load_critic
 
         model, _ = load_critic(config.hf_checkpoint, dtype, **settings)
-        lr = config.critic_lr or config.lr
-        optimizer = build_optimizer(
-            model, lr, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_eps
-        )
-        scheduler = build_scheduler(
-            optimizer, config.lr_warmup_iters, config.lr_decay_iters, config.lr_decay_style, lr, config.min_lr
-        )
-        return Critic(config, model, optimizer, scheduler, groups)
+        ddp, optimizer, scheduler = data_parallel.build(model, config, config.critic_lr or config.lr)
+        return Critic(config, model, optimizer, scheduler, groups, ddp=ddp)
 
     def _state(self) -> dict:
         parts = {"": (self.model, self.optimizer, self.scheduler)}
@@ -210,10 +196,11 @@ class Trainer:
             load_hf_weights(self.model, self.gpt, SafetensorsWeights(path))
             log.info("started from the HF weights in %s", path)
             return
-        state = checkpoint.load(path, self.shard)
+        state = checkpoint.load(path, self.shard, own=self.optimizer_shard)
         for name, part in self._state().items():
             if name not in state:
-                raise ValueError(f"checkpoint {path} has no {name}: was it saved with another --advantage-estimator?")
+                raise ValueError(f"checkpoint {path} has no {name}: was it saved with another --advantage-estimator "
+                                 "or with --use-distributed-optimizer?")  # fmt: skip
             part.load_state_dict(state[name])
         self.step, self.policy_version = state["step"], state["policy_version"]
         log.info("resumed from %s at step %d (policy version %d)", path, self.step, self.policy_version)
@@ -228,7 +215,10 @@ class Trainer:
             raise ValueError("nowhere to save: pass --save, or give a path")
         state = {name: part.state_dict() for name, part in self._state().items()}
         state["policy_version"] = self.policy_version
-        path = checkpoint.save(root, self.step, state, self.shard, writes=self.writes_checkpoint)
+        own = None
+        if self.optimizer_shard:  # this rank's shards of the actor's (and critic's) distributed optimizer
+            own = (self.optimizer_shard, {name: state.pop(name) for name in list(state) if name.endswith("optimizer")})
+        path = checkpoint.save(root, self.step, state, self.shard, writes=self.writes_checkpoint, own=own)
         if self.config.save_hf:
             from services.trainer.export import export_hf_checkpoint
 
