@@ -366,7 +366,11 @@ class WeightSender:
             self.group = None
 
     def close(self) -> None:
-        self._drop_group()
+        """A group that is still here has no broadcast pending (a failed sync dropped it): destroyed, it ends its
+        threads now, rather than in the interpreter's teardown, where an aborted gloo group can end the process."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
         if self.channel is not None:
             self.channel.close()
 
