@@ -118,7 +118,11 @@ IGNORED = {
 }  # fmt: skip
 # Flags accepted only at their neutral value, with the reason.
 NEUTRAL = {
-    "--context-parallel-size": ("1", "this parallelism is not built"),
+    "--context-parallel-size": (
+        "1",
+        "context parallelism is not built: megatron-core runs it only in Transformer "
+        "Engine's attention, and this trainer's is SDPA (docs/ARGUMENTS.md)",
+    ),
     "--moe-router-bias-update-rate": (
         "0",
         "the routers' expert-score corrections stay the checkpoint's, as the engines' do",
