@@ -1,6 +1,7 @@
 """GPU checks (skipped without two GPUs): sequence parallelism over NCCL trains like plain tensor parallelism, two
 pipeline stages through Megatron's schedule (batched NCCL p2p) train like one GPU, and so do two expert-parallel
-ranks of an MoE model (tokens to their experts by NCCL all-to-all).
+ranks of an MoE model (tokens to their experts by NCCL all-to-all) and two data-parallel ranks with megatron's
+distributed optimizer (gradients reduce-scattered, weights all-gathered over NCCL).
 
 Run on a machine with 2 GPUs: `python -m pytest tests/trainer/test_gpu.py -m gpu`.
 """
@@ -83,6 +84,22 @@ def test_two_expert_parallel_ranks_train_like_one_gpu(tmp_path):
         torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_with_the_distributed_optimizer_train_like_one_gpu(tmp_path):
+    """Each rank trains the same batch, so the step equals one GPU's; each keeps and steps half of AdamW's state."""
+    from services.common.tiny_checkpoint import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model", hidden_size=128)
+    _run(model, tmp_path / "one", "single")
+    _run(model, tmp_path / "dp", "dp2-sharded")
+    single = torch.load(tmp_path / "one" / "rank0.pt")
+    for rank in range(2):
+        trained = torch.load(tmp_path / "dp" / f"rank{rank}.pt")
+        for name, value in single.items():
+            torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def _worker(model: str, out: Path, layout: str) -> None:
     """One rank: a trainer (TP=2 ± sequence parallelism, PP=2, or one GPU) trains two steps on a fixed batch."""
     import numpy as np
@@ -93,7 +110,8 @@ def _worker(model: str, out: Path, layout: str) -> None:
 
     parallel = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}, "single": {},
                 "tp2sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
-                "ep2": {"expert_model_parallel_size": 2}}[layout]  # fmt: skip
+                "ep2": {"expert_model_parallel_size": 2},
+                "dp2-sharded": {"use_distributed_optimizer": True, "overlap_grad_reduce": True}}[layout]  # fmt: skip
     config = TrainerConfig(hf_checkpoint=model, rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8,
                            micro_batch_size=2, lr=1e-3, adam_eps=1e-3, **parallel)  # fmt: skip
     trainer = Trainer(config)
