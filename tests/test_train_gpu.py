@@ -45,7 +45,9 @@ LAYOUTS = {  # name: (GPUs needed, flags)
     "sync": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1"]),
     "async1": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--async-buffer-size", "1"]),
     "colocated": (1, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--colocate"]),
-}
+    "colocated-2gpu": (2, ["--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "2", "--colocate",
+                           "--use-distributed-optimizer"]),
+}  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -53,7 +55,9 @@ LAYOUTS = {  # name: (GPUs needed, flags)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, model_and_data, layout):
     """sync and async1: the engine on GPU 0, the trainer on GPU 1, weights over NCCL; colocated: both on GPU 0, the
-    engine freeing its memory while the trainer trains, weights as CUDA IPC handles."""
+    engine freeing its memory while the trainer trains, weights as CUDA IPC handles; colocated-2gpu: two trainer ranks
+    (data-parallel, the distributed optimizer) and two engines on GPUs 0 and 1, each engine reading the handles of
+    the rank on its GPU."""
     gpus, flags = LAYOUTS[layout]
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
@@ -67,9 +71,10 @@ def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, m
     steps = steps_of(run_dir)
     assert [s["step"] for s in steps] == list(range(STEPS))
     assert [s["policy_version"] for s in steps] == list(range(1, STEPS + 1))
-    for version in range(1, STEPS + 1):  # every step's weights reached the engine, which serves them
-        assert f"weights of version {version} sent to 1 engine(s)" in logs["trainer"]
-        assert f"weights of version {version} are live on 1 engine(s)" in logs["rollout"]
+    engines = int(flags[flags.index("--rollout-num-gpus") + 1])
+    for version in range(1, STEPS + 1):  # every step's weights reached the engines, which serve them
+        assert f"weights of version {version} sent to {engines} engine(s)" in logs["trainer"]
+        assert f"weights of version {version} are live on {engines} engine(s)" in logs["rollout"]
     assert "starting over" not in logs["trainer"]  # no engine failed a sync
     print(f"\n{layout}: {STEPS} steps of 8 prompts x 8 samples, 128-token responses; {torch.cuda.get_device_name(0)}")
     print(split_table(steps[2:]))

@@ -70,6 +70,10 @@ class DistributedAdamW:
     def param_groups(self) -> list[dict]:
         return self.megatron.param_groups
 
+    def reload_model_params(self) -> None:
+        """The float32 main weights take the model's weights again (after weights were loaded into the model)."""
+        self.megatron.reload_model_params()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         with warnings.catch_warnings():  # megatron also clears its float32 shards, views whose .grad torch warns about
             warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf Tensor")

@@ -194,6 +194,8 @@ class Trainer:
             from services.trainer.models import SafetensorsWeights, load_hf_weights
 
             load_hf_weights(self.model, self.gpt, SafetensorsWeights(path))
+            if hasattr(self.optimizer, "reload_model_params"):  # its float32 masters were copied from the start
+                self.optimizer.reload_model_params()
             log.info("started from the HF weights in %s", path)
             return
         state = checkpoint.load(path, self.shard, own=self.optimizer_shard)
@@ -256,6 +258,13 @@ class Trainer:
             self.channel.close()
             if self.weights is not None:
                 self.weights.close()
+        # Every rank is done: the process groups end here, their threads with them, not in the interpreter's
+        # teardown (where a gloo group's thread ended a process now and then: "terminate called without an active
+        # exception").
+        from services.trainer.parallel import destroy_parallel
+
+        dist.barrier()
+        destroy_parallel()
 
     def train_step(self, reply: buffer_pb2.GetBatchResponse) -> dict:
         batch = from_groups(list(reply.groups), self.config.n_samples_per_prompt)

@@ -39,6 +39,12 @@ class MasterAdamW(torch.optim.AdamW):
         for param, master in zip(self.model_params, self.masters, strict=True):
             param.copy_(master)
 
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """The masters take the model's weights again (after weights were loaded into the model: megatron's name)."""
+        for param, master in zip(self.model_params, self.masters, strict=True):
+            master.copy_(param)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self.model_params:
             param.grad = None

@@ -432,7 +432,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from services.trainer.weight_sync import WeightSender
 
-address, model, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
+address, model, victim, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 mine = [(name, (tensor + 0.25).contiguous()) for name, tensor in sorted(load_file(model).items())[rank::2]]
@@ -449,7 +449,9 @@ def weights():  # each stage its own half; the second kills an engine in the mid
         yield pair
 
 sender = WeightSender(config, weights, sender=True, peers=dist.group.WORLD, senders=dist.group.WORLD)
-print(json.dumps({"rank": rank, "synced": sender.sync(1), "passes": len(passes)}), flush=True)
+outcome = {"rank": rank, "synced": sender.sync(1), "passes": len(passes)}
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(outcome, f)
 sender.close()
 """
 
@@ -469,11 +471,11 @@ def test_each_stage_sends_its_own_layers_over_its_own_group(make_system, start_e
     pid = start_engine.procs[victim].proc.pid if kill else 0
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(script), system.thread.address, str(model), str(pid)],
+         str(script), system.thread.address, str(model), str(pid), str(tmp_path)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
-    outcomes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert sorted(o["rank"] for o in outcomes) == [0, 1] and all(o["synced"] for o in outcomes)
     assert {o["passes"] for o in outcomes} == ({2} if kill else {1})  # both stages started over, or neither did
     sent = {name: tensor + 0.25 for name, tensor in load_file(model).items()}

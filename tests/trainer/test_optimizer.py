@@ -56,3 +56,16 @@ def test_bf16_parameters_keep_float32_masters_so_small_updates_add_up():
     other = build_optimizer(torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16), 1e-5, 0.0, (0.9, 0.999), 1e-8)
     other.load_state_dict(saved)
     assert torch.equal(other.masters[0], optimizer.masters[0])
+
+
+def test_masters_take_weights_loaded_into_the_model_after_the_optimizer_was_built():
+    """--bf16 with --load of an HF folder: the weights arrive after the masters were copied from --hf-checkpoint's;
+    without the reload, the first step would put the start weights back."""
+    model = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    optimizer.reload_model_params()
+    model.weight.grad = torch.zeros_like(model.weight)
+    optimizer.step()
+    assert torch.equal(model.weight, torch.full_like(model.weight, 0.5))
