@@ -258,13 +258,6 @@ class Trainer:
             self.channel.close()
             if self.weights is not None:
                 self.weights.close()
-        # Every rank is done: the process groups end here, their threads with them, not in the interpreter's
-        # teardown (where a gloo group's thread ended a process now and then: "terminate called without an active
-        # exception").
-        from services.trainer.parallel import destroy_parallel
-
-        dist.barrier()
-        destroy_parallel()
 
     def train_step(self, reply: buffer_pb2.GetBatchResponse) -> dict:
         batch = from_groups(list(reply.groups), self.config.n_samples_per_prompt)

@@ -366,8 +366,8 @@ class WeightSender:
             self.group = None
 
     def close(self) -> None:
-        """A group that is still here has no broadcast pending (a failed sync dropped it): destroyed, it ends its
-        threads now, rather than in the interpreter's teardown, where an aborted gloo group can end the process."""
+        """A group that is still here has no broadcast pending (a failed sync dropped it), so it is destroyed, which
+        ends it at once (an aborted gloo group is kept until its transfers end)."""
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
