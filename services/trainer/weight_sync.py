@@ -171,7 +171,7 @@ class WeightSender:
                 specs, tensors = bucket
                 requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
                                                       load_format="flattened_bucket" if flat else "",
-                                                      group_name=self._bucket_group()))  # fmt: skip
+                                                      group_name=self.group_name))  # fmt: skip
                 try:
                     works = [dist.broadcast(t, src=0, group=self.group, async_op=True)
                              for t in ([flatten(list(tensors))] if flat else tensors)]  # fmt: skip
@@ -214,9 +214,6 @@ class WeightSender:
         if not answer[0]:
             raise RuntimeError("the coordinator could not prepare the weight sync")
         return rollout_pb2.PrepareWeightSyncResponse.FromString(answer[0])
-
-    def _bucket_group(self) -> str:
-        return self.group_name if self.senders is not None else ""
 
     def _commit(self, version: int) -> None:
         started = time.perf_counter()
@@ -269,7 +266,7 @@ class WeightSender:
         try:
             requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
                                                   serialized_named_tensors=payloads,
-                                                  group_name=self._bucket_group()))  # fmt: skip
+                                                  group_name=self.group_name))  # fmt: skip
             self._check(next(responses))
         except BaseException:
             self._share_loaded(False)
