@@ -6,9 +6,14 @@ exponential backoff instead of failing the caller at once. Every call still need
 
 import json
 import time
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.auth import AioBearerToken, BearerToken, TokenFile
+from services.common.config import ServiceConfig, TlsConfig
+from services.common.tls import channel_credentials
 
 DEFAULT_TIMEOUT_S = 30.0
 STREAM_WINDOW_BYTES = 32 * 1024 * 1024
@@ -43,14 +48,43 @@ def channel_options(max_message_mb: int = 256, max_attempts: int = 5, timeout_s:
     ]
 
 
-def open_channel(address: str, **options) -> grpc.Channel:
+@dataclass(frozen=True)
+class Credentials:
+    """How a process's calls to a service are secured: TLS as its own config says, and the bearer token of the role
+    the calls need (services.common.auth)."""
+
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    tokens: TokenFile | None = None
+    role: str = "admin"
+
+    @classmethod
+    def of(cls, config: ServiceConfig, role: str) -> "Credentials":
+        tokens = TokenFile(config.auth.token_file) if config.auth.token_file else None
+        return cls(config.tls, tokens, role)
+
+
+PLAINTEXT = Credentials()
+
+
+def open_channel(address: str, credentials: Credentials = PLAINTEXT, **options) -> grpc.Channel:
     """A blocking channel to `host:port` with the retry and keepalive policy above."""
-    return grpc.insecure_channel(address, options=channel_options(**options))
+    options = channel_options(**options)
+    if credentials.tls.enabled:
+        channel = grpc.secure_channel(address, channel_credentials(credentials.tls), options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    if credentials.tokens is None:
+        return channel
+    return grpc.intercept_channel(channel, BearerToken(credentials.tokens, credentials.role))
 
 
-def open_aio_channel(address: str, **options) -> grpc.aio.Channel:
+def open_aio_channel(address: str, credentials: Credentials = PLAINTEXT, **options) -> grpc.aio.Channel:
     """The asyncio flavour of `open_channel`, for use inside services."""
-    return grpc.aio.insecure_channel(address, options=channel_options(**options))
+    options = channel_options(**options)
+    tokens = [] if credentials.tokens is None else [AioBearerToken(credentials.tokens, credentials.role)]
+    if credentials.tls.enabled:
+        return grpc.aio.secure_channel(address, channel_credentials(credentials.tls), options, interceptors=tokens)
+    return grpc.aio.insecure_channel(address, options, interceptors=tokens)
 
 
 def health_status(channel: grpc.Channel, service: str = "", timeout_s: float = 2.0) -> str:
@@ -60,11 +94,13 @@ def health_status(channel: grpc.Channel, service: str = "", timeout_s: float = 2
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-def wait_until_serving(address: str, timeout_s: float = 30.0, service: str = "") -> None:
+def wait_until_serving(
+    address: str, timeout_s: float = 30.0, service: str = "", credentials: Credentials = PLAINTEXT
+) -> None:
     """Blocks until the server at `address` reports SERVING; raises TimeoutError naming the address otherwise."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials, max_attempts=1) as channel:
         while time.monotonic() < deadline:
             try:
                 last = health_status(channel, service, timeout_s=min(2.0, timeout_s))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(Exception):
@@ -25,6 +25,50 @@ class StrictModel(BaseModel):
     """Base of every config model: unknown keys are errors, field docstrings become the flags' help."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class TlsConfig(StrictModel):
+    """Transport security (flags --tls-cert-file, --tls-key-file, --tls-ca-file). A service with a certificate serves
+    TLS only, and its own calls to other services use TLS too, presenting the same certificate."""
+
+    cert_file: Path | None = None
+    """PEM certificate (chain) this service presents; with --tls-key-file turns TLS on. Re-read when it changes."""
+    key_file: Path | None = None
+    """PEM private key of --tls-cert-file."""
+    ca_file: Path | None = None
+    """PEM CA bundle: a server requires client certificates signed by it (mutual TLS), a client checks servers with it
+    (unset: the system's roots)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> "TlsConfig":
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("--tls-cert-file and --tls-key-file go together: pass both, or neither for plaintext")
+        if self.ca_file is not None and self.cert_file is None:
+            raise ValueError("--tls-ca-file needs --tls-cert-file and --tls-key-file (this service's own certificate)")
+        for name in ("cert_file", "key_file", "ca_file"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"--tls-{name.replace('_', '-')} {path}: no such file")
+        return self
+
+
+class AuthConfig(StrictModel):
+    """Bearer tokens with roles (flag --auth-token-file)."""
+
+    token_file: Path | None = None
+    """File of `role token` lines (roles: worker, trainer, admin): every RPC but health and reflection needs a token of
+    a role allowed to call it, and this service's own calls send the token of the role they need. Re-read when it
+    changes. Unset: no authentication."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AuthConfig":
+        if self.token_file is not None and not self.token_file.is_file():
+            raise ValueError(f"--auth-token-file {self.token_file}: no such file")
+        return self
 
 
 class ServiceConfig(StrictModel):
@@ -48,6 +92,8 @@ class ServiceConfig(StrictModel):
     """Least severe log level that is printed."""
     log_format: Literal["text", "json"] = "text"
     """`json` prints one JSON object per line, for log collectors."""
+    tls: TlsConfig = TlsConfig()
+    auth: AuthConfig = AuthConfig()
 
 
 Config = TypeVar("Config", bound=StrictModel)

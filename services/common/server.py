@@ -17,12 +17,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.auth import AuthInterceptor, TokenFile
 from services.common.clients import STREAM_WINDOW_BYTES
 from services.common.config import ConfigError, ServiceConfig, load_config
 from services.common.errors import StartupError
 from services.common.interceptor import ServiceInterceptor
 from services.common.logs import setup_logging
 from services.common.metrics import serve_metrics
+from services.common.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,10 @@ class GrpcServer:
 
     async def start(self) -> int:
         cfg = self.service.config
-        server = grpc.aio.server(interceptors=[ServiceInterceptor(self.service.name)], options=grpc_options(cfg))
+        interceptors = [ServiceInterceptor(self.service.name)]
+        if cfg.auth.token_file is not None:  # first: a refused call reaches nothing else
+            interceptors.insert(0, AuthInterceptor(self.service.name, TokenFile(cfg.auth.token_file)))
+        server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [s.name for s in self.service.servicers]
         for servicer in self.service.servicers:
@@ -98,7 +103,11 @@ class GrpcServer:
         for name in ["", *names]:
             await self.health.set(name, NOT_SERVING)
         try:
-            self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            address = f"{cfg.host}:{cfg.port}"
+            if cfg.tls.enabled:
+                self.port = server.add_secure_port(address, server_credentials(cfg.tls))
+            else:
+                self.port = server.add_insecure_port(address)
         except RuntimeError:
             self.port = 0
         if not self.port:
@@ -114,9 +123,10 @@ class GrpcServer:
             await self.service.ready()
         for name in ["", *names]:
             await self.health.set(name, SERVING)
-        log.info(
-            "%s serving on %s:%d (metrics port %s)", self.service.name, cfg.host, self.port, self.metrics_port or "off"
-        )
+        security = ("mutual TLS" if cfg.tls.ca_file else "TLS") if cfg.tls.enabled else "plaintext"
+        security += ", bearer tokens" if cfg.auth.token_file else ", no authentication"
+        log.info("%s serving on %s:%d, %s (metrics port %s)", self.service.name, cfg.host, self.port, security,
+                 self.metrics_port or "off")  # fmt: skip
         return self.port
 
     async def stop(self) -> None:

@@ -10,7 +10,7 @@ import random
 import grpc
 import httpx
 
-from services.common.clients import open_aio_channel
+from services.common.clients import PLAINTEXT, Credentials, open_aio_channel
 from services.reward.isolation import Failure, RewardSample
 from slipstream.v1 import reward_pb2, reward_pb2_grpc
 
@@ -56,9 +56,10 @@ class HttpRewardModel:
 class GrpcRewardModel:
     """Any server implementing slipstream.v1.RewardService; items are sent in one Score call."""
 
-    def __init__(self, address: str, backoff: Backoff, timeout_s: float):
+    def __init__(self, address: str, backoff: Backoff, timeout_s: float, credentials: Credentials = PLAINTEXT):
         self.address, self.backoff, self.timeout_s = address, backoff, timeout_s
-        self._channel = open_aio_channel(address, max_attempts=1)  # retries are ours, with the backoff above
+        # Retries are ours, with the backoff above.
+        self._channel = open_aio_channel(address, credentials, max_attempts=1)
         self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
 
     async def score_items(self, items: list[reward_pb2.RewardItem]) -> list[reward_pb2.RewardResult] | Failure:

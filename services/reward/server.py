@@ -1,5 +1,6 @@
 """Assembles the reward service: the worker pool, remote reward models if configured, and the servicer."""
 
+from services.common.clients import Credentials
 from services.common.errors import StartupError
 from services.common.plugins import PluginError, load_callable
 from services.common.server import Service, Servicer
@@ -22,6 +23,9 @@ async def build(config: RewardConfig) -> Service:
                            "remote_grpc, or pass --custom-rm-path")  # fmt: skip
     backoff = Backoff(config.rm_max_retries, config.rm_retry_backoff_s)
     http = HttpRewardModel(config.rm_url, backoff, config.rm_remote_timeout_s) if config.rm_url else None
-    remote = GrpcRewardModel(config.rm_grpc_addr, backoff, config.rm_remote_timeout_s) if config.rm_grpc_addr else None
+    remote = None
+    if config.rm_grpc_addr:
+        worker = Credentials.of(config, "worker")
+        remote = GrpcRewardModel(config.rm_grpc_addr, backoff, config.rm_remote_timeout_s, worker)
     scorer = Scorer(config, WorkerPool(config.num_workers), http, remote)
     return Service("reward", config, [Servicer.of(RewardServicer(scorer))], on_stop=[scorer.close])

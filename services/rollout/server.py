@@ -4,7 +4,7 @@ the servicer."""
 import asyncio
 import contextlib
 
-from services.common.clients import open_aio_channel
+from services.common.clients import Credentials, open_aio_channel
 from services.common.errors import StartupError
 from services.common.plugins import PluginError
 from services.common.server import Service, Servicer
@@ -29,7 +29,14 @@ async def build(config: RolloutConfig) -> Service:
         if config.use_router:
             await wait_workers(router, [e.url for e in pool.healthy()])
         # gRPC channels after the children: forking while gRPC threads run makes gRPC log a warning per child
-        buffer_channel, reward_channel = open_aio_channel(config.buffer_addr), open_aio_channel(config.reward_addr)
+        # Workers lease, submit and score as `worker`; the weight sync's commit tells the buffer the new version as
+        # the trainer whose sync it completes.
+        worker, trainer = Credentials.of(config, "worker"), Credentials.of(config, "trainer")
+        buffer_channel, reward_channel = (
+            open_aio_channel(config.buffer_addr, worker),
+            open_aio_channel(config.reward_addr, worker),
+        )
+        version_channel = open_aio_channel(config.buffer_addr, trainer)
         rollout = Rollout(
             config,
             pool,
@@ -54,11 +61,11 @@ async def build(config: RolloutConfig) -> Service:
                 await task
         await rollout.stop(abort_in_flight=True)  # unfinished groups go back to the buffer
         await pool.close()
-        await buffer_channel.close()
-        await reward_channel.close()
+        for channel in (buffer_channel, reward_channel, version_channel):
+            await channel.close()
         await stop(children)
 
-    sync = WeightSync(config, pool, rollout.buffer)
+    sync = WeightSync(config, pool, buffer_pb2_grpc.BufferServiceStub(version_channel))
     servicer = Servicer.of(RolloutServicer(pool, rollout, sync))
     return Service("rollout", config, [servicer], ready=ready, on_stop=[close])
 

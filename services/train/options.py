@@ -63,6 +63,9 @@ class TrainOptions(StrictModel):
     consumed), saying which part stalled and its last error; 0 waits forever."""
     log_level: str = "info"
     """Log level of the services (their logs are under <run>/logs)."""
+    host: str = "127.0.0.1"
+    """Address the services it starts listen on (gRPC and metrics). The default keeps them on this machine; another
+    (0.0.0.0: every interface) opens them to the network: add --tls-cert-file/--tls-key-file (docs/SECURITY.md)."""
 
     @property
     def run_dir(self) -> Path:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import grpc
 
-from services.common.clients import health_status, open_channel
-from services.common.config import ConfigError
+from services.common.auth import ROLES
+from services.common.clients import PLAINTEXT, Credentials, health_status, open_channel
+from services.common.config import AuthConfig, ConfigError
 from services.common.errors import StartupError
 from services.common.logs import setup_logging
 from services.common.processes import free_port
@@ -36,6 +38,12 @@ class ChildFailed(Exception):
     pass
 
 
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM, raised where the launcher polls. A KeyboardInterrupt raised inside whatever library code
+    runs at that moment could leave the library in a bad state, and under `python -m` makes the interpreter end by
+    SIGINT even when caught (CPython's flag for string-evaluated code, which pybind11 modules use)."""
+
+
 class Run:
     def __init__(self, plan: Plan):
         self.plan, self.options = plan, plan.options
@@ -43,6 +51,8 @@ class Run:
         self.logs = self.run_dir / "logs"
         self.steps_file = self.run_dir / "steps.jsonl"
         self.children: list[Child] = []
+        self.own_flags: list[str] = []  # what every service it starts gets (a generated token file)
+        self.credentials = PLAINTEXT
         self.addr: dict[str, str] = {}
         self.channels: list[grpc.Channel] = []
         self.evals: list[dict] = []
@@ -50,6 +60,7 @@ class Run:
         self._eval_pending: list[Future] = []
         self._writer = None
         self._next_step: int | None = None  # --debug-rollout-only
+        self.interrupted = False  # set by the signal handler, raised as Interrupted at the next poll
 
     # Starting
 
@@ -65,6 +76,7 @@ class Run:
         if o.buffer_addr and redis.url:  # joining a buffer: its Redis, when given, is checked first (one sentence)
             open_redis(redis, self.run_dir)
         self.logs.mkdir(parents=True, exist_ok=True)
+        self._secure()
         self.addr["buffer"] = o.buffer_addr or self._service("buffer", [])
         if not o.debug_train_only:
             self.addr["reward"] = o.reward_addr or self._service("reward", [])
@@ -100,6 +112,19 @@ class Run:
                 self._wait_for(lambda: self._status().phase in ("waiting_batch", "train", "stopped"), "resume")
             self.rollout.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
 
+    def _secure(self) -> None:
+        """The services' token file: the one given (--auth-token-file), else a new one of this run with a random
+        token per role, readable by this user only. The launcher's own calls are admin's, with the services' TLS."""
+        config = self.plan.configs["buffer"]
+        if config.auth.token_file is None:
+            path = self.run_dir / "auth-tokens"
+            path.unlink(missing_ok=True)
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.writelines(f"{role} {secrets.token_urlsafe(32)}\n" for role in ROLES)
+            self.own_flags += ["--auth-token-file", str(path)]
+            config = config.model_copy(update={"auth": AuthConfig(token_file=path)})
+        self.credentials = Credentials.of(config, "admin")
+
     def _check_gpus(self) -> None:
         """The engines take the first GPUs and the trainer the next ones (colocated: the same): all must exist."""
         gpus, o = num_gpus(), self.options
@@ -120,8 +145,8 @@ class Run:
         return rollout.rollout_num_gpus or (0 if rollout.engine_urls else 1)
 
     def _service(self, name: str, own: list[str], nproc: int = 1, env: dict | None = None) -> str:
-        port = free_port()
-        flags = ["--host", "127.0.0.1", "--port", str(port), "--log-level", self.options.log_level]
+        port, host = free_port(), self.options.host
+        flags = ["--host", host, "--port", str(port), "--log-level", self.options.log_level, *self.own_flags]
         module = ["-m", f"services.{name}"]
         if nproc > 1:
             module = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
@@ -129,14 +154,14 @@ class Run:
         args = [sys.executable, *module, *flags, *own, *self.plan.argv[name]]
         env = {**os.environ, **(env or {}), "SLIPSTREAM_RUN": str(self.run_dir.resolve())}  # marks the run's processes
         self.children.append(start(name, args, port, self.logs, env))
-        return f"127.0.0.1:{port}"
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
     def _channel(self, address: str) -> grpc.Channel:
-        self.channels.append(channel := open_channel(address))
+        self.channels.append(channel := open_channel(address, self.credentials))
         return channel
 
     def _wait_serving(self, name: str) -> None:
-        with grpc.insecure_channel(self.addr[name]) as channel:
+        with open_channel(self.addr[name], self.credentials, max_attempts=1) as channel:
 
             def serving() -> bool:
                 try:
@@ -151,11 +176,16 @@ class Run:
     def _wait_for(self, ready, what: str, logs: str | None = None) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
         while not ready():
+            self._check_interrupted()
             self._check_children()
             if time.monotonic() > deadline:
                 raise StartupError(f"gave up waiting for {what} after {self.options.startup_timeout_s:.0f} s "
                                    f"(--startup-timeout-s); see {logs or f'the logs in {self.logs}'}")  # fmt: skip
             time.sleep(POLL_S)
+
+    def _check_interrupted(self) -> None:
+        if self.interrupted:
+            raise Interrupted
 
     def _check_children(self, trainer_may_exit: bool = False) -> bool:
         """Raises ChildFailed when a child exited; True when the trainer finished (exit 0) and that was allowed."""
@@ -191,6 +221,7 @@ class Run:
             offset = self.steps_file.stat().st_size if self.steps_file.exists() else 0
             last_status, last_stall_check = 0.0, 0.0
             while True:
+                self._check_interrupted()
                 done = (self._null_step() if self.options.debug_rollout_only
                         else self._check_children(trainer_may_exit=True))  # fmt: skip
                 offset, lines = _tail(self.steps_file, offset)
@@ -211,8 +242,9 @@ class Run:
                 time.sleep(POLL_S)
             if eval_sets and (not self.evals or self.evals[-1]["step"] != progress.last_step + 1):
                 self._evaluate(progress.last_step + 1)
-            for future in self._eval_pending:
-                future.result()
+            while not all(future.done() for future in self._eval_pending):
+                self._check_interrupted()
+                time.sleep(POLL_S)
             for result in self._finished_evals():
                 progress.eval(result)
         report.finish(self.run_dir, _read_steps(self.steps_file), self.evals, self.plan)
@@ -347,14 +379,15 @@ def execute(plan: Plan) -> int:
     run = Run(plan)
 
     def on_signal(signum, frame):
-        raise KeyboardInterrupt
+        run.interrupted = True
 
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     try:
         run.start()
         run.train()
         return 0
-    except KeyboardInterrupt:
+    except (Interrupted, KeyboardInterrupt):
         print("slipstream train: interrupted; stopping every service", file=sys.stderr)
         return 130
     except (ChildFailed, StartupError, RunStalled) as e:

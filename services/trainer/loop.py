@@ -14,7 +14,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from services.common.clients import open_channel
+from services.common.clients import Credentials, open_channel
 from services.trainer import checkpoint, data_parallel
 from services.trainer.actor import Actor, Groups
 from services.trainer.config import TrainerConfig
@@ -141,7 +141,7 @@ class Trainer:
             self.actor.critic = self._critic(config, dtype, settings, groups)
         self.step, self.policy_version = 0, 0
         self.uncommitted: list[int] = []  # steps trained but not yet covered by a checkpoint (with --save)
-        self.channel = open_channel(config.buffer_addr)
+        self.channel = open_channel(config.buffer_addr, Credentials.of(config, "trainer"))
         self.buffer = buffer_pb2_grpc.BufferServiceStub(self.channel)
         if config.load:
             self._resume(Path(config.load))

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from services.common.clients import open_channel
+from services.common.clients import Credentials, open_channel
 from services.common.processes import free_port
 from services.common.weight_group import abort_group, flatten, init_custom_process_group
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -75,7 +75,8 @@ class WeightSender:
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
         # The bucket stream lasts as long as the sync: no per-method default deadline on this channel.
-        self.channel = open_channel(config.rollout_addr, timeout_s=3600) if sender else None
+        credentials = Credentials.of(config, "trainer")
+        self.channel = open_channel(config.rollout_addr, credentials, timeout_s=3600) if sender else None
         if config.colocate and not torch.cuda.is_available():  # CPU tensors go by shared-memory file name
             torch.multiprocessing.set_sharing_strategy("file_system")
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None
