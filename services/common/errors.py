@@ -37,6 +37,12 @@ class ResourceExhausted(SlipstreamError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class PermissionDenied(SlipstreamError):
+    """The caller may not ask for this (an address outside the operator's allowlist)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class FailedPrecondition(SlipstreamError):
     """The request is valid but the system is not in a state to serve it (e.g. a step already committed)."""
 

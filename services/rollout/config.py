@@ -1,10 +1,12 @@
 """Configuration of the rollout gateway. Names follow slime's arguments where slime has one."""
 
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
+from services.rollout.allowlist import LOOPBACK
 
 
 class RolloutConfig(ServiceConfig):
@@ -15,6 +17,12 @@ class RolloutConfig(ServiceConfig):
     engine_urls: list[str] = []
     """Engines to use from the start (http://host:port of SGLang servers or reference engines); more can register
     at run time (RegisterEngine)."""
+    allowed_engine_hosts: list[str] = LOOPBACK
+    """Hosts that RegisterEngine may add, as CIDRs (10.0.0.0/8) or host patterns (engine-*.svc.cluster.local): the
+    weights go to every registered engine. --engine-urls and launched engines need no entry."""
+    allowed_weight_sync_hosts: list[str] = LOOPBACK
+    """Hosts that PrepareWeightSync may name as the weight group's master (the trainer's --weight-sync-address), as
+    CIDRs or host patterns: the engines load whatever weights that address sends."""
     sglang_server_concurrency: int = Field(512, ge=1)
     """Most requests in flight to one engine at a time."""
     request_timeout_s: float = Field(600.0, gt=0)
@@ -90,6 +98,9 @@ class RolloutConfig(ServiceConfig):
     sglang_args: list[str] = []
     """Options for launched engines, given as --sglang-<option> value (e.g. --sglang-mem-fraction-static 0.8) and
     passed on as --<option> value."""
+    engine_api_key_file: Path | None = None
+    """File holding the engines' API key (SGLang's --api-key): sent as `Authorization: Bearer` on every engine call
+    and given to the engines the gateway launches. (--sglang-api-key KEY works too, but shows the key in `ps`.)"""
     use_router: bool = False
     """Route generation through an sglang-router process (started by the gateway) instead of the built-in routing;
     control calls still go to each engine."""
@@ -107,4 +118,16 @@ class RolloutConfig(ServiceConfig):
             )
         if self.rollout_num_gpus and not self.hf_checkpoint:
             raise ValueError("rollout_num_gpus starts engines, which need the model: pass --hf-checkpoint")
+        if self.engine_api_key_file is not None and not self.engine_api_key():
+            raise ValueError(f"--engine-api-key-file {self.engine_api_key_file}: no such file, or it is empty")
         return self
+
+    def engine_api_key(self) -> str | None:
+        """The engines' API key: --engine-api-key-file's content, else --sglang-api-key's value."""
+        if self.engine_api_key_file is not None:
+            try:
+                return self.engine_api_key_file.read_text().strip() or None
+            except OSError:
+                return None
+        args = self.sglang_args
+        return args[args.index("--api-key") + 1] if "--api-key" in args[:-1] else None

@@ -148,7 +148,8 @@ class EnginePool:
         base = self.router.url
         try:
             if joined:
-                async with self.session.post(f"{base}/workers", json={"url": url}) as response:
+                worker = {"url": url, "api_key": self.config.engine_api_key()}  # the router's calls to it need it too
+                async with self.session.post(f"{base}/workers", json=worker) as response:
                     response.raise_for_status()
                 return
             async with self.session.get(f"{base}/workers") as response:
@@ -272,7 +273,9 @@ class EnginePool:
             timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
             # Idle connections are dropped before uvicorn's (SGLang's server) 5 s keep-alive closes them under us.
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            key = self.config.engine_api_key()
+            headers = {"Authorization": f"Bearer {key}"} if key else None  # SGLang's --api-key
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
         return self._session
 
     async def _post(self, engine: Engine, path: str, payload: dict):

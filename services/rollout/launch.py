@@ -108,6 +108,8 @@ def engine_command(config: RolloutConfig, port: int, tp_size: int, on_gpu: bool,
     common = ["--model-path", config.hf_checkpoint, "--host", "127.0.0.1", "--port", str(port)]
     common += ["--base-gpu-id", str(base_gpu_id)]
     common += ["--enable-return-routed-experts"] if config.use_rollout_routing_replay else []
+    if config.engine_api_key_file is not None and "--api-key" not in config.sglang_args:
+        common += ["--api-key", config.engine_api_key()]
     if importlib.util.find_spec("sglang") is not None:
         return [sys.executable, "-m", "sglang.launch_server", *common, "--tp-size", str(tp_size), *config.sglang_args]
     if tp_size > 1:

@@ -66,7 +66,7 @@ async def build(config: RolloutConfig) -> Service:
         await stop(children)
 
     sync = WeightSync(config, pool, buffer_pb2_grpc.BufferServiceStub(version_channel))
-    servicer = Servicer.of(RolloutServicer(pool, rollout, sync))
+    servicer = Servicer.of(RolloutServicer(pool, rollout, sync, config))
     return Service("rollout", config, [servicer], ready=ready, on_stop=[close])
 
 

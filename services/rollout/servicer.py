@@ -6,6 +6,8 @@ import logging
 
 import grpc
 
+from services.rollout.allowlist import HostList, url_host
+from services.rollout.config import RolloutConfig
 from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool
 from services.rollout.evaluation import evaluate
 from services.rollout.weight_sync import WeightSync
@@ -39,8 +41,10 @@ def _results(results) -> list[rollout_pb2.EngineResult]:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, pool: EnginePool, rollout: Rollout, sync: WeightSync):
+    def __init__(self, pool: EnginePool, rollout: Rollout, sync: WeightSync, config: RolloutConfig):
         self.pool, self.rollout, self.sync = pool, rollout, sync
+        self.engine_hosts = HostList(config.allowed_engine_hosts, "allowed-engine-hosts")
+        self.master_hosts = HostList(config.allowed_weight_sync_hosts, "allowed-weight-sync-hosts")
 
     async def StartRollout(self, request, context):
         return rollout_pb2.StartRolloutResponse(started=self.rollout.start())
@@ -50,6 +54,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.StopRolloutResponse()
 
     async def RegisterEngine(self, request, context):
+        await self.engine_hosts.check(url_host(request.url, "url"), "url")
         return engine_info(await self.pool.register(request.url))
 
     async def DeregisterEngine(self, request, context):
@@ -75,6 +80,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         sources = [(s.group_name, s.master_address, s.master_port) for s in request.sources] or [
             (request.group_name or "weight_update_group", request.master_address, request.master_port)
         ]
+        for _, address, _ in sources:
+            await self.master_hosts.check(address, "master_address")
         world_size, ranks, created = await self.sync.prepare(request.version, sources, request.backend or "nccl")
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
         return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created)

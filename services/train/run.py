@@ -86,8 +86,10 @@ class Run:
         if not o.debug_train_only:
             given = self.plan.configs["rollout"].rollout_num_gpus
             engines = ["--rollout-num-gpus", "1"] if self._launched_engines() > given else []
+            # The trainer's --weight-sync-address is the one master its engines may be pointed at.
+            masters = [*self.plan.configs["rollout"].allowed_weight_sync_hosts, trainer.weight_sync_address]
             own = ["--buffer-addr", self.addr["buffer"], "--reward-addr", self.addr["reward"],
-                   "--engine-log-dir", str(self.logs), *engines]  # fmt: skip
+                   "--engine-log-dir", str(self.logs), "--allowed-weight-sync-hosts", *masters, *engines]  # fmt: skip
             self.addr["rollout"] = o.rollout_addr or self._service("rollout", own)
             self._wait_serving("rollout")
         self.buffer = buffer_pb2_grpc.BufferServiceStub(self._channel(self.addr["buffer"]))

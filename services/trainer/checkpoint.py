@@ -32,25 +32,32 @@ def save(root: Path, step: int, state: dict, shard: str = shard_name(0, 0), writ
     """Writes this rank's `state` (model, optimizer, scheduler, extras) with the RNG states as `shard` where `writes`
     (one rank of each model shard: the others hold copies), and `own` (file name, state), what only this rank holds
     (its shard of a distributed optimizer), whatever `writes` says; all ranks wait for each other, and rank 0 then
-    publishes the step as the latest."""
+    publishes the step as the latest. A file that cannot be written (a full disk, a permission) on any rank raises
+    the same OSError on every rank, and the latest checkpoint stays the previous one."""
     root = Path(root)
     final = root / f"iter_{step:07d}"
     staging = root / f".iter_{step:07d}.partial"
-    if _rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    _barrier()
-    if writes:
-        torch.save({**state, "step": step, "rng": rng_state()}, staging / shard)
-    if own is not None:
-        torch.save({**own[1], "step": step}, staging / own[0])
-    _barrier()
-    if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        (root / f"{LATEST}.tmp").write_text(str(step))
-        os.replace(root / f"{LATEST}.tmp", root / LATEST)
-    _barrier()
+
+    def prepare() -> None:
+        if _rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+
+    def write() -> None:
+        if writes:
+            torch.save({**state, "step": step, "rng": rng_state()}, staging / shard)
+        if own is not None:
+            torch.save({**own[1], "step": step}, staging / own[0])
+
+    def publish() -> None:
+        if _rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staging, final)
+            (root / f"{LATEST}.tmp").write_text(str(step))
+            os.replace(root / f"{LATEST}.tmp", root / LATEST)
+
+    for part in (prepare, write, publish):
+        _together(part)
     return final
 
 
@@ -107,6 +114,17 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _together(part) -> None:
+    """Runs this rank's `part` of a save, then waits for every rank's; an OSError on any rank is raised on all."""
+    failure = ""
+    try:
+        part()
+    except OSError as e:
+        failure = f"{e.strerror or e} ({e.filename})" if e.filename else str(e.strerror or e)
+    failures = [failure]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [""] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    failure = next((f for f in failures if f), "")
+    if failure:
+        raise OSError(failure)

@@ -41,6 +41,7 @@ class Control:
     world_size: int = 1
     last_metrics: dict = field(default_factory=dict)
     saved: list = field(default_factory=list)  # (path, step) of every save, newest last
+    save_answers: list = field(default_factory=list)  # per save_now request: (path, step), or why it failed
 
 
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16
@@ -338,13 +339,24 @@ class Trainer:
                 self.weights.sync(self.policy_version)
                 waited_since = time.monotonic()
             if save_now is not None:
-                self.save(save_now or None)
+                self._save_asked(save_now)
             if stop:
                 if save_after_stop:
                     self.save()
                 return None
             if ready:
                 return reply if reply is not None else self._get_batch(BATCH_WAIT_S)  # built now: answered at once
+
+    def _save_asked(self, folder: str) -> None:
+        """A save asked for over gRPC (SaveCheckpoint): a failure to write it (a full disk, a permission) is that
+        request's answer, and training goes on (checkpoint.save raises it on every rank alike)."""
+        try:
+            path = self.save(folder or None)
+        except OSError as e:
+            log.error("the checkpoint asked for was not written: %s", e)
+            self.control.save_answers.append(str(e))
+            return
+        self.control.save_answers.append((str(path), self.step))
 
     def _engines_lag(self, waited_since: float) -> bool:
         """Rank 0, while it waits for a batch: does a healthy engine serve other weights than the policy's (it

@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import aiohttp
 import grpc
 import pytest
 
@@ -96,3 +97,54 @@ async def _until(condition, timeout_s: float = 20.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail("condition not reached in time")
         await asyncio.sleep(0.1)
+
+
+def test_only_allowed_hosts_may_be_registered_or_named_as_the_weight_groups_master(
+    grpc_service, channel_to, start_engine
+):
+    first, second = start_engine(), start_engine()
+    config = RolloutConfig(engine_urls=[first], allowed_engine_hosts=["10.0.0.0/8", "engine-*.svc"], **FAST)
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(grpc_service(build, config).address))
+    for url in (second, "http://192.168.0.7:30000", "http://evil.example:30000", "http://engine-1.svc.evil:1"):
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=url), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert (
+            "not allowed by the gateway's --allowed-engine-hosts (10.0.0.0/8, engine-*.svc)" in refused.value.details()
+        )
+    assert [e.url for e in stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10).engines] == [first]
+    for address in ("192.168.0.7", "evil.example"):  # the default list: this machine only
+        request = rollout_pb2.PrepareWeightSyncRequest(version=1, master_address=address, master_port=1, backend="gloo")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.PrepareWeightSync(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "--allowed-weight-sync-hosts (127.0.0.0/8, ::1, localhost)" in refused.value.details()
+
+
+def test_a_registered_engine_is_allowed_by_a_host_pattern(grpc_service, channel_to, start_engine):
+    first, second = start_engine(), start_engine()
+    config = RolloutConfig(engine_urls=[first], allowed_engine_hosts=["127.0.0.*"], **FAST)
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(grpc_service(build, config).address))
+    stub.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=second), timeout=30)
+    assert len(stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10).engines) == 2
+
+
+async def test_engines_with_an_api_key_are_called_with_it(start_engine, tmp_path):
+    key = "engine-key-" + "k" * 20
+    url = start_engine("--api-key", key)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/generate", json=BODY) as response:
+            assert response.status == 401  # as SGLang's --api-key
+        async with session.get(f"{url}/health") as response:
+            assert response.status == 200
+    key_file = tmp_path / "engine-key"
+    key_file.write_text(key + "\n")
+    pool = EnginePool(RolloutConfig(engine_api_key_file=key_file, **FAST))
+    await pool.register(url)
+    answer, engine = await pool.generate(BODY)
+    assert engine.url == url and answer["meta_info"]["completion_tokens"] == 4
+    await pool.close()
+    keyless = EnginePool(RolloutConfig(**FAST))
+    engine = await keyless.register(url)
+    assert engine.state == EVICTED and "401" in engine.last_error
+    await keyless.close()

@@ -4,6 +4,7 @@ parameters of an uninterrupted one."""
 
 import re
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -59,8 +60,21 @@ def test_control_surface_reports_saves_and_stops(filled_buffer, service_process,
     while not (match := re.search(r"trainer serving on [^:]+:(\d+)", proc.log)):
         assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log
         time.sleep(0.2)
+    (tmp_path / "c").mkdir(exist_ok=True)
+    (tmp_path / "c" / "a-file").write_text("in the way")
+    (tmp_path / "c" / "out").symlink_to(tmp_path)
     with grpc.insecure_channel(f"127.0.0.1:{match[1]}") as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        for path in ("/tmp/elsewhere", "../elsewhere", "x" * 300, "out/elsewhere"):  # only folders under --save
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "path:" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as failed:  # cannot be written: that call's error, the trainer goes on
+            stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path="a-file/snapshot"), timeout=120)
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, failed.value.details()
+        assert "Not a directory" in failed.value.details()
+        named = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path="snapshots/one"), timeout=120)
+        assert Path(named.path).parent == (tmp_path / "c" / "snapshots" / "one").resolve()
         saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120)
         assert saved.path.endswith(f"iter_{saved.step:07d}")
         status = stub.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)

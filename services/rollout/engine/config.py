@@ -32,6 +32,8 @@ class EngineConfig(StrictModel):
     enable_return_routed_experts: bool = False
     """Capture each MoE layer's chosen experts so that /generate can return them (SGLang's option, for rollout
     routing replay); Qwen3-MoE, GLM-4.5 and DeepSeek-V3 models only."""
+    api_key: str | None = None
+    """Every route but /health* and /metrics needs `Authorization: Bearer <api_key>` (SGLang's option)."""
     weight_version: str = "default"
     """Initial weight version (SGLang's --weight-version)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -1,5 +1,6 @@
 """Loads the model and serves the engine's HTTP API with uvicorn; SIGTERM stops it cleanly."""
 
+import hmac
 import logging
 
 import torch
@@ -32,6 +33,23 @@ def load(config: EngineConfig):
                   routing)  # fmt: skip
 
 
+def require_api_key(app, key: str):
+    """SGLang's --api-key: a request without `Authorization: Bearer <key>` gets 401, except health and metrics."""
+    from starlette.responses import JSONResponse
+
+    expected = f"Bearer {key}".encode()
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http" and not scope["path"].startswith(("/health", "/metrics")):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, expected):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return guarded
+
+
 def serve(config: EngineConfig) -> int:
     apply_nccl_settings()  # as SGLang's server does, and the trainer: both ends of the weight group must agree
     import uvicorn
@@ -48,5 +66,7 @@ def serve(config: EngineConfig) -> int:
             "max_running_requests": config.max_running_requests, "base_gpu_id": config.base_gpu_id,
             "gpu_id_step": 1}  # fmt: skip
     app = EngineAPI(engine, info, config.weight_update_timeout_s).app()
+    if config.api_key:
+        app = require_api_key(app, config.api_key)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
