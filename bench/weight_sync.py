@@ -160,6 +160,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < 2 and not args.colocate:
         sys.exit("needs 2 GPUs: the trainer on GPU 0, the engine on GPU 1")
+    from services.common.config import AuthConfig, TlsConfig
     from services.trainer.models import hf_weights_of, load_gpt_model
     from services.trainer.parallel import init_parallel
     from services.trainer.weight_sync import WeightSender
@@ -182,7 +183,8 @@ def main() -> None:
         for mib in args.bucket_mib:
             config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=int(mib * 2**20),
                                      colocate=args.colocate, update_weight_flattened_bucket=False,
-                                     weight_sync_address="127.0.0.1", weight_sync_timeout_s=300)  # fmt: skip
+                                     weight_sync_address="127.0.0.1", weight_sync_timeout_s=300, tls=TlsConfig(),
+                                     auth=AuthConfig())  # fmt: skip
             sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True)
             times, phases = [], []
             for rep in range(args.syncs + 1):  # the first builds the group

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from services.common.config import AuthConfig, TlsConfig
 from services.common.tiny_checkpoint import write_tiny_model
 from services.common.weight_group import abort_group, init_custom_process_group
 from services.rollout.engines import Engine
@@ -199,7 +200,7 @@ def _usage(pid: int) -> dict:
 def _sender(system, bucket_mib: float = 0.1, colocate: bool = False, timeout_s: float = 60) -> WeightSender:
     config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=int(bucket_mib * 2**20),
                              update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1", colocate=colocate,
-                             weight_sync_timeout_s=timeout_s)  # fmt: skip
+                             weight_sync_timeout_s=timeout_s, tls=TlsConfig(), auth=AuthConfig())  # fmt: skip
     return WeightSender(config, weights=None, sender=True)
 
 
@@ -380,12 +381,13 @@ import os, signal, sys
 from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file
+from services.common.config import AuthConfig, TlsConfig
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 
 hf = sorted(load_file(sys.argv[2]).items())
 config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=int(0.1 * 2**20),
                          update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
-                         weight_sync_timeout_s=60, colocate=False)
+                         weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 syncs = []
 
 def weights():
@@ -430,6 +432,7 @@ import json, os, signal, sys
 from types import SimpleNamespace
 import torch.distributed as dist
 from safetensors.torch import load_file
+from services.common.config import AuthConfig, TlsConfig
 from services.trainer.weight_sync import WeightSender
 
 address, model, victim, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -438,7 +441,7 @@ rank = dist.get_rank()
 mine = [(name, (tensor + 0.25).contiguous()) for name, tensor in sorted(load_file(model).items())[rank::2]]
 config = SimpleNamespace(rollout_addr=address, update_weight_buffer_size=int(0.05 * 2**20),
                          update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
-                         weight_sync_timeout_s=60, colocate=False)
+                         weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 passes = []
 
 def weights():  # each stage its own half; the second kills an engine in the middle of its first pass
