@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
+import moe_step
 from trainer_step import write_model
 
 from services.common.processes import free_port
@@ -39,6 +40,9 @@ SHAPES = {  # Qwen3-4B: 36 layers, tied embeddings, 4.02 B parameters (8.05 GB i
                        head_dim=128, intermediate_size=3072, vocab_size=151936),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512),
+    # MoE (Qwen3-MoE files, one tensor per expert): Qwen3-30B-A3B with 3 of its 48 layers, as bench/moe_step.py
+    "qwen3-30b-a3b-3l": dict(moe_step.QWEN3_30B_A3B, num_hidden_layers=3),
+    "tiny-moe": dict(moe_step.TINY, num_hidden_layers=2),
 }  # fmt: skip
 
 
@@ -168,7 +172,10 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="weight-sync-"))
     model_dir = folder / "model"
     shape = SHAPES[args.shape]
-    write_model(model_dir, shape, "cuda" if cuda else "cpu", tie=True)
+    if "num_experts" in shape:
+        moe_step.write_model(model_dir, shape)
+    else:
+        write_model(model_dir, shape, "cuda" if cuda else "cpu", tie=True)
     url, gateway, procs = start_system(model_dir, folder, cuda, gpu="0" if args.colocate else "1")
     try:
         init_parallel(1, 1)
