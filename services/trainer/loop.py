@@ -288,9 +288,9 @@ class Trainer:
                    **_rollout_times(reply.groups, self.last_step_unix, time.time() - (now - started))}  # fmt: skip
         metrics["samples_per_s"] = len(batch) * max(1, self.dp_size) / metrics["step_s"]
         self.last_step_end, self.last_step_unix = now, time.time()
-        self._record(reply, metrics)
         if torch.cuda.is_available() and "tokens_per_s" in metrics:
             metrics["mfu"] = mfu(self.gpt.shape, metrics["tokens_per_s"] / self.info.world_size, batch.lengths())
+        self._record(reply, metrics)
         self._log(metrics)
         return metrics
 
