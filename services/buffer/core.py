@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 TRAIN = "train"
 
 
+MAX_LEASE_S = 7 * 24 * 3600
+
+
 @dataclass
 class LeasedGroup:
     lease_id: str
@@ -68,16 +71,21 @@ class Buffer:
 
     # Leases
 
+    def _lease_ms(self, lease_seconds: float) -> int:
+        """A lease's length asked for in a request (0: the configured one), at most a week."""
+        if not 0 <= lease_seconds <= MAX_LEASE_S:  # also refuses NaN
+            raise InvalidArgument("lease_seconds", f"must be 0 (the buffer's --lease-seconds) to {MAX_LEASE_S} "
+                                                   f"seconds, got {lease_seconds}")  # fmt: skip
+        return int((lease_seconds or self.config.lease_seconds) * 1000)
+
     async def lease(self, max_groups: int, lease_seconds: float, dataset: str) -> LeaseResult:
         if max_groups < 0:
             raise InvalidArgument("max_groups", f"must be >= 0, got {max_groups}")
-        if lease_seconds < 0:
-            raise InvalidArgument("lease_seconds", f"must be >= 0, got {lease_seconds}")
+        lease_ms = self._lease_ms(lease_seconds)
         dataset = dataset or TRAIN
         if dataset not in self.streams:
             known = ", ".join(sorted(self.streams)) or "none (pass --prompt-data / --eval-prompt-data)"
             raise InvalidArgument("dataset", f"unknown dataset {dataset!r}; known: {known}")
-        lease_ms = int((lease_seconds or self.config.lease_seconds) * 1000)
         async with self._lease_lock:
             await self.store.expire()
             version = await self.policy_version()
@@ -150,11 +158,9 @@ class Buffer:
         return [LeasedGroup(lid, g, deadline) for lid, g in zip(lease_ids, groups, strict=True)]
 
     async def extend(self, lease_ids: list[str], lease_seconds: float) -> tuple[int, list[str], list[str]]:
-        if lease_seconds < 0:
-            raise InvalidArgument("lease_seconds", f"must be >= 0, got {lease_seconds}")
+        lease_ms = self._lease_ms(lease_seconds)
         if not lease_ids:
             return 0, [], []
-        lease_ms = int((lease_seconds or self.config.lease_seconds) * 1000)
         deadline, flags = await self.store.extend(lease_ids, lease_ms)
         extended = [lid for lid, ok in zip(lease_ids, flags, strict=True) if ok]
         return deadline, extended, [lid for lid, ok in zip(lease_ids, flags, strict=True) if not ok]
@@ -252,6 +258,9 @@ class Buffer:
             raise InvalidArgument("dp_rank", f"must satisfy 0 <= dp_rank < dp_size, got {dp_rank} of {dp_size}")
         if batch_size % dp_size:
             raise InvalidArgument("dp_size", f"--rollout-batch-size {batch_size} is not divisible by dp_size {dp_size}")
+        if not 0 <= timeout_s <= MAX_LEASE_S:  # also refuses NaN, which would never time out
+            raise InvalidArgument("timeout_seconds", f"must be 0 (the buffer's --batch-timeout-s) to {MAX_LEASE_S}, "
+                                                     f"got {timeout_s}")  # fmt: skip
         gids = await self.store.batch(step)
         if gids is None:
             async with self._batch_lock:

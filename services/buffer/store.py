@@ -365,3 +365,23 @@ class BufferStore:
             pipe.llen(self.key(f"pending:{dataset}")).zcard(self.key("leases")).zcard(self.key("done"))
             pending, leased, completed = await pipe.execute()
         return {"pending": pending, "leased": leased, "completed": completed}
+
+    async def violations(self) -> list[str]:
+        """What breaks the buffer's invariants in Redis (empty when none): each group's status agrees with the sets
+        it is in (a leased group has a lease, a completed one is waiting with its payload, a batched one is in its
+        step's batch), and no trained or dropped group keeps its samples. The fuzz and fault tests check it."""
+        status = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(self.key("status"))).items()}
+        leased, done = set(await self.leased()), {gid for gid, _ in await self.completed()}
+        problems = [f"{gid} has a lease but status {status.get(gid)}" for gid in leased if status.get(gid) != "leased"]
+        problems += [f"{gid} is leased without a lease" for gid, s in status.items()
+                     if s == "leased" and gid not in leased]  # fmt: skip
+        problems += [f"{gid} waits for a batch with status {status.get(gid)}" for gid in done
+                     if status.get(gid) != "completed"]  # fmt: skip
+        for gid, s in status.items():
+            if s == "completed" and (gid not in done or not await self.redis.exists(self.key(f"done:{gid}"))):
+                problems.append(f"{gid} is completed but not waiting for a batch with its samples")
+            if s.startswith("batch:") and gid not in (await self.batch(int(s[6:])) or []):
+                problems.append(f"{gid} has status {s} but is not in that step's batch")
+            if s.startswith(("trained:", "dropped:")) and await self.redis.exists(self.key(f"done:{gid}")):
+                problems.append(f"{gid} is {s} but its samples are still stored")
+        return problems

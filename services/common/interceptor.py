@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from services.common.errors import SlipstreamError
+from services.common.errors import InvalidArgument, ResourceExhausted, SlipstreamError
 from services.common.metrics import RPC_LATENCY, RPC_REQUESTS
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,50 @@ def _allow_bytes(serializer):
     return lambda response: response if isinstance(response, bytes) else serializer(response)
 
 
+# Largest request each method takes, in MiB, checked on the bytes before they are parsed; a method not listed takes
+# CONTROL_MIB, and None is the service's --max-message-mb (what gRPC itself enforces for every method).
+REQUEST_MIB: dict[str, int | None] = {
+    "SubmitGroup": None,  # a finished group: its samples' tokens, log-probs, multimodal data
+    "Score": 64,  # a group's responses and labels
+    "ScoreGroup": 64,
+    "SyncWeightBuckets": 64,  # per bucket: tensor specs, and colocated, a handle per tensor and GPU
+}
+CONTROL_MIB = 4
+
+
+class Refused:
+    """A request not taken (too large, or not a valid message): the call is answered with `error`."""
+
+    def __init__(self, error: SlipstreamError):
+        self.error = error
+
+
+def _guarded(deserializer, method: str, limit_mib: int | None):
+    limit = None if limit_mib is None else limit_mib * 1024 * 1024
+
+    def take(data: bytes):
+        if limit is not None and len(data) > limit:
+            return Refused(ResourceExhausted(f"{method}: the request is {len(data):,} bytes, over this method's "
+                                             f"limit of {limit_mib} MiB; send less per call"))  # fmt: skip
+        try:
+            return deserializer(data)
+        except Exception as e:  # protobuf's DecodeError, or anything a malformed message raises
+            return Refused(InvalidArgument("request", f"not a valid {method} request message ({e})"))
+
+    return take
+
+
+def _taken(request):
+    if isinstance(request, Refused):
+        raise request.error
+    return request
+
+
+async def _taken_stream(requests):
+    async for request in requests:
+        yield _taken(request)
+
+
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, service: str):
         self.service = service
@@ -52,18 +96,23 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         for kind, make_handler in _HANDLER_KINDS.items():
             behaviour = getattr(handler, kind)
             if behaviour is not None:
-                wrapped = self._wrap(behaviour, method)
+                wrapped = self._wrap(behaviour, method, handler.request_streaming)
                 serializer = _allow_bytes(handler.response_serializer)
-                return make_handler(wrapped, handler.request_deserializer, serializer)
+                deserializer = handler.request_deserializer
+                if deserializer is not None:
+                    deserializer = _guarded(deserializer, method, REQUEST_MIB.get(method, CONTROL_MIB))
+                return make_handler(wrapped, deserializer, serializer)
         return handler
 
-    def _wrap(self, behaviour, method: str):
+    def _wrap(self, behaviour, method: str, streaming_requests: bool):
+        take = _taken_stream if streaming_requests else _taken
+
         if inspect.isasyncgenfunction(behaviour):
 
             async def stream(request, context):
                 start = time.perf_counter()
                 try:
-                    async for response in behaviour(request, context):
+                    async for response in behaviour(take(request), context):
                         yield response
                 except Exception as exc:
                     await self._fail(context, exc, method, start)
@@ -74,7 +123,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         async def call(request, context):
             start = time.perf_counter()
             try:
-                result = behaviour(request, context)
+                result = behaviour(take(request), context)
                 if inspect.isawaitable(result):
                     result = await result
             except Exception as exc:

@@ -26,6 +26,9 @@ ERRORS = prometheus_client.Counter(
 REMOTE = {"remote_rm", "remote_grpc"}
 
 
+MAX_TIMEOUT_S = 3600.0
+
+
 @dataclass
 class Scorer:
     config: RewardConfig
@@ -46,6 +49,9 @@ class Scorer:
 
     async def score(self, items: list[reward_pb2.RewardItem], rm_type: str, timeout_s: float, group: bool = False):
         samples = [self._sample(i, item, rm_type) for i, item in enumerate(items)]
+        if not 0 <= timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN
+            raise InvalidArgument("timeout_seconds", f"must be 0 (the service's --rm-timeout-s) to {MAX_TIMEOUT_S}, "
+                                                     f"got {timeout_s}")  # fmt: skip
         timeout_s = timeout_s or self.config.rm_timeout_s
         if group and self.config.custom_rm_path and self.config.group_rm:
             return await self._score_group(samples, timeout_s)
@@ -64,6 +70,8 @@ class Scorer:
     def _sample(self, index: int, item: reward_pb2.RewardItem, rm_type: str) -> RewardSample:
         metadata = MessageToDict(item.metadata) if item.HasField("metadata") else {}
         chosen = item.rm_type or metadata.get("rm_type") or rm_type or self.config.rm_type
+        if not isinstance(chosen, str):
+            raise InvalidArgument(f"items[{index}].metadata.rm_type", f"must be a string, got {chosen!r}")
         if not self.config.custom_rm_path:
             known = chosen.removeprefix("boxed_") in BUILT_IN or chosen in REMOTE
             if not known:

@@ -19,6 +19,19 @@ log = logging.getLogger(__name__)
 LEASE_CHUNK = 16
 
 
+MAX_SAMPLES_PER_PROMPT = 1024
+# Each override's bounds (SGLang's own checks, made here so that a bad value is the caller's error, not the engine's).
+LIMITS = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "top_k": (-1, 1 << 20),
+          "max_new_tokens": (0, 1 << 20), "min_new_tokens": (0, 1 << 20)}  # fmt: skip
+
+
+def check_sampling(overrides: common_pb2.SamplingParams) -> None:
+    for descriptor, value in overrides.ListFields():
+        low, high = LIMITS.get(descriptor.name, (None, None))
+        if low is not None and not low <= value <= high:  # also refuses NaN
+            raise InvalidArgument(f"sampling_params.{descriptor.name}", f"must be {low} to {high}, got {value}")
+
+
 async def evaluate(rollout, datasets: list[str], n: int, overrides: common_pb2.SamplingParams) -> dict[str, dict]:
     """Metrics of each named eval set (all of them when `datasets` is empty): {name: {metric: value}}."""
     state = await rollout.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30)
@@ -27,8 +40,9 @@ async def evaluate(rollout, datasets: list[str], n: int, overrides: common_pb2.S
     if unknown:
         names = ", ".join(known) or "none (start the buffer with --eval-prompt-data NAME PATH)"
         raise InvalidArgument("datasets", f"unknown eval set(s) {', '.join(unknown)}; the buffer has {names}")
-    if n < 0:
-        raise InvalidArgument("n_samples_per_prompt", f"must be >= 0 (0 takes the buffer's), got {n}")
+    if not 0 <= n <= MAX_SAMPLES_PER_PROMPT:
+        raise InvalidArgument("n_samples_per_prompt", f"must be 0 (the buffer's) to {MAX_SAMPLES_PER_PROMPT}, got {n}")
+    check_sampling(overrides)
     sampling = rollout.sampling(overrides, evaluation=True)
     names = datasets or known
     results = await asyncio.gather(*(_one_pass(rollout, name, n, sampling) for name in names))
