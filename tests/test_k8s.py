@@ -1,0 +1,158 @@
+"""deploy/k8s renders with `kubectl kustomize`, and what it renders holds together: the workloads and their kinds,
+probes and resource requests on every container, GPUs for the engines and the trainer, every address a command names
+served by a Service on that port, network policies opening each port, and every slipstream command line — its run
+file included — accepted by our parsers (`--check`), SGLang's by the pinned release's options."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.tiny_checkpoint import write_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "deploy" / "k8s"
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize)")
+SLIPSTREAM = {"buffer", "reward", "rollout", "trainer"}
+
+
+@pytest.fixture(scope="module")
+def objects() -> list[dict]:
+    result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def by_kind(objects, kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def workloads(objects) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "Job")}
+
+
+def container(workload: dict) -> dict:
+    (only,) = workload["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def command_line(workload: dict) -> list[str]:
+    c = container(workload)
+    return [*c.get("command", []), *c.get("args", [])]
+
+
+def test_the_workloads_and_their_kinds(objects):
+    kinds = {name: o["kind"] for name, o in workloads(objects).items()}
+    assert kinds == {"redis": "StatefulSet", "buffer": "Deployment", "reward": "Deployment", "rollout": "Deployment",
+                     "engine": "StatefulSet", "trainer": "Job"}  # fmt: skip
+    assert workloads(objects)["trainer"]["spec"]["completionMode"] == "Indexed"
+    assert set(by_kind(objects, "HorizontalPodAutoscaler")) == {"reward"}
+    assert set(by_kind(objects, "PodDisruptionBudget")) == {"reward", "engine"}
+    redis = workloads(objects)["redis"]
+    assert redis["spec"]["volumeClaimTemplates"] and "--appendonly" in command_line(redis)
+
+
+def test_every_container_asks_for_resources_and_the_gpu_ones_for_gpus(objects):
+    for name, workload in workloads(objects).items():
+        requests = container(workload)["resources"]["requests"]
+        assert {"cpu", "memory"} <= set(requests), name
+        gpus = container(workload)["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert (gpus is not None) == (name in ("engine", "trainer")), name
+
+
+def test_services_probe_what_they_serve(objects):
+    for name, workload in workloads(objects).items():
+        c = container(workload)
+        if name == "trainer":  # a Job: its ranks end when the run does
+            continue
+        assert "readinessProbe" in c and "livenessProbe" in c, name
+        if name in SLIPSTREAM:
+            port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+            assert c["readinessProbe"]["grpc"]["port"] == port and c["livenessProbe"]["grpc"]["port"] == port
+
+
+def test_every_address_a_command_names_is_served_on_that_port(objects):
+    services, loads = by_kind(objects, "Service"), workloads(objects)
+    for name, service in services.items():  # each Service's ports are its workload's
+        ports = {p["name"]: p["containerPort"] for p in container(loads[name])["ports"]}
+        assert service["spec"]["selector"] == loads[name]["spec"]["template"]["metadata"]["labels"] | {}, name
+        for port in service["spec"]["ports"]:
+            assert ports[port["targetPort"]] == port["port"], (name, port)
+    named = []
+    for name, workload in loads.items():
+        for arg in command_line(workload):
+            for host, port in re.findall(r"(?:dns:///|http://|@|^)([a-z][a-z0-9-]*(?:\.[a-z0-9-]+)?):(\d+)", arg):
+                pod, _, service = host.partition(".")
+                target = services[service or pod]
+                assert int(port) in {p["port"] for p in target["spec"]["ports"]}, (name, arg)
+                if service:  # a pod of a StatefulSet or an indexed Job: its index exists
+                    index = int(pod.rsplit("-", 1)[1])
+                    spec = loads[service]["spec"]
+                    assert index < spec.get("replicas", spec.get("completions", 0)), (name, arg)
+                    assert target["spec"]["clusterIP"] == "None", (name, arg)
+                named.append((name, host))
+    assert {("rollout", "buffer"), ("rollout", "engine-1.engine"), ("trainer", "rollout"), ("buffer", "redis")} <= set(
+        named
+    )
+
+
+def test_network_policies_deny_by_default_and_open_each_port_to_its_callers(objects):
+    policies = by_kind(objects, "NetworkPolicy")
+    assert policies["default-deny"]["spec"]["podSelector"] == {}
+    opened = {}
+    for name, policy in policies.items():
+        for rule in policy["spec"].get("ingress", []):
+            callers = {peer["podSelector"]["matchLabels"]["app"] for peer in rule["from"]}
+            for port in rule.get("ports", [{"port": "any"}]):
+                opened.setdefault((name, port["port"]), set()).update(callers)
+    assert opened[("buffer", 50051)] == {"rollout", "trainer"}
+    assert opened[("reward", 50053)] == {"rollout"} and opened[("rollout", 50052)] == {"trainer"}
+    assert opened[("redis", 6379)] == {"buffer"} and opened[("engine", 30000)] == {"rollout"}
+    assert opened[("trainer", "any")] == {"trainer", "engine"}  # torchrun, NCCL and the weight group
+
+
+def test_every_command_line_is_accepted(objects, tmp_path):
+    data = tmp_path / "data"
+    write_tiny_model(data / "Qwen3-4B")
+    (data / "dapo-math-17k.jsonl").write_text('{"prompt": "1 + 1", "label": "2"}\n')
+    auth = tmp_path / "auth"
+    auth.mkdir()
+    (auth / "tokens").write_text("".join(f"{role} {role}-token-0123456789abcdef\n" for role in ("worker", "trainer")))
+    (auth / "engine-api-key").write_text("engine-key-0123456789\n")
+    (flags := tmp_path / "run.flags").write_text(by_kind(objects, "ConfigMap").popitem()[1]["data"]["run.flags"])
+    flags.write_text(flags.read_text().replace("/data", str(data)))
+    places = {"/etc/slipstream/run.flags": str(flags), "/etc/slipstream/auth": str(auth), "/data": str(data),
+              "/checkpoints": str(tmp_path / "checkpoints"), "/runs": str(tmp_path / "runs"), "$(REDIS_PASSWORD)": "pw",
+              "$(NODE_RANK)": "0"}  # fmt: skip
+    for name, workload in workloads(objects).items():
+        args = command_line(workload)
+        for place, here in places.items():
+            args = [a.replace(place, here) for a in args]
+        if name == "trainer":
+            assert args[0] == "torchrun" and args[args.index("--no-python") + 1] == "slipstream"
+            args = args[args.index("--no-python") + 2 :]
+        if name in SLIPSTREAM:
+            result = subprocess.run([sys.executable, "-m", "slipstream", *args, "--check"], capture_output=True,
+                                    text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+            assert result.returncode == 0, f"{name}: {result.stderr}"
+        if name == "engine":
+            sglang_options_are_the_releases(args, tmp_path)
+
+
+def sglang_options_are_the_releases(args: list[str], tmp_path: Path) -> None:
+    """The engine's shell command runs for real (with `python3` printing its arguments): every option is one of the
+    pinned SGLang release's (deploy/sglang/server_args.txt)."""
+    listed = (REPO / "deploy" / "sglang" / "server_args.txt").read_text().splitlines()
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "ENGINE_API_KEY": "key"}
+    argv = subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout.split()
+    assert argv[:2] == ["-m", "sglang.launch_server"] and "--mem-fraction-static" in argv and "--api-key" in argv
+    unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in listed]
+    assert not unknown, f"not options of the pinned SGLang: {unknown}"
