@@ -31,6 +31,9 @@ class RewardConfig(ServiceConfig):
     """Per-item deadline of a verifier or reward function (math parsers can hang on adversarial input)."""
     num_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, le=256)
     """Worker processes that run verifiers and reward functions (isolated: a crash or hang costs one item)."""
+    reward_worker_memory_mb: int | None = Field(8192, ge=128)
+    """Memory a worker may allocate (its data segment and anonymous mappings, RLIMIT_DATA), in MiB. A verifier or
+    reward function that needs more fails its item, and its worker is replaced. null: no limit."""
     rm_url: str | None = None
     """Remote reward model over HTTP (slime's remote_rm): POST {prompt, response, label} → a number or a dict."""
     rm_grpc_addr: str | None = None

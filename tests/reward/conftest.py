@@ -18,6 +18,9 @@ def slow_or_broken(args, sample):
         raise ValueError("the judge refused")
     if sample.response == "crash":
         os._exit(3)
+    if sample.response == "hog":  # 2 GiB, touched
+        hog = bytearray(2 << 30)
+        return float(len(hog))
     return {"score": float(len(sample.response)), "label_len": len(sample.label), "verdict": "ok"}
 
 async def async_judge(args, sample):
@@ -42,7 +45,7 @@ def reward_service(grpc_service, channel_to):
     """`stub = reward_service(**config)`: a RewardService stub on a fresh in-process service."""
 
     def start(**settings) -> reward_pb2_grpc.RewardServiceStub:
-        config = RewardConfig(num_workers=2, **settings)
+        config = RewardConfig(**{"num_workers": 2, **settings})
         return reward_pb2_grpc.RewardServiceStub(channel_to(grpc_service(build, config).address))
 
     return start

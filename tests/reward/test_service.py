@@ -71,6 +71,15 @@ def test_a_plugin_that_raises_or_crashes_costs_only_its_item(reward_service, plu
     assert score(stub, ("still here", "x"))[0].reward == 10.0
 
 
+def test_a_plugin_past_the_memory_limit_costs_only_its_item_and_its_worker_is_replaced(reward_service, plugin):
+    stub = reward_service(custom_rm_path=f"{plugin}:slow_or_broken", reward_worker_memory_mb=512, num_workers=1)
+    results = score(stub, ("hog", "x"), ("ok", "x"))
+    assert results[0].error and "memory: needed more than the worker's 512 MiB" in results[0].error_message
+    assert "--reward-worker-memory-mb" in results[0].error_message
+    assert not results[1].error and results[1].reward == 2.0  # on the one worker, started again
+    assert score(stub, ("still here", "x"))[0].reward == 10.0
+
+
 def test_async_custom_function(reward_service, plugin):
     stub = reward_service(custom_rm_path=f"{plugin}:async_judge")
     assert [r.reward for r in score(stub, ("it is 42", "42"), ("it is 41", "42"))] == [1.0, 0.0]
