@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize)")
 SLIPSTREAM = {"buffer", "reward", "rollout", "trainer"}
+ADDRESS = re.compile(r"(?:dns:///|http://|redis://|^)([a-z][a-z0-9-]*(?:\.[a-z0-9-]+)?):(\d+)")  # host (pod.svc), port
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_every_address_a_command_names_is_served_on_that_port(objects):
     named = []
     for name, workload in loads.items():
         for arg in command_line(workload):
-            for host, port in re.findall(r"(?:dns:///|http://|@|^)([a-z][a-z0-9-]*(?:\.[a-z0-9-]+)?):(\d+)", arg):
+            for host, port in ADDRESS.findall(arg):
                 pod, _, service = host.partition(".")
                 target = services[service or pod]
                 assert int(port) in {p["port"] for p in target["spec"]["ports"]}, (name, arg)
@@ -123,11 +124,12 @@ def test_every_command_line_is_accepted(objects, tmp_path):
     auth.mkdir()
     (auth / "tokens").write_text("".join(f"{role} {role}-token-0123456789abcdef\n" for role in ("worker", "trainer")))
     (auth / "engine-api-key").write_text("engine-key-0123456789\n")
+    (auth / "password").write_text("redis-password\n")
     (flags := tmp_path / "run.flags").write_text(by_kind(objects, "ConfigMap").popitem()[1]["data"]["run.flags"])
     flags.write_text(flags.read_text().replace("/data", str(data)))
-    places = {"/etc/slipstream/run.flags": str(flags), "/etc/slipstream/auth": str(auth), "/data": str(data),
-              "/checkpoints": str(tmp_path / "checkpoints"), "/runs": str(tmp_path / "runs"), "$(REDIS_PASSWORD)": "pw",
-              "$(NODE_RANK)": "0"}  # fmt: skip
+    places = {"/etc/slipstream/run.flags": str(flags), "/etc/slipstream/auth": str(auth),
+              "/etc/slipstream/redis": str(auth), "/data": str(data), "/checkpoints": str(tmp_path / "checkpoints"),
+              "/runs": str(tmp_path / "runs"), "$(NODE_RANK)": "0"}  # fmt: skip
     for name, workload in workloads(objects).items():
         args = command_line(workload)
         for place, here in places.items():

@@ -30,6 +30,27 @@ class RedisConfig(StrictModel):
     """Key prefix: a run's keys are <prefix>:<run_id>:…, so runs can share one Redis."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """How long to wait for Redis to answer at start before giving up with an error."""
+    password_file: Path | None = None
+    """File holding Redis's password (its requirepass, or the password of the ACL user named in the URL as
+    redis://USER@host), so that it is not on the command line; a password in the URL works too."""
+    tls_ca_file: Path | None = None
+    """CA that signed the Redis server's certificate, for a rediss:// URL (unset: the system's roots)."""
+    tls_cert_file: Path | None = None
+    """Client certificate for a rediss:// server that requires one (with --redis-tls-key-file)."""
+    tls_key_file: Path | None = None
+    """Key of --redis-tls-cert-file."""
+
+    def options(self) -> dict:
+        """redis-py's connection options beyond the URL: the password from its file, the TLS files."""
+        options = {}
+        if self.password_file is not None:
+            try:
+                options["password"] = self.password_file.read_text().strip()
+            except OSError as e:
+                raise StartupError(f"--redis-password-file {self.password_file}: {e.strerror}") from None
+        files = {"ssl_ca_certs": self.tls_ca_file, "ssl_certfile": self.tls_cert_file, "ssl_keyfile": self.tls_key_file}
+        options.update({name: str(path) for name, path in files.items() if path is not None})
+        return options
 
 
 class EmbeddedRedis:
@@ -109,19 +130,21 @@ def redacted(url: str) -> str:
 
 
 class RedisHandle:
-    """The Redis a service uses: its URL, and the embedded server (if any) to stop when the service stops."""
+    """The Redis a service uses: its URL and connection options, and the embedded server (if any) to stop when the
+    service stops."""
 
-    def __init__(self, url: str, embedded: EmbeddedRedis | None = None):
+    def __init__(self, url: str, embedded: EmbeddedRedis | None = None, options: dict | None = None):
         self.url = url
         self.embedded = embedded
+        self.options = options or {}
 
     def client(self, **kwargs) -> redis.Redis:
-        return redis.Redis.from_url(self.url, **kwargs)
+        return redis.Redis.from_url(self.url, **self.options, **kwargs)
 
     def async_client(self, **kwargs):
         import redis.asyncio
 
-        return redis.asyncio.Redis.from_url(self.url, **kwargs)
+        return redis.asyncio.Redis.from_url(self.url, **self.options, **kwargs)
 
     def close(self) -> None:
         if self.embedded is not None:
@@ -138,13 +161,19 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
             f"--redis-url {redacted(config.url)!r} is not a Redis URL; use redis://host:6379/0, rediss://… or "
             "unix:///path/to/redis.sock, or leave it unset for the embedded Redis"
         )
-    client = redis.Redis.from_url(config.url, socket_connect_timeout=config.connect_timeout_s)
+    options = config.options()
+    if urlsplit(config.url).scheme != "rediss" and any(k.startswith("ssl_") for k in options):
+        raise StartupError(f"--redis-tls-* files are for TLS: use a rediss:// URL, not {redacted(config.url)}")
+    client = redis.Redis.from_url(config.url, socket_connect_timeout=config.connect_timeout_s, **options)
     try:
         client.ping()
-    except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError) as e:
+    except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError, redis.ResponseError) as e:
+        if isinstance(e, redis.ResponseError) and "NOAUTH" not in str(e) and "WRONGPASS" not in str(e):
+            raise StartupError(f"Redis at {redacted(config.url)} answered an error: {e}") from None
         raise StartupError(
-            f"Redis at {redacted(config.url)} refused the password ({e}); put Redis's password (its requirepass, "
-            "REDIS_PASSWORD in the compose .env) in --redis-url as redis://:PASSWORD@host:6379/0"
+            f"Redis at {redacted(config.url)} refused the password ({e}); give Redis's password (its requirepass) "
+            "in --redis-password-file, or in --redis-url as redis://:PASSWORD@host:6379/0 (an ACL user: "
+            "redis://USER@host with the user's password)"
         ) from None
     except (redis.RedisError, OSError) as e:
         raise StartupError(
@@ -153,4 +182,4 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
         ) from None
     finally:
         client.close()
-    return RedisHandle(config.url)
+    return RedisHandle(config.url, options=options)
