@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CUDA build of torch only where a GPU is present: an unpinned `torch` pulls several GB, the CPU pin is local.
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
-.PHONY: install test test-slow test-gpu gpu-wheels deploy-check lint format protos demo clean
+.PHONY: install test test-faults test-slow test-gpu gpu-wheels deploy-check lint format protos demo clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "slipstream needs Python 3.11 or newer as $(PYTHON); pass PYTHON=python3.11"; exit 1; }
@@ -23,7 +23,10 @@ CONTAINERS_SETUP ?= $(wildcard ../shared/containers/setup.sh)
 WITH_CONTAINERS = $(if $(CONTAINERS_SETUP),$(CONTAINERS_SETUP) >/dev/null && eval "$$($(CONTAINERS_SETUP) --env)" &&,)
 
 test: install
-	$(WITH_CONTAINERS) $(PY) -m pytest -q -m "not slow"
+	$(WITH_CONTAINERS) $(PY) -m pytest -q -m "not slow and not faults"
+
+test-faults: install  # every process kind SIGKILLed and SIGSTOPped mid-run (tests/faults, docs/RELIABILITY.md)
+	$(PY) -m pytest -q -m faults tests/faults $(if $(SOAK_MINUTES),--soak-minutes $(SOAK_MINUTES),)
 
 test-slow: install  # the full demo, synchronous and asynchronous (about 12 minutes on 2 cores)
 	$(PY) -m pytest -q -m slow

@@ -9,6 +9,7 @@ import logging
 import time
 
 import grpc
+import redis
 
 from services.common.errors import InvalidArgument, ResourceExhausted, SlipstreamError
 from services.common.metrics import RPC_LATENCY, RPC_REQUESTS
@@ -26,6 +27,8 @@ _HANDLER_KINDS = {
 def _status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, SlipstreamError):
         return exc.code, str(exc)
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):  # the service's own Redis: its state
+        return grpc.StatusCode.UNAVAILABLE, f"{method}: Redis does not answer ({exc}); the call can be retried"
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented yet"
     log.exception("%s failed", method)

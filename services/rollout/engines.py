@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import prometheus_client
@@ -41,6 +41,7 @@ class Engine:
     version: str = ""  # the engine's SGLang version (0.5.21+ needs begin/end around weight updates)
     admissions: int = 0  # a re-admitted engine may have restarted: it is in no weight group any more
     gpus: tuple[int, ...] = (0,)  # of its TP ranks, in the node's numbering (SGLang's base_gpu_id, gpu_id_step)
+    requests: set = field(default_factory=set)  # its requests in flight, cancelled when it is evicted
 
 
 class EngineFailure(Exception):
@@ -132,6 +133,8 @@ class EnginePool:
         if engine.state != EVICTED and (evict or engine.failures >= self.config.rollout_health_check_failures):
             engine.state = EVICTED
             log.warning("engine %s evicted: %s", engine.url, error)
+            for request in list(engine.requests):  # a hung engine would hold them until --request-timeout-s
+                request.cancel()
             self._tell_router(engine.url, joined=False)
         elif engine.state != EVICTED:
             log.warning("engine %s failed (%d of %d before eviction): %s", engine.url, engine.failures,
@@ -282,12 +285,18 @@ class EnginePool:
         async with self._slots[engine.url]:
             engine.outstanding += 1
             OUTSTANDING.labels(engine.url).inc()
+            request = asyncio.ensure_future(self._fetch(f"{engine.url}{path}", payload))
+            engine.requests.add(request)
             try:
-                async with self.session.post(f"{engine.url}{path}", json=payload) as response:
-                    status, body = response.status, await response.read()
+                status, body = await request
             except (aiohttp.ClientError, TimeoutError) as e:
                 raise EngineFailure(_describe(e)) from None
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # our caller is cancelled, not the engine evicted
+                    raise
+                raise EngineFailure(f"evicted with this request in flight ({engine.last_error})") from None
             finally:
+                engine.requests.discard(request)
                 engine.outstanding -= 1
                 OUTSTANDING.labels(engine.url).dec()
         if status >= 500:
@@ -298,6 +307,10 @@ class EnginePool:
             return json.loads(body)
         except ValueError:
             raise EngineFailure(f"malformed JSON from {path}: {body[:200]!r}") from None
+
+    async def _fetch(self, url: str, payload: dict) -> tuple[int, bytes]:
+        async with self.session.post(url, json=payload) as response:
+            return response.status, await response.read()
 
     async def _get_json(self, engine: Engine, path: str) -> dict:
         timeout = aiohttp.ClientTimeout(total=self.config.rollout_health_check_timeout)

@@ -218,7 +218,7 @@ class Run:
         first = seen[-1]["step"] + 1 if seen else 0
         if eval_sets and first == 0:  # as slime, before training
             self._evaluate(0)
-        stall = StallWatch(self.options.stall_timeout_s, self.logs)
+        stall = StallWatch(self.options.stall_timeout_s, self.logs, self._silent)
         with report.Progress(total, first) as progress:
             offset = self.steps_file.stat().st_size if self.steps_file.exists() else 0
             last_status, last_stall_check = 0.0, 0.0
@@ -250,6 +250,17 @@ class Run:
             for result in self._finished_evals():
                 progress.eval(result)
         report.finish(self.run_dir, _read_steps(self.steps_file), self.evals, self.plan)
+
+    def _silent(self) -> list[str]:
+        """The services that do not answer their health check within a few seconds."""
+        silent = []
+        for name, address in self.addr.items():
+            with open_channel(address, self.credentials, max_attempts=1) as channel:
+                try:
+                    health_status(channel, timeout_s=5.0)
+                except grpc.RpcError:
+                    silent.append(name)
+        return silent
 
     def _progress(self, steps_offset: int) -> tuple[tuple, str]:
         """What changes when the run moves (steps, versions, groups generated and consumed), and the trainer's phase."""

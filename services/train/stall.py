@@ -27,8 +27,9 @@ class StallWatch:
     """`check(progress, phase)` each poll: `progress` is anything that changes when the run moves (steps, versions,
     the buffer's counts of generated and consumed groups)."""
 
-    def __init__(self, timeout_s: float, logs: Path):
-        self.timeout_s, self.logs = timeout_s, logs
+    def __init__(self, timeout_s: float, logs: Path, silent=lambda: []):
+        """`silent()`: the services that do not answer their health check now (hung: stopped, or stuck)."""
+        self.timeout_s, self.logs, self.silent = timeout_s, logs, silent
         self.progress: object = None
         self.since = time.monotonic()
 
@@ -41,6 +42,9 @@ class StallWatch:
 
     def describe(self, phase: str, idle_s: float) -> str:
         text = f"no progress for {idle_s:.0f} s (no step, no weight sync, no sample), the trainer in phase {phase!r}"
+        silent = self.silent()
+        if silent:
+            return f"{text}; the {' and the '.join(silent)} service does not answer its health check (hung?)"
         for name in SUSPECTS.get(phase, ("trainer", "rollout", "engine", "reward", "buffer")):
             for path in sorted(self.logs.glob(f"{name}*.log")):
                 line = last_error(path)

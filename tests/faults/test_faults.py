@@ -1,0 +1,178 @@
+"""Faults injected into a real `slipstream train` run (every service a process, the embedded Redis, two reference
+engines): SIGKILL and SIGSTOP (a hung peer) of each kind of process, at a step picked by the case's seed. After each:
+
+- the run either finishes, or stops with a message naming the failed part and then finishes when resumed with
+  --load (the expected outcome of each case is stated in CASES, and in docs/RELIABILITY.md);
+- the lineage of trained steps holds every prompt group exactly once (none trained twice, none lost);
+- policy versions only go up;
+- the buffer's state in Redis passes its invariants check.
+
+`make test-faults` runs them (about 20 minutes on 2 cores); `--soak-minutes N` repeats random cases for N minutes
+and checks that the long-lived services' memory and open files stay flat (tests/faults/test_soak.py)."""
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.buffer.store import BufferStore
+from services.common.redis_connection import EmbeddedRedis
+from services.train.demo import train_args
+from tests.test_train import processes_of, steps_of, wait_gone
+
+STEPS, SAVE_INTERVAL, BATCH = 8, 2, 32
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]
+
+
+@dataclass(frozen=True)
+class Case:
+    target: str  # which process: see find()
+    sig: int
+    survives: bool  # the run finishes by itself; else it stops naming `named` and a resume finishes it
+    named: str = ""
+    flags: tuple = ()
+
+
+CASES = {
+    "redis-everysec-sigkill": Case("redis", signal.SIGKILL, False, "buffer"),
+    "redis-always-sigkill": Case("redis", signal.SIGKILL, False, "buffer", ("--redis-appendfsync", "always")),
+    "redis-sigstop": Case("redis", signal.SIGSTOP, False, "Redis does not answer"),
+    "buffer-sigkill": Case("buffer", signal.SIGKILL, False, "the buffer service exited"),
+    "buffer-sigstop": Case("buffer", signal.SIGSTOP, False, "the buffer service does not answer"),
+    "gateway-sigkill": Case("rollout", signal.SIGKILL, False, "the rollout service exited"),
+    "gateway-sigstop": Case("rollout", signal.SIGSTOP, False, "the rollout service does not answer"),
+    "reward-service-sigkill": Case("reward", signal.SIGKILL, False, "the reward service exited"),
+    "reward-service-sigstop": Case("reward", signal.SIGSTOP, False, "the reward service does not answer"),
+    "reward-worker-sigkill": Case("reward-worker", signal.SIGKILL, True),
+    "reward-worker-sigstop": Case("reward-worker", signal.SIGSTOP, True),
+    "engine-sigkill": Case("engine", signal.SIGKILL, True),
+    "engine-sigstop": Case("engine", signal.SIGSTOP, True),  # fails: see KNOWN_GAPS
+    "trainer-sigkill": Case("trainer", signal.SIGKILL, False, "the trainer service exited"),
+    "trainer-sigstop": Case("trainer", signal.SIGSTOP, False, "the trainer service does not answer"),
+    "launcher-sigkill": Case("launcher", signal.SIGKILL, False),
+    "launcher-sigstop": Case("launcher", signal.SIGSTOP, True),
+}
+# Cases that fail today, with what happens (docs/RELIABILITY.md); strict: one that starts to pass must be moved out.
+KNOWN_GAPS = {
+    "engine-sigstop": "a stopped engine is evicted, but the weight sync under way waits on it in the collective "
+    "broadcast for minutes, and the next syncs fail too (DEADLINE_EXCEEDED from the gateway)",
+}
+MODULES = {"buffer": "services.buffer", "rollout": "services.rollout", "reward": "services.reward",
+           "engine": "services.rollout.engine", "trainer": "services.trainer"}  # fmt: skip
+
+
+def argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
+def find(run_dir: Path, target: str, launcher: int, rng: random.Random) -> int:
+    """The pid of one process of kind `target` in the run (one of several picked by `rng`)."""
+    if target == "launcher":
+        return launcher
+    pids = processes_of(run_dir)
+    if target == "redis":  # the buffer's child; Redis rewrites its title over its environment, run marker included
+        buffer = next(p for p in pids if len(argv(p)) > 2 and argv(p)[2] == MODULES["buffer"])
+        children = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and parent(int(e.name)) == buffer]
+        found = [p for p in children if argv(p) and "redis-server" in argv(p)[0]]
+    elif target == "reward-worker":  # the reward service's worker processes (multiprocessing's spawn)
+        service = next(p for p in pids if MODULES["reward"] in argv(p)[1:3])
+        found = [p for p in pids if parent(p) == service and any("multiprocessing" in a for a in argv(p))]
+    else:
+        found = [p for p in pids if len(argv(p)) > 2 and argv(p)[2] == MODULES[target]]
+    assert found, f"no {target} process in the run"
+    return rng.choice(sorted(found))
+
+
+def wait_for_step(run, run_dir: Path, step: int, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(steps_of(run_dir)) < step and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run.proc.poll() is None and len(steps_of(run_dir)) >= step, run.log[-3000:]
+
+
+def check_invariants(run_dir: Path, runs: list[list[dict]]) -> None:
+    for steps in runs:  # policy versions only go up within each run, and the steps follow each other
+        versions = [s["policy_version"] for s in steps]
+        assert versions == sorted(set(versions)), versions
+    resumed_at = runs[-1][0]["step"] if len(runs) > 1 and runs[-1] else STEPS
+    lineage = [s for s in runs[0] if s["step"] < resumed_at] + (runs[-1] if len(runs) > 1 else [])
+    assert [s["step"] for s in lineage] == list(range(STEPS)), [s["step"] for s in lineage]
+    trained = [gid for s in lineage for gid in s["groups"]]
+    assert len(trained) == len(set(trained)) == STEPS * BATCH, "a prompt group was trained twice or lost"
+    assert buffer_violations(run_dir) == []
+
+
+def buffer_violations(run_dir: Path) -> list[str]:
+    server = EmbeddedRedis(run_dir / "redis").start()
+
+    async def check():
+        from redis.asyncio import Redis
+
+        redis = Redis.from_url(server.url)
+        try:
+            return await BufferStore(redis, "slipstream", run_dir.name).violations()
+        finally:
+            await redis.aclose()
+
+    try:
+        return asyncio.run(check())
+    finally:
+        server.stop()
+
+
+def gap(name: str) -> list:
+    return [pytest.mark.xfail(reason=KNOWN_GAPS[name], strict=True)] if name in KNOWN_GAPS else []
+
+
+def resume_signal(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=gap(n)) for n in CASES])
+def test_a_fault_is_survived_or_named_and_nothing_is_lost(service_process, tmp_path, name):
+    case, rng = CASES[name], random.Random(name)
+    args = [*train_args(tmp_path, steps=STEPS), "--save-interval", str(SAVE_INTERVAL), "--rollout-num-gpus", "2",
+            "--stall-timeout-s", "60", "--rm-timeout-s", "5", "--rollout-health-check-timeout", "5",
+            "--rollout-health-check-interval", "1", "--weight-sync-timeout-s", "20", *case.flags]  # fmt: skip
+    run_dir = tmp_path / "demo"
+    first = service_process("train", *args)
+    wait_for_step(first, run_dir, rng.randint(3, 5))  # after the first checkpoint (step 2)
+    victim = find(run_dir, case.target, first.proc.pid, rng)
+    os.kill(victim, case.sig)
+    if case.target == "launcher" and case.sig == signal.SIGSTOP:
+        time.sleep(rng.uniform(2, 8))  # hung for a while: its services carry on, then it catches up
+        resume_signal(victim)
+    try:
+        code = first.wait(600)
+    finally:
+        resume_signal(victim)  # a stopped process is let go, so that it can be stopped
+    runs = [steps_of(run_dir)]
+    if case.survives:
+        assert code == 0, first.log[-3000:]
+    else:
+        assert code != 0, first.log[-3000:]
+        if case.named:
+            assert case.named in first.log, first.log[-3000:]
+        assert wait_gone(run_dir, timeout_s=60) == []
+        second = service_process("train", *args, "--load", str(run_dir / "checkpoints"))
+        assert second.wait(600) == 0, second.log[-3000:]
+        runs.append(steps_of(run_dir)[len(runs[0]) :])
+    assert wait_gone(run_dir, timeout_s=60) == []
+    check_invariants(run_dir, runs)
