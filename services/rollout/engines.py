@@ -48,6 +48,10 @@ class EngineFailure(Exception):
     """A request to an engine failed (connection, timeout, 5xx, malformed answer): try another engine."""
 
 
+class EngineTimeout(EngineFailure):
+    """A control call got no answer within its deadline: the engine is hung, unless the call waits for others."""
+
+
 class EnginePool:
     def __init__(self, config: RolloutConfig):
         self.config = config
@@ -215,7 +219,9 @@ class EnginePool:
                 # the calls that are safe to repeat.
                 if attempt == 2 or path not in IDEMPOTENT:
                     raise EngineFailure(_describe(e)) from None
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except TimeoutError:  # aiohttp's deadline (its ServerTimeoutError is a ClientError too)
+                raise EngineTimeout(f"no answer within {timeout.total:g} s") from None
+            except aiohttp.ClientError as e:
                 raise EngineFailure(_describe(e)) from None
         if response.status != 200:
             raise EngineFailure(f"HTTP {response.status}: {_error_text(body)}")

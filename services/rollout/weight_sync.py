@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.rollout.config import RolloutConfig
-from services.rollout.engines import Engine, EngineFailure, EnginePool
+from services.rollout.engines import EVICTED, Engine, EngineFailure, EnginePool, EngineTimeout
 from slipstream.v1 import buffer_pb2
 
 log = logging.getLogger(__name__)
 
 SESSION_VERSION = (0, 5, 21)  # SGLang from this version needs begin/end_weight_update around updates
 STREAM_END_GRACE_S = 15.0  # after its bucket stream, a trainer commits (or prepares again) within this
+WAITS_FOR_PEERS = {"/init_weights_update_group", "/update_weights_from_distributed"}  # they time out when others fail
 
 
 @dataclass
@@ -314,8 +315,16 @@ class WeightSync:
         return list(await asyncio.gather(*calls))
 
     async def _call(self, engine: Engine, path: str, body: dict) -> Result:
+        """One control call. A hung engine (stopped, stuck) holds a call until its deadline: it is evicted then, and
+        no later call of the sync waits for it again (the trainer's deadline for each RPC allows one such wait)."""
+        if engine.state == EVICTED:
+            return Result(engine.url, False, f"{path}: not sent, the engine is evicted ({engine.last_error})")
         try:
             reply = await self.pool.post_control(engine, path, body, self.config.weight_sync_timeout_s)
+        except EngineTimeout as e:
+            if path not in WAITS_FOR_PEERS:  # a call it answers by itself
+                self.pool.evict(engine, f"{path}: {e} (hung?)")
+            return Result(engine.url, False, f"{path}: {e}")
         except EngineFailure as e:
             return Result(engine.url, False, f"{path}: {e}")
         reply = reply if isinstance(reply, dict) else {}  # memory calls answer `null`

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 GROUP_NAME = "slipstream_weights"
 ATTEMPTS = 3  # an engine that leaves mid-sync costs one attempt; the others get the weights from the start again
-STALL_FACTOR = 1.5  # the gateway's deadline for an engine is weight_sync_timeout_s: its answer comes first
+STALL_FACTOR = 1.5  # the gateway's deadline for an engine call is weight_sync_timeout_s: its answer comes first
 GRACE_S = 30.0  # after the watchdog aborted a stalled sync, the sync must return within this
 STALLED_EXIT_CODE = 75
 
@@ -74,6 +74,8 @@ class WeightSender:
         self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
+        # Longer than the gateway's deadline for an engine: it answers (having evicted a hung engine) before this ends.
+        self.rpc_timeout_s = config.weight_sync_timeout_s * STALL_FACTOR
         # The bucket stream lasts as long as the sync: no per-method default deadline on this channel.
         credentials = Credentials.of(config, "trainer")
         self.channel = open_channel(config.rollout_addr, credentials, timeout_s=3600) if sender else None
@@ -101,7 +103,7 @@ class WeightSender:
         if self.coordinator:
             with contextlib.suppress(grpc.RpcError):
                 self.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=version, reason=str(failure)),
-                                             timeout=self.timeout.total_seconds())  # fmt: skip
+                                             timeout=self.rpc_timeout_s)  # fmt: skip
         if isinstance(failure, Unreachable):
             raise WeightSyncFailed(str(failure))
         if isinstance(failure, EnginesLeft):
@@ -207,7 +209,7 @@ class WeightSender:
         try:
             if self.coordinator:
                 answer[0] = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
-                    version=version, sources=sources, backend=backend), timeout=self.timeout.total_seconds(),
+                    version=version, sources=sources, backend=backend), timeout=self.rpc_timeout_s,
                 ).SerializeToString()  # fmt: skip
         finally:  # the other senders wait for the answer, whatever it is
             if self.senders is not None:
@@ -219,7 +221,7 @@ class WeightSender:
     def _commit(self, version: int) -> None:
         started = time.perf_counter()
         committed = self.gateway.CommitWeightSync(
-            rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.timeout.total_seconds()
+            rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.rpc_timeout_s
         )
         self.timings["commit_s"] = time.perf_counter() - started
         live = sum(e.success for e in committed.engines)
@@ -316,7 +318,7 @@ class WeightSender:
         """Colocated: the engines free their GPU memory while this trainer trains (the next sync takes it back)."""
         if self.coordinator:
             request = rollout_pb2.ReleaseEngineMemoryRequest()
-            self.gateway.ReleaseEngineMemory(request, timeout=self.timeout.total_seconds())
+            self.gateway.ReleaseEngineMemory(request, timeout=self.rpc_timeout_s)
 
     @staticmethod
     def _check(result: rollout_pb2.WeightBucketResult) -> None:

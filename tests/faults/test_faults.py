@@ -52,16 +52,11 @@ CASES = {
     "reward-worker-sigkill": Case("reward-worker", signal.SIGKILL, True),
     "reward-worker-sigstop": Case("reward-worker", signal.SIGSTOP, True),
     "engine-sigkill": Case("engine", signal.SIGKILL, True),
-    "engine-sigstop": Case("engine", signal.SIGSTOP, True),  # fails: see KNOWN_GAPS
+    "engine-sigstop": Case("engine", signal.SIGSTOP, True),
     "trainer-sigkill": Case("trainer", signal.SIGKILL, False, "the trainer service exited"),
     "trainer-sigstop": Case("trainer", signal.SIGSTOP, False, "the trainer service does not answer"),
     "launcher-sigkill": Case("launcher", signal.SIGKILL, False),
     "launcher-sigstop": Case("launcher", signal.SIGSTOP, True),
-}
-# Cases that fail today, with what happens (docs/RELIABILITY.md); strict: one that starts to pass must be moved out.
-KNOWN_GAPS = {
-    "engine-sigstop": "a stopped engine is evicted, but the weight sync under way waits on it in the collective "
-    "broadcast for minutes, and the next syncs fail too (DEADLINE_EXCEEDED from the gateway)",
 }
 MODULES = {"buffer": "services.buffer", "rollout": "services.rollout", "reward": "services.reward",
            "engine": "services.rollout.engine", "trainer": "services.trainer"}  # fmt: skip
@@ -136,16 +131,12 @@ def buffer_violations(run_dir: Path) -> list[str]:
         server.stop()
 
 
-def gap(name: str) -> list:
-    return [pytest.mark.xfail(reason=KNOWN_GAPS[name], strict=True)] if name in KNOWN_GAPS else []
-
-
 def resume_signal(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=gap(n)) for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_a_fault_is_survived_or_named_and_nothing_is_lost(service_process, tmp_path, name):
     case, rng = CASES[name], random.Random(name)
     args = [*train_args(tmp_path, steps=STEPS), "--save-interval", str(SAVE_INTERVAL), "--rollout-num-gpus", "2",

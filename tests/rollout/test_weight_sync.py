@@ -243,6 +243,45 @@ def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(mak
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 1
 
 
+@pytest.mark.parametrize("when", ["between-syncs", "mid-sync"])
+def test_a_hung_engine_is_evicted_and_the_others_get_the_weights(make_system, start_engine, tiny_model, when):
+    """A hung engine (SIGSTOP) answers nothing and closes no socket, so each call to it waits out its deadline: the
+    first such wait evicts it and no later call waits for it again, so every RPC of the sync answers within the
+    trainer's deadline. Hung between syncs (evicted by its health checks), or while it receives a bucket."""
+    system = make_system(num_engines=2, weight_sync_timeout_s=14, rollout_health_check_timeout=2)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    victim, survivor = system.engines
+    victim_pid = start_engine.procs[victim].proc.pid
+    sender = _sender(system, timeout_s=14)  # as `slipstream train` sets both
+    sent = {n: t + 2 for n, t in hf.items()}
+    passes = []
+
+    def weights():  # mid-sync: the first pass stops the engine once a few buckets have gone out
+        passes.append(len(passes))
+        for index, (name, tensor) in enumerate(sent.items()):
+            if when == "mid-sync" and len(passes) == 1 and index == len(sent) - 3:
+                os.kill(victim_pid, signal.SIGSTOP)
+            yield name, tensor
+
+    try:
+        sender.weights = lambda: iter({n: t + 1 for n, t in hf.items()}.items())
+        assert sender.sync(1)
+        if when == "between-syncs":
+            os.kill(victim_pid, signal.SIGSTOP)
+            _wait(lambda: _engines(system)[victim].state == rollout_pb2.ENGINE_STATE_EVICTED)
+        sender.weights = weights
+        assert sender.sync(2)
+        engines = _engines(system)
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)
+        sender.close()
+    assert engines[victim].state == rollout_pb2.ENGINE_STATE_EVICTED
+    assert engines[survivor].state == rollout_pb2.ENGINE_STATE_HEALTHY and engines[survivor].weight_version == "2"
+    for name in sent:
+        assert torch.equal(_weights_of(survivor, name), sent[name])
+    assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
+
+
 def test_an_engine_whose_nccl_receive_fails_is_left_out_and_the_others_get_the_weights(make_system, start_engine,
                                                                                      tiny_model):  # fmt: skip
     """The failure seen on GPUs: one engine's collective fails at once without taking part in the broadcast, so the
