@@ -245,8 +245,6 @@ class Trainer:
         try:
             if self.weights is not None and self.policy_version > 0:  # resumed: the engines still have the start
                 self.weights.sync(self.policy_version)
-            if self.weights is not None and self.weights.coordinator:  # generation starts with the engines' policy
-                self.weights.start_rollout()
             while c.num_rollout is None or self.step < c.num_rollout:
                 reply = self._next_batch()
                 if reply is None:
