@@ -7,12 +7,13 @@ exits with the process that started it.
 
 import fcntl
 import logging
+import ssl
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 from pydantic import Field
@@ -48,13 +49,27 @@ class RedisConfig(StrictModel):
         """redis-py's connection options beyond the URL: the password from its file, the TLS files."""
         options = {}
         if self.password_file is not None:
-            try:
-                options["password"] = self.password_file.read_text().strip()
-            except OSError as e:
-                raise StartupError(f"--redis-password-file {self.password_file}: {e.strerror}") from None
-        files = {"ssl_ca_certs": self.tls_ca_file, "ssl_certfile": self.tls_cert_file, "ssl_keyfile": self.tls_key_file}
-        options.update({name: str(path) for name, path in files.items() if path is not None})
+            options["password"] = _read("--redis-password-file", self.password_file).strip()
+            if not options["password"]:
+                raise StartupError(f"--redis-password-file {self.password_file} is empty; write Redis's password in it")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise StartupError("--redis-tls-cert-file and --redis-tls-key-file go together: give both, or neither")
+        files = {"ca-file": ("ssl_ca_certs", self.tls_ca_file), "cert-file": ("ssl_certfile", self.tls_cert_file),
+                 "key-file": ("ssl_keyfile", self.tls_key_file)}  # fmt: skip
+        for flag, (option, path) in files.items():
+            if path is not None:
+                _read(f"--redis-tls-{flag}", path)  # here, so that a missing file is not blamed on the server
+                options[option] = str(path)
         return options
+
+
+def _read(flag: str, path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise StartupError(
+            f"{flag} {path}: {getattr(e, 'strerror', None) or e}; fix the path or the file's permissions"
+        ) from None
 
 
 class EmbeddedRedis:
@@ -125,12 +140,12 @@ class EmbeddedRedis:
 
 
 def redacted(url: str) -> str:
-    """`url` without its password, for messages and logs."""
+    """`url` without its password (redis://user:PASSWORD@host, or unix://…?password=PASSWORD), for messages."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    userinfo, _, host = parts.netloc.rpartition("@")
+    netloc = f"{userinfo.split(':')[0]}:***@{host}" if ":" in userinfo else parts.netloc
+    query = "&".join("password=***" if q.startswith("password=") else q for q in parts.query.split("&"))
+    return url.replace(f"//{parts.netloc}", f"//{netloc}", 1).replace(f"?{parts.query}", f"?{query}", 1)
 
 
 class RedisHandle:
@@ -158,6 +173,11 @@ class RedisHandle:
 def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
     """Connects to `config.url` (checking that it answers), or starts the embedded Redis under `run_dir/redis`."""
     if config.url is None:
+        if config.password_file or config.tls_ca_file or config.tls_cert_file or config.tls_key_file:
+            raise StartupError(
+                "--redis-password-file and --redis-tls-* are for the Redis named by --redis-url; the embedded Redis "
+                "needs neither (only its own user can open its Unix socket): give --redis-url, or drop them"
+            )
         embedded = EmbeddedRedis(Path(run_dir) / "redis", config.appendfsync).start(config.connect_timeout_s)
         return RedisHandle(embedded.url, embedded)
     if urlsplit(config.url).scheme not in ("redis", "rediss", "unix"):
@@ -165,6 +185,8 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
             f"--redis-url {redacted(config.url)!r} is not a Redis URL; use redis://host:6379/0, rediss://… or "
             "unix:///path/to/redis.sock, or leave it unset for the embedded Redis"
         )
+    if urlsplit(config.url).password is not None and config.password_file is not None:
+        raise StartupError("--redis-url has a password, and so does --redis-password-file: keep only the file")
     options = config.options()
     if urlsplit(config.url).scheme != "rediss" and any(k.startswith("ssl_") for k in options):
         raise StartupError(f"--redis-tls-* files are for TLS: use a rediss:// URL, not {redacted(config.url)}")
@@ -180,6 +202,12 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
             "redis://USER@host with the user's password)"
         ) from None
     except (redis.RedisError, OSError) as e:
+        if isinstance(e, ssl.SSLError) or isinstance(e.__context__, ssl.SSLError):
+            raise StartupError(
+                f"the TLS handshake with Redis at {redacted(config.url)} failed ({e}); give the CA that signed its "
+                "certificate in --redis-tls-ca-file, a client certificate in --redis-tls-cert-file and "
+                "--redis-tls-key-file if it asks for one, or use redis:// if it does not serve TLS"
+            ) from None
         raise StartupError(
             f"cannot reach Redis at {redacted(config.url)} ({e}); start Redis there, fix --redis-url, "
             "or leave it unset to use the embedded Redis"
