@@ -9,6 +9,7 @@ starts reward-external.yml's judges and scores through each. The last lines it p
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -106,9 +107,19 @@ def external_reward() -> str:
     return "" if all(e in found for e in expected) else f"the external judges answered {found or 'nothing'}"
 
 
+def redis_password() -> None:
+    """The compose secret with Redis's password (cpu.env names it), made once; the buffer's container user (nobody)
+    reads it through its bind mount."""
+    path = HERE / "redis-password"
+    if not path.exists():
+        path.write_text(secrets.token_hex(32) + "\n")
+        path.chmod(0o644)
+
+
 def main() -> int:
     started = time.monotonic()
     print(sh(str(REPO / "deploy/images/build.sh"), "cpu"), end="", flush=True)
+    redis_password()
     if not (HERE / "demo" / "model" / "config.json").exists():  # the demo's model and data, written by the image
         (HERE / "demo").mkdir(exist_ok=True)
         sh(ENGINE, "run", "--rm", "-v", f"{HERE / 'demo'}:/data", "slipstream-torch:cpu", "demo", "--prepare-only",
@@ -154,4 +165,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("PODMAN_COMPOSE_WARNING_LOGS", "false")
+    # podman-compose resolves a secret's relative file from its working folder, docker compose from the project's
+    os.environ["COMPOSE_PROJECT_DIR"] = str(HERE)
     sys.exit(main())
