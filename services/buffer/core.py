@@ -91,8 +91,12 @@ class Buffer:
             version = await self.policy_version()
             room, blocked = await self._room(dataset)
             want = min(max_groups, room)
-            leases = await self._lease_pending(dataset, want, lease_ms) if want > 0 else []
             new_room, new_blocked = await self._new_room(version) if dataset == TRAIN else (want, None)
+            if dataset == TRAIN:  # groups sent back (or rewound) are live already: they start within the same bound
+                want_pending = min(want, new_room + (await self.store.sizes(dataset))["pending"])
+            else:
+                want_pending = want
+            leases = await self._lease_pending(dataset, want_pending, lease_ms) if want_pending > 0 else []
             want_new = min(want - len(leases), new_room)
             if want_new > 0:
                 new = await self._lease_new(dataset, want_new, lease_ms)

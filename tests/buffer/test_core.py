@@ -145,6 +145,31 @@ async def test_staleness_bound_stops_leasing_until_the_policy_moves(make_buffer)
         await buffer.set_policy_version(0)
 
 
+async def test_groups_that_go_back_start_within_the_staleness_bound(make_buffer):
+    # Synchronous: step 1 was handed out and a group of step 2 leased when the trainer resumed at step 1 (policy 1).
+    buffer = await make_buffer(rollout_batch_size=2, max_staleness=0)
+    for version in (0, 1):
+        for leased in await lease_all(buffer, 10):
+            await buffer.submit(leased.lease_id, finish(leased.group, [0.0, 1.0], version=version))
+        await buffer.get_batch(version, 0, 1, 1)
+        await buffer.set_policy_version(version + 1)
+        if version == 0:
+            await buffer.commit(0)
+    assert len(await lease_all(buffer, 10)) == 2
+    assert await buffer.rewind(1, 1) == 4
+
+    # The four go back, but only step 1's worth starts under policy 1: the others would be stale at step 2.
+    for version in (1, 2):
+        leases = await lease_all(buffer, 10)
+        assert len(leases) == 2 and (await buffer.lease(1, 0, "")).blocked == "staleness"
+        for leased in leases:
+            await buffer.submit(leased.lease_id, finish(leased.group, [0.0, 1.0], version=version))
+        await buffer.get_batch(version, 0, 1, 1)
+        await buffer.commit(version)
+        await buffer.set_policy_version(version + 1)
+    assert "dropped:stale" not in (await buffer.state())["counters"]
+
+
 async def test_one_step_of_overlap(make_buffer):
     buffer = await make_buffer(rollout_batch_size=2, max_staleness=1)
     assert len(await lease_all(buffer, 10)) == 4
