@@ -24,11 +24,18 @@ _HANDLER_KINDS = {
 }
 
 
+_DOWNSTREAM_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 def _status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, SlipstreamError):
         return exc.code, str(exc)
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):  # the service's own Redis: its state
         return grpc.StatusCode.UNAVAILABLE, f"{method}: Redis does not answer ({exc}); the call can be retried"
+    if isinstance(exc, grpc.RpcError) and exc.code() in _DOWNSTREAM_DOWN:  # a service it calls is down or hung
+        message = f"{method}: a service it calls answered {exc.code().name}: {exc.details()}"
+        log.warning("%s", message)
+        return grpc.StatusCode.UNAVAILABLE, message
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented yet"
     log.exception("%s failed", method)

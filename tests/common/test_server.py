@@ -27,6 +27,10 @@ class FailingTrainer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 class FailingRollout(rollout_pb2_grpc.RolloutServiceServicer):
+    async def ListEngines(self, request, context):  # calls a service that is down
+        async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:
+            await trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest(), timeout=5)
+
     async def SyncWeightBuckets(self, request_iterator, context):
         async for bucket in request_iterator:
             if bucket.bucket_index == 1:
@@ -82,6 +86,14 @@ def test_domain_errors_become_status_codes(grpc_service, channel_to):
         assert info.value.code() == code
         assert details in info.value.details()
         assert "Traceback" not in info.value.details()
+
+
+def test_a_service_that_is_down_downstream_is_unavailable_not_internal(grpc_service, channel_to):
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(grpc_service(build_failing, config()).address))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.details().startswith("ListEngines: a service it calls answered UNAVAILABLE: ")
 
 
 def test_errors_in_streams_become_status_codes(grpc_service, channel_to):
