@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CUDA build of torch only where a GPU is present: an unpinned `torch` pulls several GB, the CPU pin is local.
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
-.PHONY: install test test-faults test-slow test-gpu gpu-wheels deploy-check lint format protos demo clean
+.PHONY: install test test-faults soak test-slow test-gpu gpu-wheels deploy-check lint format protos demo clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "slipstream needs Python 3.11 or newer as $(PYTHON); pass PYTHON=python3.11"; exit 1; }
@@ -25,8 +25,13 @@ WITH_CONTAINERS = $(if $(CONTAINERS_SETUP),$(CONTAINERS_SETUP) >/dev/null && eva
 test: install
 	$(WITH_CONTAINERS) $(PY) -m pytest -q -m "not slow and not faults"
 
-test-faults: install  # every process kind SIGKILLed and SIGSTOPped mid-run (tests/faults, docs/RELIABILITY.md)
-	$(PY) -m pytest -q -m faults tests/faults $(if $(SOAK_MINUTES),--soak-minutes $(SOAK_MINUTES),)
+# Every process kind SIGKILLed and SIGSTOPped mid-run (docs/RELIABILITY.md); `make test` runs a few of these cases.
+test-faults: install
+	$(PY) -m pytest -q tests/faults
+
+SOAK_MINUTES ?= 30
+soak: install  # faults over and over in one run; the services' memory and open files must stay flat
+	$(PY) -m pytest -q -s tests/faults/test_soak.py --soak-minutes $(SOAK_MINUTES)
 
 test-slow: install  # the full demo, synchronous and asynchronous (about 12 minutes on 2 cores)
 	$(PY) -m pytest -q -m slow
