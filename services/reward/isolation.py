@@ -1,7 +1,9 @@
-"""Runs verifiers and user reward functions in worker processes, one item per task, each with a deadline.
+"""Runs verifiers and user reward functions in worker processes, one item per task, each with a deadline and a
+memory limit.
 
-A verifier that hangs is killed when its deadline passes and its worker replaced; one that raises or crashes its
-process costs only its own item. The service keeps serving either way.
+A verifier that hangs is killed when its deadline passes and its worker replaced; one that allocates past the limit
+ends its worker, which is replaced; one that raises or crashes its process costs only its own item. The service keeps
+serving either way.
 """
 
 import asyncio
@@ -48,7 +50,9 @@ def _init_worker(memory_mb: int | None) -> None:
     die_with_parent()
     import math_verify  # noqa: F401 - warm the import so the first item does not pay for it
 
-    if memory_mb is not None:  # after the imports: the limit is the function's room, not the interpreter's
+    # After the imports: a limit too low for them fails the first item with a message naming the limit, where a
+    # worker that cannot start would only break the pool.
+    if memory_mb is not None:
         limit = memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 

@@ -21,6 +21,12 @@ def slow_or_broken(args, sample):
     if sample.response == "hog":  # 2 GiB, touched
         hog = bytearray(2 << 30)
         return float(len(hog))
+    if sample.response == "leak":  # 64 MiB at a time, each touched, until the limit stops it
+        leaked = []
+        while True:
+            leaked.append(bytearray(64 << 20))
+    if sample.response == "pid":
+        return float(os.getpid())
     return {"score": float(len(sample.response)), "label_len": len(sample.label), "verdict": "ok"}
 
 async def async_judge(args, sample):

@@ -4,8 +4,9 @@ custom and group functions, and a reward model plugin on a tiny HF model."""
 import pytest
 from google.protobuf.struct_pb2 import Struct
 
+from services.common.clients import health_status
 from services.common.tiny_checkpoint import write_classifier
-from slipstream.v1 import reward_pb2
+from slipstream.v1 import reward_pb2, reward_pb2_grpc
 from tests.reward.conftest import error_code, items, score
 
 
@@ -78,6 +79,57 @@ def test_a_plugin_past_the_memory_limit_costs_only_its_item_and_its_worker_is_re
     assert "--reward-worker-memory-mb" in results[0].error_message
     assert not results[1].error and results[1].reward == 2.0  # on the one worker, started again
     assert score(stub, ("still here", "x"))[0].reward == 10.0
+
+
+def test_the_service_keeps_serving_after_a_worker_ran_out_of_memory_or_hung(
+    service_process, wait_serving, free_port, plugin, channel_to
+):
+    """`slipstream reward` for real with one worker: a function that leaks past --reward-worker-memory-mb fails its
+    item naming the limit, one that hangs fails its item naming the deadline; each time the worker is a new process,
+    the health check says SERVING and the next batch is scored."""
+    port = free_port()
+    proc = service_process("reward", "--port", str(port), "--custom-rm-path", f"{plugin}:slow_or_broken",
+                           "--reward-worker-memory-mb", "256", "--num-workers", "1", "--rm-timeout-s", "5")  # fmt: skip
+    wait_serving(f"127.0.0.1:{port}", proc)
+    channel = channel_to(f"127.0.0.1:{port}")
+    stub = reward_pb2_grpc.RewardServiceStub(channel)
+    pids = [score(stub, ("pid", "x"))[0].reward]
+    for bad, expected in (("leak", "memory: needed more than the worker's 256 MiB (raise --reward-worker-memory-mb"),
+                          ("hang", "timeout: did not finish within 5s (raise --rm-timeout-s")):  # fmt: skip
+        failed = score(stub, (bad, "x"))[0]
+        assert failed.error and expected in failed.error_message and failed.reward == 0.0
+        assert health_status(channel, "", timeout_s=10) == "SERVING"
+        after = score(stub, ("pid", "x"), ("next", "x"))
+        assert not any(r.error for r in after) and after[1].reward == 4.0
+        pids.append(after[0].reward)
+    assert len(set(pids)) == 3, f"worker pids {pids}: a worker that ran out of memory or hung must be replaced"
+    assert proc.terminate() == 0
+
+
+def test_no_request_names_code_to_load(reward_service, plugin, tmp_path):
+    """A request's reward type (the field, or metadata.rm_type) picks among the built-in types only; with a
+    --custom-rm-path it is that function that scores, whatever a request names. Nothing a request names is imported."""
+    marker = tmp_path / "imported"
+    (evil := tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef score(args, sample):\n"
+                                              "    return 99.0\n")  # fmt: skip
+    named = [f"{evil}:score", "evil:score", f"file://{evil}", "os:system"]
+    metadata = Struct()
+    metadata.update({"rm_type": named[0]})
+    stub = reward_service()
+    for rm_type in named:
+        code, details = error_code(lambda rm_type=rm_type: score(stub, ("a", "a", rm_type)))
+        assert code.name == "INVALID_ARGUMENT" and f"unknown reward type {rm_type!r}" in details
+    code, _ = error_code(lambda: stub.Score(reward_pb2.ScoreRequest(items=items(("a", "a"), metadata=metadata))))
+    assert code.name == "INVALID_ARGUMENT"
+    custom = reward_service(custom_rm_path=f"{plugin}:slow_or_broken")
+    results = [
+        *score(custom, *[("abc", "x", rm_type) for rm_type in named]),
+        *score(custom, ("abc", "x"), rm_type=named[0]),
+    ]
+    request = reward_pb2.ScoreRequest(items=items(("abc", "x"), metadata=metadata))
+    results += custom.Score(request, timeout=60).results
+    assert [r.reward for r in results] == [3.0] * (len(named) + 2)  # slow_or_broken's len(response), never 99
+    assert not marker.exists()
 
 
 def test_async_custom_function(reward_service, plugin):
