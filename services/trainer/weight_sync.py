@@ -365,11 +365,6 @@ class WeightSender:
             abort_group(self.group)
             self.group = None
 
-    def start_rollout(self) -> None:
-        """Asks the gateway to start generating (a no-op when it already does, e.g. started by `slipstream train`):
-        a trainer run on its own under torchrun, as on a cluster, needs no launcher."""
-        self.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=60, wait_for_ready=True)
-
     def close(self) -> None:
         """A group that is still here has no broadcast pending (a failed sync dropped it), so it is destroyed, which
         ends it at once (an aborted gloo group is kept until its transfers end)."""

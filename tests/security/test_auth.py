@@ -7,11 +7,15 @@ import grpc
 import pytest
 
 from services.common.auth import CALLERS, TokenFile
-from services.common.clients import Credentials, open_channel
+from services.common.clients import Credentials
 from services.common.config import TlsConfig
 from services.common.errors import StartupError
-from slipstream.v1 import buffer_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, trainer_pb2
+from slipstream.v1 import buffer_pb2, reward_pb2, rollout_pb2, trainer_pb2
 from tests.certs import make_ca, make_leaf
+from tests.security.test_secured_run import CALLS
+from tests.security.test_secured_run import code_of as call_code
+
+LIST_REWARD_FUNCTIONS = CALLS["reward"][0]
 
 
 def test_every_method_in_the_role_table_is_an_rpc_of_a_service():
@@ -52,13 +56,7 @@ def test_a_call_needing_a_role_the_file_lacks_falls_back_to_admin_else_is_refuse
 
 
 def code_of(address: str, credentials: Credentials) -> grpc.StatusCode:
-    with open_channel(address, credentials, max_attempts=1) as channel:
-        try:
-            reward_pb2_grpc.RewardServiceStub(channel).ListRewardFunctions(reward_pb2.ListRewardFunctionsRequest(),
-                                                                           timeout=10)  # fmt: skip
-            return grpc.StatusCode.OK
-        except grpc.RpcError as e:
-            return e.code()
+    return call_code(LIST_REWARD_FUNCTIONS, address, credentials)
 
 
 @pytest.mark.timeout(120)
