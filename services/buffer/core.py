@@ -1,7 +1,9 @@
 """The buffer's domain logic: who may lease what, which groups are trained at which step, and what gets dropped.
 
 It orchestrates the prompt streams (new groups), the store (all state, in Redis) and the filters. It keeps no
-state of its own that matters across a restart: cursors, leases, groups, batches and counters are all in Redis.
+state of its own that matters across a restart: cursors, leases, groups, batches and counters are all in Redis. Nor
+does it lock anything in the process: any number of buffer processes serve one run, each transition checked by its
+store script against the state it was computed from (`Contended`: look again).
 """
 
 import asyncio
@@ -14,8 +16,8 @@ from services.buffer.config import BufferConfig
 from services.buffer.filters import read_verdict
 from services.buffer.prompts import Skipped
 from services.buffer.source import Cursor, PromptStream
-from services.buffer.store import BufferStore
-from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from services.buffer.store import BufferStore, Contended
+from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from slipstream import samples
 from slipstream.v1 import common_pb2
 
@@ -25,6 +27,8 @@ TRAIN = "train"
 
 
 MAX_LEASE_S = 7 * 24 * 3600
+ATTEMPTS = 20  # of a transition that other buffer processes keep moving the state under
+BATCH_POLL_S = 0.25  # GetBatch looks for groups submitted to other buffer processes this often
 
 
 @dataclass
@@ -60,8 +64,7 @@ class Buffer:
     streams: dict[str, PromptStream]  # "train" and the eval sets
     dynamic_filter: object = None
     buffer_filter: object = None
-    _lease_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _batch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _reading: asyncio.Lock = field(default_factory=asyncio.Lock)  # the prompt streams have one reader at a time
     _submitted: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> None:
@@ -86,54 +89,62 @@ class Buffer:
         if dataset not in self.streams:
             known = ", ".join(sorted(self.streams)) or "none (pass --prompt-data / --eval-prompt-data)"
             raise InvalidArgument("dataset", f"unknown dataset {dataset!r}; known: {known}")
-        async with self._lease_lock:
-            await self.store.expire()
-            version = await self.policy_version()
-            room, blocked = await self._room(dataset)
-            want = min(max_groups, room)
-            new_room, new_blocked = await self._new_room(version) if dataset == TRAIN else (want, None)
-            if dataset == TRAIN:  # groups sent back (or rewound) are live already: they start within the same bound
-                want_pending = min(want, new_room + (await self.store.sizes(dataset))["pending"])
-            else:
-                want_pending = want
-            leases = await self._lease_pending(dataset, want_pending, lease_ms) if want_pending > 0 else []
-            want_new = min(want - len(leases), new_room)
-            if want_new > 0:
-                new = await self._lease_new(dataset, want_new, lease_ms)
-                leases += new
-                new_blocked = None if new else "exhausted"
+        await self.store.expire()
+        version = await self.policy_version()
+        bounds, bound = self._bounds(dataset, version)
+        leases = await self._lease_pending(dataset, max_groups, lease_ms, bounds) if max_groups else []
+        blocked = None
+        for _ in range(ATTEMPTS):
+            want = max_groups - len(leases)
+            room, blocked = await self._room(dataset, bounds, bound)
+            if min(want, room) <= 0:
+                break
+            try:
+                async with self._reading:
+                    new = await self._lease_new(dataset, min(want, room), lease_ms, bounds)
+            except Contended:  # another buffer process leased new groups meanwhile
+                continue
+            leases += new
+            blocked = None if new else "exhausted"
+            break
         if leases or max_groups == 0:
             return LeaseResult(leases, version)
-        return LeaseResult(leases, version, blocked or new_blocked)
+        return LeaseResult(leases, version, blocked)
 
-    async def _room(self, dataset: str) -> tuple[int, str | None]:
-        """How many groups the backpressure cap allows now."""
-        cap = self.config.max_buffered_groups
-        if cap is None or dataset != TRAIN:
-            return 1 << 30, None
-        sizes = await self.store.sizes(dataset)
-        room = cap - sizes["leased"] - sizes["completed"]
-        return room, "backpressure" if room <= 0 else None
-
-    async def _new_room(self, version: int) -> tuple[int, str | None]:
-        """How many new training groups may start, and what limits them: the staleness bound (groups that could not
-        be trained within --max-staleness versions are not generated) or the run's length (--num-rollout)."""
-        counters = await self.store.counters()
-        live = counters.get("started", 0) - counters.get("dropped", 0)
+    def _bounds(self, dataset: str, version: int) -> tuple[tuple[int, int], str]:
+        """(cap, limit) for the store's scripts, and what the limit is: the backpressure cap on leased plus completed
+        groups, and the bound on live groups (started, not dropped): the staleness bound (groups that could not be
+        trained within --max-staleness versions are not generated) or the run's length (--num-rollout)."""
+        if dataset != TRAIN:
+            return (-1, -1), ""
+        cap = self.config.max_buffered_groups or -1
         batch = self.config.rollout_batch_size
-        room = (version + self.config.max_staleness) * batch + self.config.groups_in_flight - live
-        if self.config.num_rollout is not None and self.config.num_rollout * batch - live < room:
-            room = self.config.num_rollout * batch - live
-            return room, "exhausted" if room <= 0 else None
-        return room, "staleness" if room <= 0 else None
+        limit, bound = (version + self.config.max_staleness) * batch + self.config.groups_in_flight, "staleness"
+        if self.config.num_rollout is not None and self.config.num_rollout * batch < limit:
+            limit, bound = self.config.num_rollout * batch, "exhausted"
+        return (cap, limit), bound
 
-    async def _lease_pending(self, dataset: str, want: int, lease_ms: int) -> list[LeasedGroup]:
-        deadline, leased = await self.store.lease_pending(dataset, want, lease_ms)
+    async def _room(self, dataset: str, bounds: tuple[int, int], bound: str) -> tuple[int, str | None]:
+        """How many new groups may start now, and what blocks them when none may."""
+        if dataset != TRAIN:
+            return 1 << 30, None
+        cap, limit = bounds
+        counters, sizes = await self.store.counters(), await self.store.sizes(dataset)
+        if cap >= 0 and cap - sizes["leased"] - sizes["completed"] <= 0:
+            return 0, "backpressure"
+        room = limit - (counters.get("started", 0) - counters.get("dropped", 0))
+        if cap >= 0:
+            room = min(room, cap - sizes["leased"] - sizes["completed"])
+        return room, bound if room <= 0 else None
+
+    async def _lease_pending(self, dataset: str, want: int, lease_ms: int, bounds) -> list[LeasedGroup]:
+        deadline, leased = await self.store.lease_pending(dataset, want, lease_ms, bounds)
         return [LeasedGroup(lid, common_pb2.PromptGroup.FromString(payload), deadline) for _, lid, payload in leased]
 
-    async def _lease_new(self, dataset: str, want: int, lease_ms: int) -> list[LeasedGroup]:
+    async def _lease_new(self, dataset: str, want: int, lease_ms: int, bounds) -> list[LeasedGroup]:
         stream = self.streams[dataset]
         expected = (await self.store.cursor(dataset) or b"").decode()
+        await stream.seek(Cursor.decode(expected))  # where this or another buffer process stopped
         items = await stream.take(want)
         if not items:
             return []
@@ -146,19 +157,17 @@ class Buffer:
             group.group_id, group.dataset = item.group_id, dataset
             group.epoch, group.n_samples = item.after.epoch, self._samples_per_group(dataset)
             groups.append(group)
-        try:
-            deadline, lease_ids = await self.store.lease_new(
-                dataset,
-                expected,
-                items[-1].after.encode(),
-                lease_ms,
-                [(g.group_id, g.SerializeToString()) for g in groups],
-                skipped,
-                count_started=dataset == TRAIN,
-            )
-        except Exception:
-            stream.reset(Cursor.decode(expected))  # nothing was stored: hand out the same prompts next time
-            raise
+        # Nothing stored on failure: the next lease seeks the stream back to the stored cursor.
+        deadline, lease_ids = await self.store.lease_new(
+            dataset,
+            expected,
+            items[-1].after.encode(),
+            lease_ms,
+            [(g.group_id, g.SerializeToString()) for g in groups],
+            skipped,
+            count_started=dataset == TRAIN,
+            bounds=bounds,
+        )
         return [LeasedGroup(lid, g, deadline) for lid, g in zip(lease_ids, groups, strict=True)]
 
     async def extend(self, lease_ids: list[str], lease_seconds: float) -> tuple[int, list[str], list[str]]:
@@ -267,10 +276,7 @@ class Buffer:
                                                      f"got {timeout_s}")  # fmt: skip
         gids = await self.store.batch(step)
         if gids is None:
-            async with self._batch_lock:
-                gids = await self.store.batch(step) or await self._make_batch(
-                    step, timeout_s or self.config.batch_timeout_s
-                )
+            gids = await self._make_batch(step, timeout_s or self.config.batch_timeout_s)
         tokens = await self.store.num_tokens(gids)
         mine = partition(tokens, dp_size, self.config.balance_data)[dp_rank]
         payloads = await self.store.completed_groups([gids[i] for i in mine])
@@ -292,6 +298,8 @@ class Buffer:
         batch_size = self.config.rollout_batch_size
         while True:
             self._submitted.clear()
+            if (made := await self.store.batch(step)) is not None:  # by another request or buffer process
+                return made
             eligible, stale = self._split_stale(step, await self.store.completed())
             # A group too old for this step is too old for every later one.
             if await self.store.drop_completed(stale, "stale"):
@@ -299,7 +307,13 @@ class Buffer:
                     "step %d: dropped %d groups past --max-staleness %d", step, len(stale), self.config.max_staleness
                 )
             if len(eligible) >= batch_size:
-                break
+                chosen = await self._select(step, eligible, batch_size)
+                try:
+                    if await self.store.record_batch(step, chosen):
+                        return chosen
+                except Contended:  # a chosen group went into a batch or was dropped meanwhile
+                    pass
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 sizes = await self.store.sizes(TRAIN)
@@ -308,10 +322,7 @@ class Buffer:
                     f"({sizes['leased']} leased, {sizes['pending']} waiting for a worker); are rollout workers running?"
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._submitted.wait(), min(remaining, 1.0))
-        chosen = await self._select(step, eligible, batch_size)
-        await self.store.record_batch(step, chosen)
-        return chosen
+                await asyncio.wait_for(self._submitted.wait(), min(remaining, BATCH_POLL_S))
 
     def _split_stale(self, step: int, completed: list[tuple[str, int]]) -> tuple[list[str], list[str]]:
         if self.config.stale_policy == "mark":
@@ -351,29 +362,39 @@ class Buffer:
         on, what newer policies generated and every leased group are generated again; returns how many went back."""
         if step < 0 or version < 0:
             raise InvalidArgument("step", f"step and policy_version must be >= 0, got {step} and {version}")
-        async with self._lease_lock, self._batch_lock:
-            last = await self.store.meta_int("last_committed_step", -1)
-            if step <= last:
-                raise FailedPrecondition(
-                    f"the buffer already deleted the groups of step {last} (committed), after the checkpoint's step "
-                    f"{step}: resume from a checkpoint of step {last + 1} or later, or start a new --run-id"
-                )
-            top = await self.store.meta_int("top_step", -1)
-            gids = [gid for k in range(step, top + 1) for gid in await self.store.batch(k) or []]
-            gids += [gid for gid, v in await self.store.completed() if v > version]
-            payloads = await self.store.completed_groups(gids)
-            leased = await self.store.leased()
-            payloads += [await self.store.leased_group(gid) for gid in leased]
-            back = []
-            for gid, payload in zip(gids + leased, payloads, strict=True):
-                group = common_pb2.PromptGroup.FromString(payload or b"")
-                del group.samples[:]
-                group.min_weight_version = 0
-                group.timings.clear()
-                back.append((gid, group.SerializeToString()))
-            returned = await self.store.rewind(step, version, back)
+        for _ in range(ATTEMPTS):
+            try:
+                returned = await self.store.rewind(step, version, await self._rewound_groups(step, version))
+                break
+            except Contended:  # another buffer process leased or batched meanwhile
+                continue
+        else:
+            raise Unavailable("the buffer's state kept changing during the rewind; retry it")
         log.info("rewound to step %d, policy version %d: %d groups go back to the prompts", step, version, returned)
         return returned
+
+    async def _rewound_groups(self, step: int, version: int) -> list[tuple[str, bytes]]:
+        """What goes back to the prompts in a rewind, as (group id, prompt group without samples)."""
+        last = await self.store.meta_int("last_committed_step", -1)
+        if step <= last:
+            raise FailedPrecondition(
+                f"the buffer already deleted the groups of step {last} (committed), after the checkpoint's step "
+                f"{step}: resume from a checkpoint of step {last + 1} or later, or start a new --run-id"
+            )
+        top = await self.store.meta_int("top_step", -1)
+        gids = [gid for k in range(step, top + 1) for gid in await self.store.batch(k) or []]
+        gids += [gid for gid, v in await self.store.completed() if v > version]
+        payloads = await self.store.completed_groups(gids)
+        leased = await self.store.leased()
+        payloads += [await self.store.leased_group(gid) for gid in leased]
+        back = []
+        for gid, payload in zip(gids + leased, payloads, strict=True):
+            group = common_pb2.PromptGroup.FromString(payload or b"")
+            del group.samples[:]
+            group.min_weight_version = 0
+            group.timings.clear()
+            back.append((gid, group.SerializeToString()))
+        return back
 
     # Versions and state
 
@@ -381,10 +402,9 @@ class Buffer:
         return await self.store.meta_int("policy_version", 0)
 
     async def set_policy_version(self, version: int) -> int:
-        current = await self.policy_version()
+        current = await self.store.raise_policy_version(version)
         if version < current:
             raise FailedPrecondition(f"policy version only grows: it is {current}, got {version}")
-        await self.store.set_meta("policy_version", version)
         return version
 
     async def state(self) -> dict:

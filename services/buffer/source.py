@@ -81,6 +81,22 @@ class PromptStream:
         """Restart at `cursor` (after a restart, or when a lease was not committed)."""
         self._items, self._cursor = None, cursor
 
+    async def seek(self, cursor: Cursor) -> None:
+        """Continue at `cursor`, the stored one. Ahead of this stream's position (another buffer process leased the
+        prompts in between), the items tokenized ahead are skipped up to it; behind (a lease was not stored), or
+        farther ahead than this stream read, it restarts there."""
+        if cursor == self._cursor:
+            return
+        if self._items is not None and self._cursor < cursor:
+            for _ in range(self.chunk_rows * self.chunks_ahead):
+                item = await anext(self._items, None)
+                if item is None or item.after > cursor:
+                    break
+                self._cursor = item.after
+                if item.after == cursor:
+                    return
+        self.reset(cursor)
+
     async def take(self, num_groups: int) -> list[Item]:
         """Items up to and including the `num_groups`-th group (skipped rows in between come along); fewer at the
         end of the last epoch."""
@@ -92,6 +108,7 @@ class PromptStream:
             if item is None:
                 break
             taken.append(item)
+            self._cursor = item.after
             groups += not isinstance(item.payload, Skipped)
         return taken
 
@@ -147,13 +164,19 @@ class PromptStream:
 class CustomPromptStream:
     """New groups from a user's prompt source with slime's contract: `get_samples(num_samples)` returns groups, each
     a list of samples (objects with `prompt`, `label`, `metadata`, or dicts with those keys); the first sample of a
-    group gives its prompt. Its position is counted in Redis like a dataset's (block 0, row = groups taken)."""
+    group gives its prompt. Its position is counted in Redis like a dataset's (block 0, row = groups taken).
+
+    The source object lives in one buffer process, which cannot skip what another one's source handed out: a run
+    with a custom source has one buffer process (docs/buffer.md)."""
 
     def __init__(self, source, spec: RowSpec, name: str = "train"):
         self.source, self.spec, self.name = source, spec, name
         self._cursor = Cursor()
 
     def reset(self, cursor: Cursor) -> None:
+        self._cursor = cursor
+
+    async def seek(self, cursor: Cursor) -> None:
         self._cursor = cursor
 
     async def take(self, num_groups: int) -> list[Item]:

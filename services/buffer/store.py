@@ -1,7 +1,10 @@
 """The buffer's state in Redis: prompt groups, leases, completed groups, batches and counters of one run.
 
 Every transition that touches several keys is one Lua script, so it happens whole or not at all and a crash of the
-buffer process at any point leaves a state the next process can continue from. Keys live under
+buffer process at any point leaves a state the next process can continue from. The scripts also check the bounds
+they rely on (the dataset cursor a lease started from, the room under the backpressure cap and the staleness bound,
+which steps have a batch), so any number of buffer processes on one Redis give the guarantees of one: a script that
+finds the state moved under it refuses (`Contended`) and its caller looks again. Keys live under
 `<prefix>:{<run_id>}:` (the braces keep a run's keys in one Redis Cluster slot).
 
 Group status (hash `status`): leased → pending (released or expired) → leased … → completed → batch:<step> →
@@ -11,19 +14,39 @@ trained:<step>; or dropped:<reason> (a filter or the staleness bound); eval for 
 import json
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
-# Prepended to every script: a group id starts with its dataset's name.
-_DATASET_OF = "local function dataset_of(gid) return string.match(gid, '^([^:]*):') end\n"
+# Prepended to every script: a group id starts with its dataset's name; how many more groups the bounds allow (cap:
+# leased plus completed groups, -1 for none; limit: live training groups, started minus dropped, -1 for none).
+_PRELUDE = """
+local function dataset_of(gid) return string.match(gid, '^([^:]*):') end
+local function room(ns, cap, limit)
+  local free = 1073741824
+  if tonumber(cap) >= 0 then
+    free = tonumber(cap) - redis.call('ZCARD', ns .. ':leases') - redis.call('ZCARD', ns .. ':done')
+  end
+  if tonumber(limit) >= 0 then
+    local c = redis.call('HMGET', ns .. ':counters', 'started', 'dropped')
+    free = math.min(free, tonumber(limit) - (tonumber(c[1] or '0') - tonumber(c[2] or '0')))
+  end
+  return free
+end
+"""
 
+# ARGV: ns, cursor field, expected cursor, new cursor, lease ms, count started, cap, limit, then (gid, payload) pairs,
+# "--", (skip reason, count) pairs
 _LEASE_NEW = """
 local ns, field, expected, cursor, lease_ms, count_started = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local current = redis.call('HGET', ns .. ':meta', field) or ''
-if current ~= expected then return redis.error_reply('cursor moved: ' .. current .. ' ~= ' .. expected) end
+if current ~= expected then return redis.error_reply('CONTENDED cursor moved: ' .. current .. ' ~= ' .. expected) end
+local n, i = 0, 9
+while ARGV[i] ~= '--' do n, i = n + 1, i + 2 end
+if n > room(ns, ARGV[7], ARGV[8]) then return redis.error_reply('CONTENDED no room for ' .. n .. ' groups') end
 redis.call('HSET', ns .. ':meta', field, cursor)
 local t = redis.call('TIME')
 local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(lease_ms)
 local out = {deadline}
-local i = 7
+i = 9
 while ARGV[i] ~= '--' do
   local gid, payload = ARGV[i], ARGV[i + 1]
   local attempt = redis.call('HINCRBY', ns .. ':attempts', gid, 1)
@@ -45,13 +68,17 @@ end
 return out
 """
 
+# Groups sent back are live already: under the staleness bound they count as room.
 _LEASE_PENDING = """
 local ns, want, lease_ms, dataset = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local pending = ns .. ':pending:' .. dataset
+local live_room = room(ns, -1, ARGV[6])
+want = math.min(want, room(ns, ARGV[5], -1), live_room + redis.call('LLEN', pending))
 local t = redis.call('TIME')
 local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(lease_ms)
 local out = {deadline}
 while #out - 1 < want * 3 do
-  local gid = redis.call('LPOP', ns .. ':pending:' .. dataset)
+  local gid = redis.call('LPOP', pending)
   if not gid then break end
   if redis.call('HGET', ns .. ':status', gid) == 'pending' then
     local attempt = redis.call('HINCRBY', ns .. ':attempts', gid, 1)
@@ -144,15 +171,19 @@ end
 return 'accepted'
 """
 
-# ARGV: ns, step, chosen gids...
+# ARGV: ns, step, chosen gids... Returns 0 when the step has a batch already (another buffer process made it).
 _RECORD_BATCH = """
 local ns, step, n = ARGV[1], ARGV[2], #ARGV - 2
 local last = tonumber(redis.call('HGET', ns .. ':meta', 'last_committed_step') or '-1')
 if tonumber(step) <= last then return redis.error_reply('step ' .. step .. ' was already committed') end
 if redis.call('EXISTS', ns .. ':batch:' .. step) == 1 then return 0 end
+local top = tonumber(redis.call('HGET', ns .. ':meta', 'top_step') or '-1')
+if tonumber(step) > top + 1 then return redis.error_reply('steps are handed out in order: step ' .. (top + 1)) end
 -- Check before writing: an error after a write would leave the write in place.
 for i = 3, 2 + n do
-  if not redis.call('ZSCORE', ns .. ':done', ARGV[i]) then return redis.error_reply(ARGV[i] .. ' is not completed') end
+  if not redis.call('ZSCORE', ns .. ':done', ARGV[i]) then
+    return redis.error_reply('CONTENDED ' .. ARGV[i] .. ' is not completed')
+  end
 end
 local chosen = {}
 for i = 3, 2 + n do
@@ -162,7 +193,6 @@ for i = 3, 2 + n do
   table.insert(chosen, gid)
 end
 redis.call('SET', ns .. ':batch:' .. step, cjson.encode(chosen))
-local top = tonumber(redis.call('HGET', ns .. ':meta', 'top_step') or '-1')
 if tonumber(step) > top then redis.call('HSET', ns .. ':meta', 'top_step', step) end
 return 1
 """
@@ -205,12 +235,34 @@ redis.call('HINCRBY', ns .. ':counters', 'trained', #gids)
 return #gids
 """
 
-# ARGV: ns, step, version, then (gid, prompt payload) pairs of the groups that go back
+# ARGV: ns, step, version, then (gid, prompt payload) pairs of the groups that go back: those of the batches of `step`
+# and later, the completed ones of a version after `version` and the leased ones. Refused when those are not the
+# groups given (another buffer process leased or batched meanwhile).
 _REWIND = """
 local ns, step, version = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local last = tonumber(redis.call('HGET', ns .. ':meta', 'last_committed_step') or '-1')
 if step <= last then return redis.error_reply('step ' .. last .. ' was already committed') end
 local top = tonumber(redis.call('HGET', ns .. ':meta', 'top_step') or '-1')
+local given, expected = {}, 0
+for i = 4, #ARGV, 2 do given[ARGV[i]] = true end
+local function goes_back(gid)
+  expected = expected + 1
+  return given[gid]
+end
+for k = step, top do
+  for _, gid in ipairs(cjson.decode(redis.call('GET', ns .. ':batch:' .. k) or '[]')) do
+    if not goes_back(gid) then return redis.error_reply('CONTENDED batch ' .. k .. ' changed') end
+  end
+end
+for _, gid in ipairs(redis.call('ZRANGE', ns .. ':done', 0, -1)) do
+  if tonumber(redis.call('HGET', ns .. ':done_version', gid) or '0') > tonumber(version) and not goes_back(gid) then
+    return redis.error_reply('CONTENDED ' .. gid .. ' completed meanwhile')
+  end
+end
+for _, gid in ipairs(redis.call('ZRANGE', ns .. ':leases', 0, -1)) do
+  if not goes_back(gid) then return redis.error_reply('CONTENDED ' .. gid .. ' leased meanwhile') end
+end
+if expected ~= (#ARGV - 3) / 2 then return redis.error_reply('CONTENDED groups changed') end
 for k = step, top do redis.call('DEL', ns .. ':batch:' .. k) end
 if top >= step then redis.call('HSET', ns .. ':meta', 'top_step', step - 1) end
 local back = 0
@@ -231,6 +283,18 @@ redis.call('HINCRBY', ns .. ':counters', 'rewound', back)
 return back
 """
 
+# ARGV: ns, version. The policy version only grows; returns the version now.
+_RAISE_VERSION = """
+local ns, version = ARGV[1], tonumber(ARGV[2])
+local current = tonumber(redis.call('HGET', ns .. ':meta', 'policy_version') or '0')
+if version > current then redis.call('HSET', ns .. ':meta', 'policy_version', version) end
+return math.max(version, current)
+"""
+
+
+class Contended(Exception):
+    """The state a transition was computed from moved under it (another buffer process): look again and retry."""
+
 
 class BufferStore:
     """Typed access to one run's keys; every multi-key change is one atomic script."""
@@ -239,7 +303,7 @@ class BufferStore:
         self.redis = redis
         self.ns = f"{prefix}:{{{run_id}}}"
         self._scripts = {
-            name: redis.register_script(_DATASET_OF + code)
+            name: redis.register_script(_PRELUDE + code)
             for name, code in [
                 ("lease_new", _LEASE_NEW),
                 ("lease_pending", _LEASE_PENDING),
@@ -251,6 +315,7 @@ class BufferStore:
                 ("drop", _DROP),
                 ("commit", _COMMIT),
                 ("rewind", _REWIND),
+                ("raise_version", _RAISE_VERSION),
             ]
         }
 
@@ -258,7 +323,12 @@ class BufferStore:
         return f"{self.ns}:{name}"
 
     async def _run(self, script: str, *args) -> object:
-        return await self._scripts[script](keys=[self.key("meta")], args=[self.ns, *args])
+        try:
+            return await self._scripts[script](keys=[self.key("meta")], args=[self.ns, *args])
+        except ResponseError as e:
+            if "CONTENDED" in str(e):
+                raise Contended(str(e).split("CONTENDED", 1)[1].strip()) from None
+            raise
 
     async def cursor(self, dataset: str) -> bytes | None:
         return await self.redis.hget(self.key("meta"), f"cursor:{dataset}")
@@ -272,9 +342,11 @@ class BufferStore:
         groups: list[tuple[str, bytes]],
         skipped: dict[str, int],
         count_started: bool,
+        bounds: tuple[int, int] = (-1, -1),
     ) -> tuple[int, list[str]]:
-        """Stores new groups as leased and moves the dataset cursor; returns (deadline ms, lease ids)."""
-        args = [f"cursor:{dataset}", expected, cursor, lease_ms, int(count_started)]
+        """Stores new groups as leased and moves the dataset cursor from `expected`; returns (deadline ms, lease ids).
+        `bounds`: (cap, limit) as in `room` of the scripts."""
+        args = [f"cursor:{dataset}", expected, cursor, lease_ms, int(count_started), *bounds]
         for gid, payload in groups:
             args += [gid, payload]
         args.append("--")
@@ -283,9 +355,12 @@ class BufferStore:
         deadline, *lease_ids = await self._run("lease_new", *args)
         return int(deadline), [lid.decode() for lid in lease_ids]
 
-    async def lease_pending(self, dataset: str, want: int, lease_ms: int) -> tuple[int, list[tuple[str, str, bytes]]]:
-        """Leases up to `want` returned groups (released or expired) of `dataset`, latest returned first."""
-        deadline, *flat = await self._run("lease_pending", want, lease_ms, dataset)
+    async def lease_pending(
+        self, dataset: str, want: int, lease_ms: int, bounds: tuple[int, int] = (-1, -1)
+    ) -> tuple[int, list[tuple[str, str, bytes]]]:
+        """Leases up to `want` returned groups (released or expired) of `dataset` that the bounds allow, latest
+        returned first."""
+        deadline, *flat = await self._run("lease_pending", want, lease_ms, dataset, *bounds)
         leased = [(flat[i].decode(), flat[i + 1].decode(), flat[i + 2]) for i in range(0, len(flat), 3)]
         return int(deadline), leased
 
@@ -327,8 +402,9 @@ class BufferStore:
             return []
         return await self.redis.mget([self.key(f"done:{gid}") for gid in gids])
 
-    async def record_batch(self, step: int, chosen: list[str]) -> None:
-        await self._run("record_batch", step, *chosen)
+    async def record_batch(self, step: int, chosen: list[str]) -> bool:
+        """Records step `step`'s groups; False when the step had a batch already."""
+        return bool(await self._run("record_batch", step, *chosen))
 
     async def drop_completed(self, gids: list[str], reason: str) -> int:
         """Drops completed groups that can no longer be trained, counting them under dropped:<reason>."""
@@ -354,8 +430,9 @@ class BufferStore:
         value = await self.redis.hget(self.key("meta"), field)
         return int(value) if value is not None else default
 
-    async def set_meta(self, field: str, value: int) -> None:
-        await self.redis.hset(self.key("meta"), field, value)
+    async def raise_policy_version(self, version: int) -> int:
+        """Sets the policy version if `version` is higher; returns the version now."""
+        return int(await self._run("raise_version", version))
 
     async def counters(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.key("counters"))).items()}

@@ -1,0 +1,103 @@
+"""Three buffer processes' worth of `Buffer` objects on one Redis, each with its own connection, called concurrently
+in any mix: they give the guarantees of one buffer (no group held by two workers, every prompt trained exactly once,
+the staleness bound and the backpressure cap never passed, one batch per step whichever replica is asked)."""
+
+import asyncio
+import random
+import uuid
+
+from services.buffer.core import TRAIN
+from tests.buffer.conftest import finish, write_jsonl
+
+REPLICAS, PROMPTS, BATCH, WORKERS = 3, 48, 4, 6
+
+
+async def test_replicas_on_one_redis_hand_out_and_train_each_prompt_once(make_buffer, tmp_path):
+    rows = [{"prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(PROMPTS)]
+    config = {
+        "prompt_data": str(write_jsonl(tmp_path / "p.jsonl", rows)),
+        "run_id": "r" + uuid.uuid4().hex[:8],
+        "num_epoch": 1,
+        "rollout_batch_size": BATCH,
+        "max_staleness": 1,
+        "stale_policy": "mark",  # groups finish out of order: one leased at version v may be trained after v + 1
+        "max_buffered_groups": 7,
+        "rollout_shuffle": True,
+    }
+    replicas = [await make_buffer(**config) for _ in range(REPLICAS)]
+    store, rng = replicas[0].store, random.Random(7)
+    held: set[str] = set()
+    steps = PROMPTS // BATCH
+
+    async def check_bounds() -> None:
+        counters, sizes = await store.counters(), await store.sizes(TRAIN)
+        version = await replicas[0].policy_version()
+        live = counters.get("started", 0) - counters.get("dropped", 0)
+        assert live <= (version + 1) * BATCH + BATCH, f"{live} live groups at policy version {version}"
+        assert sizes["leased"] + sizes["completed"] <= 7, f"past the cap: {sizes}"
+
+    async def worker() -> None:
+        while await store.meta_int("last_committed_step", -1) < steps - 1:
+            result = await rng.choice(replicas).lease(rng.randint(1, 3), 0, "")
+            await check_bounds()
+            if not result.leases:
+                await asyncio.sleep(0.01)
+                continue
+            for leased in result.leases:
+                gid = leased.group.group_id
+                assert gid not in held, f"{gid} was handed out while a worker held it"
+                held.add(gid)
+            for leased in result.leases:
+                await asyncio.sleep(rng.random() * 0.01)
+                done = finish(leased.group, [0.0, 1.0], version=result.policy_version)
+                held.discard(leased.group.group_id)
+                accepted, duplicate, _ = await rng.choice(replicas).submit(leased.lease_id, done)
+                assert accepted and not duplicate
+
+    async def trainer() -> list[list[str]]:
+        trained = []
+        for step in range(steps):
+            first, second = rng.sample(replicas, 2)
+            parts = await asyncio.gather(first.get_batch(step, 0, 2, 60), second.get_batch(step, 1, 2, 60))
+            ids = [g.group_id for part in parts for g in part.groups]
+            assert len(ids) == BATCH == len(set(ids)), "the two ranks' parts are one batch"
+            trained.append(ids)
+            await rng.choice(replicas).commit(step)
+            await rng.choice(replicas).set_policy_version(step + 1)
+        return trained
+
+    *_, trained = await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(WORKERS)), trainer()), 120)
+    flat = [gid for ids in trained for gid in ids]
+    assert len(flat) == len(set(flat)) == PROMPTS, "every prompt trained exactly once"
+    assert await store.violations() == []
+    counters = await store.counters()
+    assert counters["started"] == counters["trained"] == PROMPTS and counters.get("dropped", 0) == 0
+
+
+async def test_a_rewind_amid_leases_on_other_replicas_keeps_the_state_whole(make_buffer, tmp_path):
+    rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(40)]
+    config = {
+        "prompt_data": str(write_jsonl(tmp_path / "p.jsonl", rows)),
+        "run_id": "w" + uuid.uuid4().hex[:8],
+        "num_epoch": 1,
+        "max_staleness": 100,
+    }
+    rewinder, *leasers = [await make_buffer(**config) for _ in range(3)]
+    store, stop = rewinder.store, asyncio.Event()
+
+    async def lease_and_submit(buffer) -> None:
+        while not stop.is_set():
+            for leased in (await buffer.lease(2, 0, "")).leases:
+                await buffer.submit(leased.lease_id, finish(leased.group, [0.0, 1.0]))
+            await asyncio.sleep(0)
+
+    tasks = [asyncio.create_task(lease_and_submit(b)) for b in leasers]
+    for _ in range(5):
+        await asyncio.sleep(0.05)
+        await rewinder.rewind(0, 0)
+        assert await store.violations() == []
+    stop.set()
+    await asyncio.gather(*tasks)
+    status = await store.redis.hgetall(store.key("status"))
+    assert await store.violations() == []
+    assert (await store.counters())["started"] == len(status), "every started group has one status"
