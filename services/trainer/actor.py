@@ -8,6 +8,7 @@ whatever the micro-batch and rank sizes.
 """
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from services.trainer.data import RolloutBatch, input_tensors, response_tensors
 from services.trainer.data_parallel import DistributedAdamW
 from services.trainer.losses import approx_kl, policy_loss, token_logprobs_and_entropy
 from services.trainer.optimizer import clip_gradients
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -189,7 +192,10 @@ class Actor:
         if self.ddp is not None:
             self.ddp.zero_grad_buffer()
         mbs = self._micro_batches(batch, indices)
-        share = {"token_level": token_level, "total": float(total)}
+        if not total:  # e.g. every sample's reward failed: its loss is 0, as slime's masked mean clamped at 1
+            log.warning("this step has no %s to train on (every sample failed or was aborted)",
+                        "tokens" if token_level else "samples")  # fmt: skip
+        share = {"token_level": token_level, "total": max(float(total), 1.0)}
         if self.pipelined:
             from services.trainer.pipeline import pipeline_train
 

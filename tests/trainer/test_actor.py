@@ -63,6 +63,19 @@ def test_gradients_do_not_depend_on_micro_batching(aggregation):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("aggregation", [True, False])
+def test_a_step_whose_samples_all_failed_trains_on_nothing(aggregation):
+    """Every reward failed (a hung reward worker): the step's loss is 0 and no weight moves, no division by zero."""
+    actor = _actor(calculate_per_token_loss=aggregation, micro_batch_size=2)
+    batch = _batch()
+    batch.loss_masks = [mask * 0 for mask in batch.loss_masks]  # what failed samples give (test_data.py)
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    metrics = actor.train_rollout(batch)[0]
+    assert metrics["loss"] == 0.0
+    for a, b in zip(before, actor.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b.detach())
+
+
 def test_grpo_steps_raise_the_rewarded_responses_and_lower_the_loss():
     actor = _actor(micro_batch_size=2, use_rollout_logprobs=True, eps_clip=10.0)
     batch = _batch()
