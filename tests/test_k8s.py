@@ -52,7 +52,7 @@ def test_the_workloads_and_their_kinds(objects):
                      "engine": "StatefulSet", "trainer": "Job"}  # fmt: skip
     assert workloads(objects)["trainer"]["spec"]["completionMode"] == "Indexed"
     assert set(by_kind(objects, "HorizontalPodAutoscaler")) == {"reward"}
-    assert set(by_kind(objects, "PodDisruptionBudget")) == {"reward", "engine"}
+    assert set(by_kind(objects, "PodDisruptionBudget")) == {"buffer", "reward", "engine"}
     redis = workloads(objects)["redis"]
     assert redis["spec"]["volumeClaimTemplates"] and "--appendonly" in command_line(redis)
 

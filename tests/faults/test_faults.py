@@ -106,7 +106,8 @@ def wait_for_step(run, run_dir: Path, step: int, timeout_s: float = 400) -> None
     assert run.proc.poll() is None and len(steps_of(run_dir)) >= step, run.log[-3000:]
 
 
-def check_invariants(run_dir: Path, runs: list[list[dict]]) -> None:
+def check_invariants(run_dir: Path, runs: list[list[dict]], redis_url: str | None = None) -> None:
+    """`redis_url`: the run's Redis when it is not the embedded one in the run's folder."""
     for steps in runs:  # policy versions only go up within each run, and the steps follow each other
         versions = [s["policy_version"] for s in steps]
         assert versions == sorted(set(versions)), versions
@@ -117,7 +118,7 @@ def check_invariants(run_dir: Path, runs: list[list[dict]]) -> None:
     assert versions == sorted(set(versions)), versions
     trained = [gid for s in lineage for gid in s["groups"]]
     assert len(trained) == len(set(trained)) == STEPS * BATCH, "a prompt group was trained twice or lost"
-    violations, status, version = buffer_record(run_dir)
+    violations, status, version = buffer_record(run_dir, redis_url)
     assert violations == []
     # The buffer's record agrees: each group trained at its lineage step, and no other; none generated in vain.
     assert {gid: s for gid, s in status.items() if s.startswith("trained:")} == {
@@ -126,15 +127,15 @@ def check_invariants(run_dir: Path, runs: list[list[dict]]) -> None:
     assert version == lineage[-1]["policy_version"]
 
 
-def buffer_record(run_dir: Path) -> tuple[list[str], dict[str, str], int]:
+def buffer_record(run_dir: Path, redis_url: str | None = None) -> tuple[list[str], dict[str, str], int]:
     """The buffer's state in Redis after the run: its invariants' violations, each group's status, the policy
     version."""
-    server = EmbeddedRedis(run_dir / "redis").start()
+    server = EmbeddedRedis(run_dir / "redis").start() if redis_url is None else None
 
     async def read():
         from redis.asyncio import Redis
 
-        redis = Redis.from_url(server.url)
+        redis = Redis.from_url(redis_url or server.url)
         store = BufferStore(redis, "slipstream", run_dir.name)
         try:
             status = {k.decode(): v.decode() for k, v in (await redis.hgetall(store.key("status"))).items()}
@@ -145,7 +146,8 @@ def buffer_record(run_dir: Path) -> tuple[list[str], dict[str, str], int]:
     try:
         return asyncio.run(read())
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 def resume_signal(pid: int) -> None:
