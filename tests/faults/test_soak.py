@@ -41,7 +41,16 @@ def long_lived(run_dir: Path, launcher: int) -> dict[str, int]:
 def inject(run_dir: Path, launcher: int, rng: random.Random) -> str:
     """One survivable fault, ended before this returns (a stopped process is let go)."""
     kind = rng.choice(FAULTS)
-    victim = find(run_dir, "engine" if kind == "engine-stop" else "reward-worker", launcher, rng)
+    target = "engine" if kind == "engine-stop" else "reward-worker"
+    deadline = time.monotonic() + 60
+    while True:  # a replaced reward pool starts its workers with its next item
+        try:
+            victim = find(run_dir, target, launcher, rng)
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     os.kill(victim, signal.SIGKILL if kind.endswith("kill") else signal.SIGSTOP)
     time.sleep(8 if kind == "engine-stop" else 4)  # how long the fault lasts: an engine is evicted within 8 s
     resume_signal(victim)
