@@ -9,11 +9,13 @@ serving either way.
 import asyncio
 import contextlib
 import inspect
+import logging
 import multiprocessing
 import os
 import resource
 import signal
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -23,6 +25,8 @@ from pebble import ProcessExpired, ProcessPool
 from services.common.plugins import load_callable
 from services.common.processes import die_with_parent
 from services.reward.verifiers import score_builtin
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,7 +111,12 @@ class WorkerPool:
         hangs outside any item (stopped, or stuck holding the pool's task channel) stalls every item: then the whole
         pool is replaced."""
         pool = self._pool
-        waiting = asyncio.wrap_future(pool.schedule(_limited, args=(function, *args), timeout=timeout_s))
+        try:
+            waiting = asyncio.wrap_future(pool.schedule(_limited, args=(function, *args), timeout=timeout_s))
+        except RuntimeError:  # the pool broke before (below): the item goes to a new one
+            await self._replace(pool)
+            pool = self._pool
+            waiting = asyncio.wrap_future(pool.schedule(_limited, args=(function, *args), timeout=timeout_s))
         done, _ = await asyncio.wait({waiting}, timeout=timeout_s + STUCK_GRACE_S)
         if not done:
             waiting.cancel()
@@ -123,12 +132,16 @@ class WorkerPool:
                 return Failure("memory", f"needed more than the worker's {self.memory_mb} MiB (raise "
                                          "--reward-worker-memory-mb if it must)")  # fmt: skip
             return Failure("crash", f"the worker process died (exit code {e.exitcode})")
+        except BrokenProcessPool as e:  # pebble lost track of a worker that died (it fails every item from then on)
+            await self._replace(pool)
+            return Failure("crash", f"the workers' pool broke ({e}); it was replaced")
         except Exception as e:  # the reward function's own error, re-raised here by the pool
             return Failure("exception", f"{type(e).__name__}: {e}")
 
     async def _replace(self, stuck: ProcessPool) -> None:
         if self._pool is not stuck:  # another item replaced it already
             return
+        log.warning("the reward workers' pool is replaced: a worker hung or died where the pool lost track of it")
         self._pool = self._new_pool()
         await asyncio.to_thread(_stop, stuck)
 
