@@ -49,7 +49,9 @@ def inject(run_dir: Path, launcher: int, rng: random.Random) -> str:
             break
         except AssertionError:
             if time.monotonic() > deadline:
-                raise
+                log = (run_dir / "logs" / "reward.log").read_text(errors="replace")
+                message = f"no {target} process for 60 s; the reward log ends with:\n{log[-3000:]}"
+                raise AssertionError(message) from None
             time.sleep(0.5)
     os.kill(victim, signal.SIGKILL if kind.endswith("kill") else signal.SIGSTOP)
     time.sleep(8 if kind == "engine-stop" else 4)  # how long the fault lasts: an engine is evicted within 8 s
