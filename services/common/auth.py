@@ -191,20 +191,20 @@ class BearerToken(
     intercept_stream_stream = intercept_unary_unary
 
 
-class AioBearerToken(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """The same for an asyncio channel."""
+class _AioBearerToken:
+    """The same for an asyncio channel, which takes one interceptor per kind of call (grpc.aio files an interceptor
+    under the first kind it implements only): `aio_bearer_tokens` makes the four."""
 
     __init__ = BearerToken.__init__
     pair = BearerToken.pair
 
-    async def intercept_unary_unary(self, continuation: Callable, details, request):
+    async def _intercept(self, continuation: Callable, details, request):
         return await continuation(_with_token(details, self.pair), request)
 
-    intercept_unary_stream = intercept_unary_unary
-    intercept_stream_unary = intercept_unary_unary
-    intercept_stream_stream = intercept_unary_unary
+    intercept_unary_unary = intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = _intercept
+
+
+def aio_bearer_tokens(tokens: TokenFile, role: str) -> list:
+    kinds = (grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+             grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor)  # fmt: skip
+    return [type(f"AioBearerToken{kind.__name__}", (_AioBearerToken, kind), {})(tokens, role) for kind in kinds]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.auth import AioBearerToken, BearerToken, TokenFile
+from services.common.auth import BearerToken, TokenFile, aio_bearer_tokens
 from services.common.config import ServiceConfig, TlsConfig
 from services.common.tls import channel_credentials
 
@@ -81,7 +81,7 @@ def open_channel(address: str, credentials: Credentials = PLAINTEXT, **options) 
 def open_aio_channel(address: str, credentials: Credentials = PLAINTEXT, **options) -> grpc.aio.Channel:
     """The asyncio flavour of `open_channel`, for use inside services."""
     options = channel_options(**options)
-    tokens = [] if credentials.tokens is None else [AioBearerToken(credentials.tokens, credentials.role)]
+    tokens = [] if credentials.tokens is None else aio_bearer_tokens(credentials.tokens, credentials.role)
     if credentials.tls.enabled:
         return grpc.aio.secure_channel(address, channel_credentials(credentials.tls), options, interceptors=tokens)
     return grpc.aio.insecure_channel(address, options, interceptors=tokens)

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from services.common.auth import CALLERS, TokenFile
-from services.common.clients import Credentials
+from services.common.clients import Credentials, open_aio_channel
 from services.common.config import TlsConfig
 from services.common.errors import StartupError
 from slipstream.v1 import buffer_pb2, reward_pb2, rollout_pb2, trainer_pb2
@@ -111,3 +111,47 @@ def wait_serving_tls(address: str, proc, credentials: Credentials) -> None:
         wait_until_serving(address, 60, credentials=credentials)
     except TimeoutError:
         pytest.fail(f"{address} never served:\n{proc.log}")
+
+
+async def test_an_asyncio_channel_sends_the_token_on_every_kind_of_call(tmp_path):
+    """grpc.aio files an interceptor under one kind of call only: a gateway forwarding a trainer's bucket stream to
+    the coordinator sent it without a token until each kind had its own."""
+    path = tmp_path / "tokens"
+    path.write_text("trainer " + "t" * 32 + "\n")
+    path.chmod(0o600)
+
+    class Echo(grpc.GenericRpcHandler):  # answers with the authorization metadata it got
+        def service(self, details):
+            async def unary(request, context):
+                return dict(context.invocation_metadata()).get("authorization", "none").encode()
+
+            async def stream(requests, context):
+                async for _ in requests:
+                    yield dict(context.invocation_metadata()).get("authorization", "none").encode()
+
+            async def stream_in(requests, context):
+                return [r async for r in requests] and await unary(None, context)
+
+            async def stream_out(request, context):
+                yield await unary(request, context)
+
+            kinds = {"uu": grpc.unary_unary_rpc_method_handler(unary), "ss": grpc.stream_stream_rpc_method_handler(
+                stream), "su": grpc.stream_unary_rpc_method_handler(stream_in),
+                "us": grpc.unary_stream_rpc_method_handler(stream_out)}  # fmt: skip
+            return kinds[details.method.rsplit("/", 1)[1]]
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([Echo()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    credentials = Credentials(TlsConfig(), TokenFile(path), "trainer")
+    channel = open_aio_channel(f"127.0.0.1:{port}", credentials)
+    try:
+        expected = ("Bearer " + "t" * 32).encode()
+        assert await channel.unary_unary("/e/uu")(b"x") == expected
+        assert [r async for r in channel.unary_stream("/e/us")(b"x")] == [expected]
+        assert await channel.stream_unary("/e/su")(iter([b"x"])) == expected
+        assert [r async for r in channel.stream_stream("/e/ss")(iter([b"x"]))] == [expected]
+    finally:
+        await channel.close()
+        await server.stop(None)
