@@ -48,8 +48,9 @@ class Result:
 
 
 class WeightSync:
-    def __init__(self, config: RolloutConfig, pool: EnginePool, buffer):
+    def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, fleet=None):
         self.config, self.pool, self.buffer = config, pool, buffer
+        self.fleet = fleet  # of gateway replicas: the others learn there that the engines are paused for a sync
         self.group: Group | None = None  # None once a member left: the next Prepare builds a new one
         self.engines: list[Engine] = []  # taking part in the current attempt
         self.version: int | None = None  # of the open sync
@@ -73,6 +74,7 @@ class WeightSync:
             if self._joining is not None:
                 self._joining.cancel()
             await self._break("joining", [])
+        await self._mark_syncing(True)
         # A dead member would stall the group: pausing weeds them out (a failed control call evicts), or a probe.
         if self.pool.running.is_set():
             await self.pool.pause(self.config.pause_mode)
@@ -93,6 +95,9 @@ class WeightSync:
             if self.group is not None:
                 await self._destroy(self._members())
             self.group = group
+            # An engine may still hold a group of these names (it joined one whose trainer failed to host it, and
+            # was left out of the teardown): joining again under a held name fails, so each name goes first.
+            await self._destroy(engines)
             # Each engine's call returns only once the sender has joined too: it runs while Prepare answers.
             self._joining = asyncio.create_task(self._join(engines, offsets, world_size))
         self.engines, self.version = engines, version
@@ -114,6 +119,7 @@ class WeightSync:
         async with self.delivering:
             self._check_open()
             self._watch(0)
+            await self._mark_syncing(True)
             return await self._deliver(index, names, dtypes, shapes, load_format, payloads, group_name)
 
     async def _deliver(self, index, names, dtypes, shapes, load_format, payloads, group_name) -> list[Result]:
@@ -182,6 +188,7 @@ class WeightSync:
             self.pool.resume(),
             self.buffer.SetPolicyVersion(request, timeout=self.config.weight_sync_timeout_s, wait_for_ready=True),
         )
+        await self._mark_syncing(False)
         log.info("weights of version %d are live on %d engine(s)", version, sum(r.success for r in results))
         return results
 
@@ -205,6 +212,13 @@ class WeightSync:
         else:
             await self._reclaim()
             await self.pool.resume()
+            await self._mark_syncing(False)
+
+    async def _mark_syncing(self, syncing: bool) -> None:
+        """Tells the other gateways of the fleet that the engines are paused for a sync (their health checks hold
+        off); the mark expires should this gateway die meanwhile."""
+        if self.fleet is not None:
+            await self.fleet.set_syncing(syncing, 2 * self.config.weight_sync_timeout_s)
 
     async def release(self) -> list[Result]:
         """Colocated training: generation pauses and the engines free their GPU memory; the next commit takes it
