@@ -6,6 +6,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
+from services.common.redis_connection import RedisConfig
 from services.rollout.allowlist import LOOPBACK
 
 
@@ -101,6 +102,24 @@ class RolloutConfig(ServiceConfig):
     engine_api_key_file: Path | None = None
     """File holding the engines' API key (SGLang's --api-key): sent as `Authorization: Bearer` on every engine call
     and given to the engines the gateway launches. (--sglang-api-key KEY works too, but shows the key in `ps`.)"""
+    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name of the run: with --redis-url, its gateways meet under this name in Redis."""
+    redis: RedisConfig = RedisConfig()
+    """With --redis-url (the buffer's Redis), this gateway is one of the run's replicas (services/rollout/fleet.py):
+    the engine registry is shared, each gateway generates on its share of the engines, and one of them (the
+    coordinator) runs the weight syncs. Unset: this gateway owns every engine."""
+    engine_discovery: list[str] = []
+    """name:port of DNS names whose addresses are engines (a Kubernetes headless Service such as engine:30000),
+    resolved again every --engine-discovery-interval-s; needs --redis-url."""
+    engine_discovery_interval_s: float = Field(10.0, gt=0)
+    """How often the coordinator resolves --engine-discovery names again."""
+    fleet_heartbeat_s: float = Field(1.0, gt=0)
+    """How often a gateway of a fleet (--redis-url) beats; it also follows the engine registry this often."""
+    fleet_ttl_s: float = Field(5.0, gt=0)
+    """A gateway whose beats stop this long is taken for dead: its engines (and the coordinator's lease) move."""
+    advertise_addr: str | None = None
+    """host:port where the other gateways reach this one (they forward weight-sync calls to the coordinator);
+    default: --host and --port, with this machine's address for a wildcard host."""
     use_router: bool = False
     """Route generation through an sglang-router process (started by the gateway) instead of the built-in routing;
     control calls still go to each engine."""
@@ -118,6 +137,19 @@ class RolloutConfig(ServiceConfig):
             )
         if self.rollout_num_gpus and not self.hf_checkpoint:
             raise ValueError("rollout_num_gpus starts engines, which need the model: pass --hf-checkpoint")
+        if self.engine_discovery and not self.redis.url:
+            raise ValueError("engine_discovery fills the run's engine registry in Redis: give --redis-url too")
+        for entry in self.engine_discovery:
+            name, _, port = entry.rpartition(":")
+            if not name or not port.isdigit():
+                raise ValueError(f"engine_discovery {entry!r} is not name:port, e.g. engine:30000")
+        if self.redis.url and not self.port and not self.advertise_addr:
+            raise ValueError(
+                "a gateway of a fleet (--redis-url) is reached by the others at its port: give --port "
+                "(not 0) or --advertise-addr"
+            )
+        if self.use_router and self.redis.url:
+            raise ValueError("--use-router routes through one router per gateway; with --redis-url drop it")
         if self.engine_api_key_file is not None and not self.engine_api_key():
             raise ValueError(f"--engine-api-key-file {self.engine_api_key_file}: no such file, or it is empty")
         return self

@@ -42,6 +42,7 @@ class Engine:
     admissions: int = 0  # a re-admitted engine may have restarted: it is in no weight group any more
     gpus: tuple[int, ...] = (0,)  # of its TP ranks, in the node's numbering (SGLang's base_gpu_id, gpu_id_step)
     requests: set = field(default_factory=set)  # its requests in flight, cancelled when it is evicted
+    generates: bool = True  # False: another gateway of the fleet generates on it, this one only syncs its weights
 
 
 class EngineFailure(Exception):
@@ -62,11 +63,12 @@ class EnginePool:
         self.running.set()
         self.router: Engine | None = None  # with --use-router, generation goes through it
         self._router_tasks: set[asyncio.Task] = set()
+        self.paused_elsewhere = None  # async () -> bool: another gateway paused the engines (fleet.py)
 
     # Membership
 
     async def register(self, url: str) -> Engine:
-        url = _normalize(url)
+        url = normalize(url)
         if url in self.engines and self.engines[url].state != DRAINING:
             raise AlreadyExists(f"engine {url} is already registered")
         engine = Engine(url)
@@ -84,7 +86,7 @@ class EnginePool:
         self._slots[url] = asyncio.Semaphore(1 << 20)  # the router queues and balances by itself
 
     async def deregister(self, url: str) -> None:
-        engine = self.engines.get(_normalize(url))
+        engine = self.engines.get(normalize(url))
         if engine is None:
             raise NotFound(f"no engine {url} is registered; ListEngines shows the registered ones")
         engine.state = DRAINING  # no new requests; in-flight ones finish
@@ -95,6 +97,10 @@ class EnginePool:
 
     def healthy(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.state == HEALTHY]
+
+    def generating(self) -> list[Engine]:
+        """The healthy engines this gateway generates on (in a fleet, its share)."""
+        return [e for e in self.healthy() if e.generates]
 
     async def _admit(self, engine: Engine) -> None:
         info = await self._get_json(engine, "/server_info")
@@ -129,6 +135,8 @@ class EnginePool:
                 await self._admit(engine)
             engine.failures = 0
         except (aiohttp.ClientError, TimeoutError, EngineFailure) as e:
+            if self.paused_elsewhere is not None and await self.paused_elsewhere():
+                return  # paused for a weight sync: a paused engine answers 503 on purpose
             self._fail(engine, f"health check failed: {_describe(e)}")
 
     def _fail(self, engine: Engine, error: str, evict: bool = False) -> None:
@@ -230,7 +238,9 @@ class EnginePool:
     # Requests
 
     def pick(self, affinity: str | None = None, avoid: set[str] | frozenset = frozenset()) -> Engine:
-        candidates = [e for e in self.healthy() if e.url not in avoid]
+        # In a fleet, a coordinator with no engines of its own evaluates on the others' engines.
+        candidates = [e for e in self.generating() if e.url not in avoid]
+        candidates = candidates or [e for e in self.healthy() if e.url not in avoid]
         if not candidates:
             raise Unavailable("no healthy engine; register one (RegisterEngine) or wait for re-admission")
         least = min(candidates, key=lambda e: e.outstanding)
@@ -344,7 +354,7 @@ IDEMPOTENT = {
 }
 
 
-def _normalize(url: str) -> str:
+def normalize(url: str) -> str:
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise InvalidArgument("url", f"{url!r} is not an engine URL; use http://host:port")

@@ -1,15 +1,18 @@
 """Assembles the rollout gateway: the engine pool (from --engine-urls, then registrations), its health loop, and
-the servicer."""
+the servicer; with --redis-url, its place in the run's fleet of gateways (fleet.py)."""
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 from services.common.clients import Credentials, open_aio_channel
 from services.common.errors import StartupError
 from services.common.plugins import PluginError
+from services.common.redis_connection import open_redis
 from services.common.server import Service, Servicer
 from services.rollout.config import RolloutConfig
-from services.rollout.engines import EnginePool
+from services.rollout.engines import EnginePool, normalize
+from services.rollout.fleet import Fleet, follow, own_address, reconcile
 from services.rollout.launch import launch_engines, launch_router, stop, wait_workers
 from services.rollout.servicer import RolloutServicer
 from services.rollout.weight_sync import WeightSync
@@ -19,13 +22,22 @@ from slipstream.v1 import buffer_pb2_grpc, reward_pb2_grpc
 
 async def build(config: RolloutConfig) -> Service:
     pool = EnginePool(config)
+    fleet, redis_handle = None, None
+    if config.redis.url:
+        redis_handle = open_redis(config.redis, Path("."))
+        me = config.advertise_addr or own_address(config.host, config.port)
+        fleet = Fleet(redis_handle.async_client(), config.redis.prefix, config.run_id, me, config.fleet_ttl_s)
+        pool.paused_elsewhere = fleet.syncing
     children = await launch_engines(config) if config.rollout_num_gpus else []
     try:
         if config.use_router:
             children.append(router := await launch_router(config))
             pool.use_router(router.url)
         for url in [*config.engine_urls, *(c.url for c in children if c.name.startswith("engine"))]:
-            await pool.register(url)  # an engine that is down now is kept evicted and admitted once it answers
+            if fleet is not None:  # the gateway whose share it is admits it
+                await fleet.add(normalize(url))
+            else:
+                await pool.register(url)  # an engine that is down now is kept evicted and admitted once it answers
         if config.use_router:
             await wait_workers(router, [e.url for e in pool.healthy()])
         # gRPC channels after the children: forking while gRPC threads run makes gRPC log a warning per child
@@ -46,6 +58,8 @@ async def build(config: RolloutConfig) -> Service:
         )
     except BaseException as e:
         await stop(children)
+        if redis_handle is not None:
+            redis_handle.close()
         if isinstance(e, PluginError):
             raise StartupError(str(e)) from None
         raise
@@ -53,6 +67,10 @@ async def build(config: RolloutConfig) -> Service:
 
     async def ready() -> None:
         tasks.append(asyncio.create_task(pool.check_forever()))
+        if fleet is not None:  # serving once its share of the engines (or, as the coordinator, every one) is admitted
+            await fleet.beat()
+            await reconcile(fleet, pool)
+            tasks.append(asyncio.create_task(follow(fleet, pool, rollout, config)))
 
     async def close() -> None:
         for task in tasks:
@@ -64,9 +82,14 @@ async def build(config: RolloutConfig) -> Service:
         for channel in (buffer_channel, reward_channel, version_channel):
             await channel.close()
         await stop(children)
+        if fleet is not None:
+            with contextlib.suppress(Exception):  # the others take its engines at once, not after its beats expire
+                await fleet.leave()
+            await fleet.redis.aclose()
+            redis_handle.close()
 
-    sync = WeightSync(config, pool, buffer_pb2_grpc.BufferServiceStub(version_channel))
-    servicer = Servicer.of(RolloutServicer(pool, rollout, sync, config))
+    sync = WeightSync(config, pool, buffer_pb2_grpc.BufferServiceStub(version_channel), fleet)
+    servicer = Servicer.of(RolloutServicer(pool, rollout, sync, config, fleet))
     return Service("rollout", config, [servicer], ready=ready, on_stop=[close])
 
 

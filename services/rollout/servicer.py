@@ -6,10 +6,12 @@ import logging
 
 import grpc
 
+from services.common.clients import Credentials, open_aio_channel
 from services.rollout.allowlist import HostList, url_host
 from services.rollout.config import RolloutConfig
-from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool
+from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool, normalize
 from services.rollout.evaluation import evaluate
+from services.rollout.fleet import reconcile
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
@@ -41,23 +43,50 @@ def _results(results) -> list[rollout_pb2.EngineResult]:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, pool: EnginePool, rollout: Rollout, sync: WeightSync, config: RolloutConfig):
-        self.pool, self.rollout, self.sync = pool, rollout, sync
+    """With a fleet of gateways, membership and the rollout state go through Redis (every gateway follows them), and
+    the weight-sync calls are forwarded to the coordinator, which syncs every engine of the run."""
+
+    def __init__(self, pool: EnginePool, rollout: Rollout, sync: WeightSync, config: RolloutConfig, fleet=None):
+        self.pool, self.rollout, self.sync, self.fleet = pool, rollout, sync, fleet
         self.engine_hosts = HostList(config.allowed_engine_hosts, "allowed-engine-hosts")
         self.master_hosts = HostList(config.allowed_weight_sync_hosts, "allowed-weight-sync-hosts")
+        self.credentials = Credentials.of(config, "trainer")  # forwarded calls are the trainer's
+        self._coordinator_stub: tuple[str, rollout_pb2_grpc.RolloutServiceStub] | None = None
+
+    def _coordinator(self) -> rollout_pb2_grpc.RolloutServiceStub | None:
+        """The coordinator to forward a weight-sync call to; None when this gateway runs the syncs."""
+        if self.fleet is None or self.fleet.coordinating:
+            return None
+        address = self.fleet.coordinator
+        if self._coordinator_stub is None or self._coordinator_stub[0] != address:
+            stub = rollout_pb2_grpc.RolloutServiceStub(open_aio_channel(address, self.credentials))
+            self._coordinator_stub = (address, stub)
+        return self._coordinator_stub[1]
 
     async def StartRollout(self, request, context):
+        if self.fleet is not None:
+            await self.fleet.set_started(True)
         return rollout_pb2.StartRolloutResponse(started=self.rollout.start())
 
     async def StopRollout(self, request, context):
+        if self.fleet is not None:
+            await self.fleet.set_started(False)
         await self.rollout.stop(request.abort_in_flight)
         return rollout_pb2.StopRolloutResponse()
 
     async def RegisterEngine(self, request, context):
         await self.engine_hosts.check(url_host(request.url, "url"), "url")
-        return engine_info(await self.pool.register(request.url))
+        if self.fleet is None:
+            return engine_info(await self.pool.register(request.url))
+        url = normalize(request.url)
+        await self.fleet.add(url)
+        await reconcile(self.fleet, self.pool)
+        return engine_info(self.pool.engines.get(url) or Engine(url))
 
     async def DeregisterEngine(self, request, context):
+        if self.fleet is not None and await self.fleet.remove(normalize(request.url)):
+            await reconcile(self.fleet, self.pool)
+            return rollout_pb2.DeregisterEngineResponse()
         await self.pool.deregister(request.url)
         return rollout_pb2.DeregisterEngineResponse()
 
@@ -65,6 +94,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.ListEnginesResponse(engines=[engine_info(e) for e in self.pool.engines.values()])
 
     async def Evaluate(self, request, context):
+        if self.fleet is not None and not self.pool.generating() and (coordinator := self._coordinator()):
+            # none of its own to evaluate on: the coordinator, which holds every engine, does it
+            return await coordinator.Evaluate(request, timeout=context.time_remaining())
         by_name = await evaluate(
             self.rollout, list(request.datasets), request.n_samples_per_prompt, request.sampling_params
         )
@@ -82,11 +114,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         ]
         for _, address, _ in sources:
             await self.master_hosts.check(address, "master_address")
+        if (coordinator := self._coordinator()) is not None:
+            return await coordinator.PrepareWeightSync(request, timeout=context.time_remaining())
         world_size, ranks, created = await self.sync.prepare(request.version, sources, request.backend or "nccl")
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
         return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created)
 
     async def SyncWeightBuckets(self, request_iterator, context):
+        if (coordinator := self._coordinator()) is not None:
+            async for result in coordinator.SyncWeightBuckets(request_iterator, timeout=context.time_remaining()):
+                yield result
+            return
         requests = aiter(request_iterator)
         try:
             while (bucket := await self._next_bucket(requests, context)) is not None:
@@ -111,11 +149,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return await following
 
     async def CommitWeightSync(self, request, context):
+        if (coordinator := self._coordinator()) is not None:
+            return await coordinator.CommitWeightSync(request, timeout=context.time_remaining())
         return rollout_pb2.CommitWeightSyncResponse(engines=_results(await self.sync.commit(request.version)))
 
     async def AbortWeightSync(self, request, context):
+        if (coordinator := self._coordinator()) is not None:
+            return await coordinator.AbortWeightSync(request, timeout=context.time_remaining())
         await self.sync.abort(request.version, request.reason)
         return rollout_pb2.AbortWeightSyncResponse()
 
     async def ReleaseEngineMemory(self, request, context):
+        if (coordinator := self._coordinator()) is not None:
+            return await coordinator.ReleaseEngineMemory(request, timeout=context.time_remaining())
         return rollout_pb2.ReleaseEngineMemoryResponse(engines=_results(await self.sync.release()))

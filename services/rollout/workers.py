@@ -47,8 +47,12 @@ class Rollout:
         self._groups: set[asyncio.Task] = set()
         self._failures = 0  # consecutive groups that went back to the buffer: back off before the next lease
 
+    @property
+    def running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
     def start(self) -> bool:
-        if self._loop_task is not None and not self._loop_task.done():
+        if self.running:
             return False
         self._loop_task = asyncio.create_task(self._lease_loop())
         return True
@@ -68,6 +72,10 @@ class Rollout:
         while True:
             await slots.acquire()
             await self.pool.running.wait()  # no new groups while the engines are paused for a weight sync
+            if not self.pool.generating() and self.pool.router is None:  # none to generate on (yet)
+                slots.release()
+                await asyncio.sleep(0.5)
+                continue
             try:
                 reply = await self._lease()
             except grpc.aio.AioRpcError as e:
