@@ -36,14 +36,17 @@ def apply_nccl_settings(environ: dict | None = None) -> dict:
 
 def init_custom_process_group(
     backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout: timedelta | None = None,
-    collective_timeout: timedelta | None = None,
+    collective_timeout: timedelta | None = None, listen_fd: int | None = None,
 ):  # fmt: skip
     """Joins (rank 0 hosts the TCP store) and returns the process group `group_name`; blocks until all ranks joined,
-    for at most `timeout`. `collective_timeout` (default `timeout`) is torch's own deadline for each collective."""
+    for at most `timeout`. `collective_timeout` (default `timeout`) is torch's own deadline for each collective.
+    `listen_fd`: rank 0's socket, bound to the port of `init_method` and listening, which the store takes over (and
+    closes)."""
     timeout = timeout or c10d.default_pg_timeout
     # The store is built here rather than by c10d.rendezvous, which under torchrun would join torchrun's own store.
     address = urlparse(init_method)
-    store = torch.distributed.TCPStore(address.hostname, address.port, world_size, rank == 0, timeout)
+    store = torch.distributed.TCPStore(address.hostname, address.port, world_size, rank == 0, timeout,
+                                       master_listen_fd=listen_fd)
     store = c10d.PrefixStore(group_name, store)
     # A default group bound to a GPU (the trainer's) would make NCCL split this group from it, leaving out the
     # engines: the group is built as if there were none.

@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from services.common.clients import Credentials, open_channel
-from services.common.processes import free_port
 from services.common.weight_group import abort_group, flatten, init_custom_process_group
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -71,6 +70,7 @@ class WeightSender:
         self.group_name = GROUP_NAME if stage is None else f"{GROUP_NAME}_pp{stage}"
         self.address = config.weight_sync_address if self.coordinator else _own_address(config.weight_sync_address)
         self.group, self.port, self.stream = None, 0, None
+        self.listener: socket.socket | None = None  # the weight group's store port, held from Prepare to the join
         self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
@@ -199,7 +199,7 @@ class WeightSender:
         """The coordinator prepares the sync for every sender's group; a sender that lost its group offers a new
         address (port), for which the gateway builds new groups."""
         if self.group is None and backend != "ipc":
-            self.port = free_port("")  # engines on other hosts join it
+            self._listen()
         mine = rollout_pb2.WeightSource(master_address=self.address, master_port=self.port, group_name=self.group_name)
         sources = [mine]
         if self.senders is not None:
@@ -218,6 +218,14 @@ class WeightSender:
             raise RuntimeError("the coordinator could not prepare the weight sync")
         return rollout_pb2.PrepareWeightSyncResponse.FromString(answer[0])
 
+    def _listen(self) -> None:
+        """The port the engines are told to join is bound and listening from now on, on every interface (engines on
+        other hosts join it): a port merely found free can be taken by another process before the store binds it."""
+        if self.listener is not None:
+            self.listener.close()
+        self.listener = socket.create_server(("", 0), backlog=128)
+        self.port = self.listener.getsockname()[1]
+
     def _commit(self, version: int) -> None:
         started = time.perf_counter()
         committed = self.gateway.CommitWeightSync(
@@ -234,9 +242,12 @@ class WeightSender:
         """Hosts the weight group as rank 0 and waits for the engines to join it."""
         address = f"{self.address}:{self.port}"
         last = self.timeout * STALL_FACTOR * 2  # torch's own deadline on collectives comes last: it ends the process
+        # A group rebuilt on the same port (an engine joined) binds it again: the old group's store let it go.
+        listener, self.listener = self.listener, None
         try:
             self.group = init_custom_process_group(backend, f"tcp://{address}", prepared.world_size, 0,
-                                                   self.group_name, self.timeout, collective_timeout=last)  # fmt: skip
+                                                   self.group_name, self.timeout, collective_timeout=last,
+                                                   listen_fd=listener and listener.detach())  # fmt: skip
         except dist.DistStoreError as e:
             if not re.search(r"\b1/\d+ clients joined", str(e)):  # some joined: the others left (EnginesLeft)
                 raise
@@ -371,6 +382,8 @@ class WeightSender:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+        if self.listener is not None:
+            self.listener.close()
         if self.channel is not None:
             self.channel.close()
 
