@@ -45,8 +45,9 @@ def init_custom_process_group(
     timeout = timeout or c10d.default_pg_timeout
     # The store is built here rather than by c10d.rendezvous, which under torchrun would join torchrun's own store.
     address = urlparse(init_method)
-    store = torch.distributed.TCPStore(address.hostname, address.port, world_size, rank == 0, timeout,
-                                       master_listen_fd=listen_fd)
+    store = torch.distributed.TCPStore(
+        address.hostname, address.port, world_size, rank == 0, timeout, master_listen_fd=listen_fd
+    )
     store = c10d.PrefixStore(group_name, store)
     # A default group bound to a GPU (the trainer's) would make NCCL split this group from it, leaving out the
     # engines: the group is built as if there were none.
