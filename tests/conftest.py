@@ -124,10 +124,10 @@ class ServiceThread:
         if self.server is not None:
             stopping = asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop)
             try:
-                stopping.result(120)  # a loaded CI machine is slow
+                stopping.result(30)  # a loaded CI machine is slow; the stall below costs no more
             except TimeoutError:  # a known, rare stall: say where the service's thread is, and go on
                 frame = sys._current_frames().get(self.thread.ident)
-                warnings.warn(f"{self.server.service.name} did not stop within 120 s; its thread is at:\n"
+                warnings.warn(f"{self.server.service.name} did not stop within 30 s; its thread is at:\n"
                               + "".join(traceback.format_stack(frame)), stacklevel=1)  # fmt: skip
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
