@@ -50,13 +50,30 @@ async def _instant_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWr
         writer.close()
 
 
-def _serve_instant_engines(ports: list[int], ready) -> None:
+def _serve_instant_engines(count: int, ports) -> None:
+    """Benchmark-only: `count` instant engines on ports the system picks, sent back through `ports` (a Connection)."""
+
     async def main() -> None:
-        servers = [await asyncio.start_server(_instant_engine, "127.0.0.1", port) for port in ports]
-        ready.set()
-        await asyncio.gather(*(s.serve_forever() for s in servers))
+        servers = [await asyncio.start_server(_instant_engine, "127.0.0.1", 0) for _ in range(count)]
+        ports.send([server.sockets[0].getsockname()[1] for server in servers])
+        await asyncio.gather(*(server.serve_forever() for server in servers))
 
     asyncio.run(main())
+
+
+def start_instant_engines(count: int, processes: int = 1) -> tuple[list[str], list[multiprocessing.Process]]:
+    """Benchmark-only: `count` instant engines spread over `processes` processes; their URLs and the processes."""
+    urls, procs = [], []
+    for index in range(processes):
+        receive, send = multiprocessing.Pipe(duplex=False)
+        share = count // processes + (index < count % processes)
+        proc = multiprocessing.Process(target=_serve_instant_engines, args=(share, send), daemon=True)
+        proc.start()
+        procs.append(proc)
+        if not receive.poll(60):
+            raise RuntimeError(f"the instant engines did not start (exit code {proc.exitcode})")
+        urls += [f"http://127.0.0.1:{port}" for port in receive.recv()]
+    return urls, procs
 
 
 async def _drive(send, concurrency: int, total: int) -> tuple[float, list[float]]:
@@ -76,8 +93,7 @@ async def _drive(send, concurrency: int, total: int) -> tuple[float, list[float]
     return time.perf_counter() - start, latencies
 
 
-async def run(ports: list[int], concurrency: int, total: int) -> list[tuple[str, float, list[float]]]:
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
+async def run(urls: list[str], concurrency: int, total: int) -> list[tuple[str, float, list[float]]]:
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
     pool = EnginePool(RolloutConfig(engine_urls=urls))
     for url in urls:
@@ -108,15 +124,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=20000)
     args = parser.parse_args()
-    ports = list(range(31100, 31100 + args.engines))
-    ready = multiprocessing.Event()
-    engines = multiprocessing.Process(target=_serve_instant_engines, args=(ports, ready), daemon=True)
-    engines.start()
-    ready.wait(30)
+    urls, engines = start_instant_engines(args.engines)
     try:
-        rows = asyncio.run(run(ports, args.concurrency, args.requests))
+        rows = asyncio.run(run(urls, args.concurrency, args.requests))
     finally:
-        engines.terminate()
+        engines[0].terminate()
     direct_p50 = statistics.median(rows[0][2])
     direct_p99 = sorted(rows[0][2])[int(0.99 * len(rows[0][2]))]
     print(f"{args.engines} instant engines (benchmark-only fixture), {args.concurrency} requests in flight, "

@@ -14,7 +14,6 @@ Run: .venv/bin/python bench/scale.py --engines 64 --gateways 1 2 4 --buffers 2 -
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gateway import _serve_instant_engines
+from bench.gateway import start_instant_engines
 from services.common.clients import wait_until_serving
 from services.common.processes import free_port
 from services.common.redis_connection import EmbeddedRedis
@@ -43,7 +42,8 @@ def start(module: str, *args: str, folder: Path) -> tuple[str, subprocess.Popen]
     log = open(folder / f"{module.rsplit('.', 1)[-1]}-{port}.log", "wb")  # noqa: SIM115 - lives as long as the process
     command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "null",
                "--log-level", "warning", *args]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder)
     return f"127.0.0.1:{port}", proc
 
@@ -84,6 +84,9 @@ def measure(args, gateways: int, folder: Path, model: Path, data: Path, engine_u
         time.sleep(args.seconds)
         after, info1, t1 = int(client.hget(counters, "completed") or 0), client.info(), time.monotonic()
         elapsed = t1 - t0
+        if after == before:
+            logs = "".join(log.read_text()[-2000:] for log in folder.glob("rollout-*.log"))
+            raise RuntimeError(f"no group completed with G={gateways}; the gateways' logs end:\n{logs}")
         window = [gid.decode() for gid in client.zrangebyscore(done, before + 1, after)]  # completed in the window
         latencies = []
         for gid in window[:: max(1, len(window) // 2000)]:
@@ -121,26 +124,25 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=200_000)
     parser.add_argument("--warm-up", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--engine-processes", type=int, default=max(1, (os.cpu_count() or 1) // 8),
+                        help="processes serving the instant engines (one would be the bottleneck)")  # fmt: skip
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="slipstream-scale-"))
     model = write_tiny_model(folder / "model")
     data = folder / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(args.prompts)))
-    ports = [free_port() for _ in range(args.engines)]
-    ready = multiprocessing.Event()
-    engines = multiprocessing.Process(target=_serve_instant_engines, args=(ports, ready), daemon=True)
-    engines.start()
-    ready.wait(60)
+    urls, engines = start_instant_engines(args.engines, args.engine_processes)
     rows = []
     try:
         for gateways in args.gateways:
-            urls = [f"http://127.0.0.1:{port}" for port in ports]
             rows.append((gateways, measure(args, gateways, folder, model, data, urls)))
             print(f"G={gateways}: {rows[-1][1]}", file=sys.stderr)
     finally:
-        engines.terminate()
+        for process in engines:
+            process.terminate()
     base = rows[0][1]["groups_s"] / rows[0][0]
-    print(f"\n{args.engines} instant engines (benchmark-only fixture), {args.buffers} buffer and {args.rewards} reward "
+    print(f"\n{args.engines} instant engines (benchmark-only fixture, {args.engine_processes} processes), "
+          f"{args.buffers} buffer and {args.rewards} reward "
           f"replicas on one Redis, {args.concurrency} groups in flight per gateway, 1 sample a group; "
           f"{os.cpu_count()} CPU cores; {time.strftime('%Y-%m-%d')}")  # fmt: skip
     print("| gateways | groups/s | of linear | lease→score p50 ms | p99 ms | Redis ops/s | Redis MB/s |")
@@ -152,7 +154,7 @@ def main() -> None:
     gateways = " ".join(str(g) for g in args.gateways)
     print(f"\nReproduce: .venv/bin/python bench/scale.py --engines {args.engines} --gateways {gateways} "
           f"--buffers {args.buffers} --rewards {args.rewards} --concurrency {args.concurrency} "
-          f"--seconds {args.seconds:g}")  # fmt: skip
+          f"--engine-processes {args.engine_processes} --seconds {args.seconds:g}")  # fmt: skip
 
 
 if __name__ == "__main__":

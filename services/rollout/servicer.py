@@ -52,6 +52,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.master_hosts = HostList(config.allowed_weight_sync_hosts, "allowed-weight-sync-hosts")
         self.credentials = Credentials.of(config, "trainer")  # forwarded calls are the trainer's
         self._coordinator_stub: tuple[str, rollout_pb2_grpc.RolloutServiceStub] | None = None
+        self.config = config
 
     def _coordinator(self) -> rollout_pb2_grpc.RolloutServiceStub | None:
         """The coordinator to forward a weight-sync call to; None when this gateway runs the syncs."""
@@ -62,6 +63,34 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             stub = rollout_pb2_grpc.RolloutServiceStub(open_aio_channel(address, self.credentials))
             self._coordinator_stub = (address, stub)
         return self._coordinator_stub[1]
+
+    async def _forward(self, method: str, request, context):
+        """The coordinator's answer to a call forwarded to it, or None when this gateway runs the syncs. A coordinator
+        that does not answer may have died: its lease passes to another gateway within --fleet-ttl-s, and the call
+        goes to that one once (or is run here, when it is this one), as the trainer starts a sync over."""
+        for last in (False, True):
+            if (coordinator := self._coordinator()) is None:
+                return None
+            try:
+                return await getattr(coordinator, method)(request, timeout=context.time_remaining())
+            except grpc.aio.AioRpcError as e:
+                if last or e.code() != grpc.StatusCode.UNAVAILABLE or not await self._succeeded(context):
+                    raise
+        return None
+
+    async def _succeeded(self, context) -> bool:
+        """Waits for the coordinator's lease to pass to another gateway; whether it did in time."""
+        dead = self.fleet.coordinator
+        deadline = asyncio.get_running_loop().time() + 2 * self.config.fleet_ttl_s
+        while self.fleet.coordinator == dead and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(self.config.fleet_heartbeat_s)
+            await self.fleet.beat()
+        if self.fleet.coordinator == dead:
+            return False
+        log.warning("the coordinator %s does not answer; %s took over", dead, self.fleet.coordinator)
+        if self.fleet.coordinating:  # it syncs every engine of the run: they join its pool now
+            await reconcile(self.fleet, self.pool)
+        return True
 
     async def StartRollout(self, request, context):
         if self.fleet is not None:
@@ -94,9 +123,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.ListEnginesResponse(engines=[engine_info(e) for e in self.pool.engines.values()])
 
     async def Evaluate(self, request, context):
-        if self.fleet is not None and not self.pool.generating() and (coordinator := self._coordinator()):
-            # none of its own to evaluate on: the coordinator, which holds every engine, does it
-            return await coordinator.Evaluate(request, timeout=context.time_remaining())
+        # With none of its own to evaluate on, the coordinator, which holds every engine, does it.
+        generating = self.fleet is None or self.pool.generating()
+        if not generating and (answer := await self._forward("Evaluate", request, context)) is not None:
+            return answer
         by_name = await evaluate(
             self.rollout, list(request.datasets), request.n_samples_per_prompt, request.sampling_params
         )
@@ -114,8 +144,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         ]
         for _, address, _ in sources:
             await self.master_hosts.check(address, "master_address")
-        if (coordinator := self._coordinator()) is not None:
-            return await coordinator.PrepareWeightSync(request, timeout=context.time_remaining())
+        if (answer := await self._forward("PrepareWeightSync", request, context)) is not None:
+            return answer
         world_size, ranks, created = await self.sync.prepare(request.version, sources, request.backend or "nccl")
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
         return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created)
@@ -149,17 +179,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return await following
 
     async def CommitWeightSync(self, request, context):
-        if (coordinator := self._coordinator()) is not None:
-            return await coordinator.CommitWeightSync(request, timeout=context.time_remaining())
+        if (answer := await self._forward("CommitWeightSync", request, context)) is not None:
+            return answer
         return rollout_pb2.CommitWeightSyncResponse(engines=_results(await self.sync.commit(request.version)))
 
     async def AbortWeightSync(self, request, context):
-        if (coordinator := self._coordinator()) is not None:
-            return await coordinator.AbortWeightSync(request, timeout=context.time_remaining())
+        if (answer := await self._forward("AbortWeightSync", request, context)) is not None:
+            return answer
         await self.sync.abort(request.version, request.reason)
         return rollout_pb2.AbortWeightSyncResponse()
 
     async def ReleaseEngineMemory(self, request, context):
-        if (coordinator := self._coordinator()) is not None:
-            return await coordinator.ReleaseEngineMemory(request, timeout=context.time_remaining())
+        if (answer := await self._forward("ReleaseEngineMemory", request, context)) is not None:
+            return answer
         return rollout_pb2.ReleaseEngineMemoryResponse(engines=_results(await self.sync.release()))

@@ -94,6 +94,9 @@ class WeightSync:
         if created:
             if self.group is not None:
                 await self._destroy(self._members())
+                hosted = {(address, port) for _, address, port in self.group.sources}
+                if any((address, port) in hosted for _, address, port in group.sources):
+                    await self._rehost(version, group)
             self.group = group
             # An engine may still hold a group of these names (it joined one whose trainer failed to host it, and
             # was left out of the teardown): joining again under a held name fails, so each name goes first.
@@ -109,6 +112,21 @@ class WeightSync:
         self._watch()
         ranks = [(url, offset, tp) for (url, tp), offset in zip(members, offsets, strict=True)]
         return world_size, ranks, created
+
+    async def _rehost(self, version: int, group: Group) -> None:
+        """The engines taking part changed, and a sender offers the port of its old group: it must host the new one
+        on a new port (the old group's store may still hold that port, or another process may have taken it since
+        it was let go, and the engines would join whatever listens there). The senders prepare again, each on a new
+        port; a trainer that does not is waited out, and generation resumes."""
+        was = {url for url, _ in self.group.members}
+        now = {url for url, _ in group.members}
+        changes = [f"{url} joined" for url in sorted(now - was)] + [f"{url} left" for url in sorted(was - now)]
+        self.group, self.version = None, version
+        self._watch()
+        raise FailedPrecondition(
+            f"the engines taking part changed ({', '.join(changes) or 'an engine was re-admitted'}): each sender "
+            "hosts a new weight group on a new port; prepare again"
+        )
 
     async def bucket(self, index: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
                      load_format: str, payloads: list[bytes], group_name: str = "") -> list[Result]:  # fmt: skip

@@ -40,6 +40,11 @@ class EnginesLeft(Exception):
     """An engine left the weight group mid-sync: the group is gone, and the sync starts over without it."""
 
 
+class GatewayLeft(Exception):
+    """The gateway did not answer mid-sync (with a fleet of gateways: the coordinator died, and another takes its
+    lease): the sync starts over, through whichever gateway answers; when none does, it fails as other errors do."""
+
+
 class Unreachable(Exception):
     """No engine joined the weight group: they cannot reach the trainer at its address, which no retry fixes."""
 
@@ -93,10 +98,12 @@ class WeightSender:
         for attempt in range(1, ATTEMPTS + 1):
             buckets = self._buckets(self.weights())
             failure = self._attempt(version, buckets) if self.sender else self._follow(buckets)
-            if not self._agree(isinstance(failure, EnginesLeft) and attempt < ATTEMPTS):
+            if not self._agree(isinstance(failure, (EnginesLeft, GatewayLeft)) and attempt < ATTEMPTS):
                 break
             if self.coordinator:
                 log.warning("weight sync of version %d, attempt %d: %s; starting over", version, attempt, failure)
+            if isinstance(failure, GatewayLeft):  # the channel's next pick is a gateway that answers
+                time.sleep(attempt)
         if failure is None or not self.sender:
             return failure is None
         self._drop_group()
@@ -126,7 +133,7 @@ class WeightSender:
             if failure is None and self.coordinator:
                 failure = _failure(watchdog, self._commit, version)
             failure = self._settled(failure)  # the coordinator's commit, to every sender
-        if isinstance(failure, (EnginesLeft, Unreachable)):
+        if isinstance(failure, (EnginesLeft, GatewayLeft, Unreachable)):
             self._drop_group()
         return failure
 
@@ -139,8 +146,8 @@ class WeightSender:
         mine = None if failure is None else (type(failure).__name__, str(failure))
         dist.all_gather_object(outcomes, mine, group=self.senders)
         kind, message = next((o for o in outcomes if o is not None), (None, None))
-        return None if kind is None else {"EnginesLeft": EnginesLeft, "Unreachable": Unreachable}.get(
-            kind, RuntimeError)(message)  # fmt: skip
+        kinds = {"EnginesLeft": EnginesLeft, "GatewayLeft": GatewayLeft, "Unreachable": Unreachable}
+        return None if kind is None else kinds.get(kind, RuntimeError)(message)
 
     def _stalled(self) -> None:
         """The watchdog's remedy: whatever the sync waits in ends (a broadcast with the group, an answer with the
@@ -242,12 +249,15 @@ class WeightSender:
         """Hosts the weight group as rank 0 and waits for the engines to join it."""
         address = f"{self.address}:{self.port}"
         last = self.timeout * STALL_FACTOR * 2  # torch's own deadline on collectives comes last: it ends the process
-        # A group rebuilt on the same port (an engine joined) binds it again: the old group's store let it go.
+        # Each group on a port of its own, held since Prepare: the gateway never has a group rebuilt on a port hosted
+        # before (it asks for a new one), whose old store may still listen, or another process may have taken.
         listener, self.listener = self.listener, None
+        if listener is None:
+            raise EnginesLeft("the gateway built a new weight group on the port of the old one")
         try:
             self.group = init_custom_process_group(backend, f"tcp://{address}", prepared.world_size, 0,
                                                    self.group_name, self.timeout, collective_timeout=last,
-                                                   listen_fd=listener and listener.detach())  # fmt: skip
+                                                   listen_fd=listener.detach())  # fmt: skip
         except dist.DistStoreError as e:
             if not re.search(r"\b1/\d+ clients joined", str(e)):  # some joined: the others left (EnginesLeft)
                 raise
@@ -449,6 +459,8 @@ def _failure(watchdog: Watchdog, step: Callable, *args) -> Exception | None:
         restart = (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION)
         if watchdog.stalled or e.code() in restart:  # the gateway ended the sync, or the watchdog did
             return EnginesLeft(watchdog.stalled or f"the gateway answered {e.code().name}: {e.details()}")
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return GatewayLeft(f"the gateway answered UNAVAILABLE: {e.details()}")
         return RuntimeError(f"the gateway answered {e.code().name}: {e.details()}")
     except RuntimeError as e:  # joining the group failed, or a broadcast did
         return EnginesLeft(watchdog.stalled or str(e))

@@ -90,9 +90,9 @@ def find(run_dir: Path, target: str, launcher: int, rng: random.Random) -> int:
         buffer = next(p for p in pids if len(argv(p)) > 2 and argv(p)[2] == MODULES["buffer"])
         children = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and parent(int(e.name)) == buffer]
         found = [p for p in children if argv(p) and "redis-server" in argv(p)[0]]
-    elif target == "reward-worker":  # the reward service's worker processes (multiprocessing's spawn)
+    elif target == "reward-worker":  # the reward service's worker processes (multiprocessing's spawn), not its tracker
         service = next(p for p in pids if MODULES["reward"] in argv(p)[1:3])
-        found = [p for p in pids if parent(p) == service and any("multiprocessing" in a for a in argv(p))]
+        found = [p for p in pids if parent(p) == service and any("spawn_main" in a for a in argv(p))]
     else:
         found = [p for p in pids if len(argv(p)) > 2 and argv(p)[2] == MODULES[target]]
     assert found, f"no {target} process in the run"

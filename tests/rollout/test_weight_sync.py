@@ -173,7 +173,10 @@ def test_a_late_engine_gets_the_full_weights_and_100_syncs_leak_nothing(make_sys
     late = start_engine()
     system.gateway.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=late), timeout=30)
     sent = {n: t + 0.75 for n, t in hf.items()}
-    prepared, _, _ = _sync(system, free_port(), 2, sent)  # a new member: a new group (and a new trainer port)
+    with pytest.raises(grpc.RpcError) as refused:  # a new member: a new group, never on the old group's port
+        _sync(system, port, 2, sent)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and f"{late} joined" in refused.value.details()
+    prepared, _, _ = _sync(system, free_port(), 2, sent)  # the trainer hosts it on a new port
     assert prepared.group_created and prepared.world_size == 3
     for url in (system.engines[0], late):
         assert torch.equal(
