@@ -299,8 +299,8 @@ class WeightSync:
         messages = {r.url: r.message for r in results}
         for engine in at_fault:
             self.pool.evict(engine, f"weight sync of version {self.version} failed at {where}: {messages[engine.url]}")
-        log.warning("weight sync of version %d: %s failed on %s; the trainer starts over",
-                    self.version, where, ", ".join(f"{e.url} ({messages[e.url]})" for e in failed))  # fmt: skip
+        on = ", ".join(f"{e.url} ({messages[e.url]})" for e in failed) or "the trainer's side (it prepares again)"
+        log.warning("weight sync of version %d: %s failed on %s; the trainer starts over", self.version, where, on)
         await self._leave([e for e in self.engines if e not in at_fault])
         self.group = None
 
