@@ -8,6 +8,7 @@ the store prefix.
 
 import logging
 import os
+import time
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -67,23 +68,40 @@ def init_custom_process_group(
     return group
 
 
-_aborted: list = []  # gloo groups whose unfinished collectives still run (see abort_group)
+_aborted: list[tuple[float, object]] = []  # (when its transfers have surely ended, gloo group): see abort_group
 
 
-def abort_group(group) -> None:
+def abort_group(group, linger_s: float | None = None) -> None:
     """Ends `group` without waiting for its unfinished collectives, which may never finish (a member died or stalled):
-    NCCL's abort ends their kernels at once. gloo cannot interrupt a transfer: it ends at the group's timeout or when
-    the peer's socket closes, so the group is kept referenced until then (dropping it would wait in its destructor)."""
-    try:
-        gloo = isinstance(group._get_backend(torch.device("cpu")), torch.distributed.ProcessGroupGloo)
-    except RuntimeError:
-        gloo = False
+    NCCL's abort ends their kernels at once. gloo cannot interrupt a transfer: it ends at the group's timeout
+    (`linger_s`, by default torch's) or when the peer's socket closes, so the group is kept referenced until then
+    (dropping it would wait in its destructor), and let go after (its sockets and store with it)."""
+    now = time.monotonic()
+    _aborted[:] = [(until, kept) for until, kept in _aborted if until > now]
+    gloo = _is_gloo(group)
     try:
         c10d._abort_process_group(group)
     except (RuntimeError, ValueError) as e:  # already aborted, or it broke before: nothing left to end
         log.debug("aborting the weight group: %s", e)
     if gloo:
-        _aborted.append(group)
+        linger = c10d.default_pg_timeout.total_seconds() if linger_s is None else linger_s
+        _aborted.append((now + linger, group))
+
+
+def end_group(group, in_flight: bool, linger_s: float | None = None) -> None:
+    """Ends `group`: a gloo group with no collective in flight is destroyed at once, with its sockets and store (an
+    aborted one would hold them for `linger_s`); any other is aborted (abort_group)."""
+    if not in_flight and _is_gloo(group):
+        torch.distributed.destroy_process_group(group)
+    else:
+        abort_group(group, linger_s)
+
+
+def _is_gloo(group) -> bool:
+    try:
+        return isinstance(group._get_backend(torch.device("cpu")), torch.distributed.ProcessGroupGloo)
+    except RuntimeError:
+        return False
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

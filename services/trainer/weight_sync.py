@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from services.common.clients import Credentials, open_channel
-from services.common.weight_group import abort_group, flatten, init_custom_process_group
+from services.common.weight_group import abort_group, end_group, flatten, init_custom_process_group
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,13 @@ class WeightSender:
         self.group_name = GROUP_NAME if stage is None else f"{GROUP_NAME}_pp{stage}"
         self.address = config.weight_sync_address if self.coordinator else _own_address(config.weight_sync_address)
         self.group, self.port, self.stream = None, 0, None
+        self.in_flight = False  # broadcasts were started on the group and not all have completed
         self.listener: socket.socket | None = None  # the weight group's store port, held from Prepare to the join
         self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
+        # torch's own deadline on the group's collectives comes last: it ends the process
+        self.collective_timeout = self.timeout * STALL_FACTOR * 2
         # Longer than the gateway's deadline for an engine: it answers (having evicted a hung engine) before this ends.
         self.rpc_timeout_s = config.weight_sync_timeout_s * STALL_FACTOR
         # The bucket stream lasts as long as the sync: no per-method default deadline on this channel.
@@ -153,7 +156,7 @@ class WeightSender:
         """The watchdog's remedy: whatever the sync waits in ends (a broadcast with the group, an answer with the
         stream)."""
         if self.group is not None:
-            abort_group(self.group)
+            abort_group(self.group, self.collective_timeout.total_seconds())
         if self.stream is not None:
             self.stream.cancel()
 
@@ -182,6 +185,7 @@ class WeightSender:
                 requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
                                                       load_format="flattened_bucket" if flat else "",
                                                       group_name=self.group_name))  # fmt: skip
+                self.in_flight = True
                 try:
                     works = [dist.broadcast(t, src=0, group=self.group, async_op=True)
                              for t in ([flatten(list(tensors))] if flat else tensors)]  # fmt: skip
@@ -196,6 +200,7 @@ class WeightSender:
                 sent = works
             if sent:
                 self._answered(next(responses), sent, watchdog)
+            self.in_flight = False  # every broadcast of the attempt has completed
             self.peers_waiting = False  # past the last bucket, as the colocated peers are
         finally:
             requests.put(None)
@@ -248,7 +253,6 @@ class WeightSender:
     def _join(self, backend: str, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
         """Hosts the weight group as rank 0 and waits for the engines to join it."""
         address = f"{self.address}:{self.port}"
-        last = self.timeout * STALL_FACTOR * 2  # torch's own deadline on collectives comes last: it ends the process
         # Each group on a port of its own, held since Prepare: the gateway never has a group rebuilt on a port hosted
         # before (it asks for a new one), whose old store may still listen, or another process may have taken.
         listener, self.listener = self.listener, None
@@ -256,7 +260,7 @@ class WeightSender:
             raise EnginesLeft("the gateway built a new weight group on the port of the old one")
         try:
             self.group = init_custom_process_group(backend, f"tcp://{address}", prepared.world_size, 0,
-                                                   self.group_name, self.timeout, collective_timeout=last,
+                                                   self.group_name, self.timeout, self.collective_timeout,
                                                    listen_fd=listener.detach())  # fmt: skip
         except dist.DistStoreError as e:
             if not re.search(r"\b1/\d+ clients joined", str(e)):  # some joined: the others left (EnginesLeft)
@@ -381,10 +385,11 @@ class WeightSender:
         return bool(flag.item())
 
     def _drop_group(self) -> None:
-        """Aborted, not destroyed: destroying waits for the group's unfinished broadcasts, which may never finish."""
+        """With broadcasts in flight the group is aborted, not destroyed: destroying waits for them, and they may
+        never finish."""
         if self.group is not None:
-            abort_group(self.group)
-            self.group = None
+            end_group(self.group, self.in_flight, self.collective_timeout.total_seconds())
+            self.group, self.in_flight = None, False
 
     def close(self) -> None:
         """A group that is still here has no broadcast pending (a failed sync dropped it), so it is destroyed, which

@@ -195,6 +195,30 @@ def test_a_late_engine_gets_the_full_weights_and_100_syncs_leak_nothing(make_sys
     assert after["rss_mb"] <= before["rss_mb"] + 40, (before, after)  # no tensor kept per sync
 
 
+def test_groups_rebuilt_again_and_again_leak_no_descriptor(make_system, start_engine, tiny_model):
+    """Each change of the engines taking part rebuilds the weight group (a third engine joins and leaves here): the
+    old group's sockets and store go with it, on the trainer (this process, with the gateway) and on the engines."""
+    system = make_system(num_engines=2)
+    third = start_engine("--model-path", str(tiny_model))
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sender = _sender(system)
+    sender.weights = lambda: iter(hf.items())
+    pids = [os.getpid(), *(start_engine.procs[url].proc.pid for url in system.engines)]
+    try:
+        for version in range(1, 9):
+            if version > 1 and version % 2:
+                system.gateway.DeregisterEngine(rollout_pb2.DeregisterEngineRequest(url=third), timeout=30)
+            elif version > 1:
+                system.gateway.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=third), timeout=30)
+            assert sender.sync(version)
+            if version == 3:
+                before = [_usage(pid)["fds"] for pid in pids]
+        after = [_usage(pid)["fds"] for pid in pids]
+    finally:
+        sender.close()
+    assert all(a <= b + 8 for a, b in zip(after, before, strict=True)), (before, after)  # 5 rebuilds: none kept
+
+
 def _usage(pid: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kb = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])

@@ -17,7 +17,7 @@ import torch.multiprocessing  # registers the tensor reductions ForkingPickler r
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.common.weight_group import abort_group, init_custom_process_group, unflatten
+from services.common.weight_group import abort_group, end_group, init_custom_process_group, unflatten
 from services.rollout.engine.checkpoint_names import checkpoint_tensors, parameter_view
 from services.rollout.engine.responses import control, error, json_response
 
@@ -55,8 +55,8 @@ class WeightReceiver:
         self.groups[name][1].set()  # a receive in progress gives up: its broadcast may never come
         async with self.receiving:
             joined = self.groups.pop(name, None)  # a receive that gave up has already let it go
-            if joined is not None:  # aborted, not destroyed: a destroy waits for unfinished collectives
-                abort_group(joined[0])
+            if joined is not None:  # no receive in flight: they hold `receiving`
+                end_group(joined[0], in_flight=False)
         return control(True, "Succeeded to destroy custom process group.")
 
     async def begin(self, request: Request) -> Response:
