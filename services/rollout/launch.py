@@ -5,6 +5,7 @@ gateway (even when the gateway is SIGKILLed) and is stopped with it."""
 import asyncio
 import importlib.util
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -149,7 +150,8 @@ async def wait_workers(router: Child, urls: list[str], timeout_s: float = 60.0) 
 
 
 def num_gpus() -> int:
-    if shutil.which("nvidia-smi") is None:
+    """The machine's GPUs; none where CUDA_VISIBLE_DEVICES hides them all (empty or -1: a CPU run)."""
+    if shutil.which("nvidia-smi") is None or os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
         return 0
     result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
     return sum(line.startswith("GPU ") for line in result.stdout.splitlines())
