@@ -362,6 +362,11 @@ class Buffer:
         on, what newer policies generated and every leased group are generated again; returns how many went back."""
         if step < 0 or version < 0:
             raise InvalidArgument("step", f"step and policy_version must be >= 0, got {step} and {version}")
+        # The checkpoint holds the steps before `step`: those whose commit was lost (the trainer or Redis died between
+        # its save and its CommitBatch) are committed now, in order.
+        last, top = await self.store.meta_int("last_committed_step", -1), await self.store.meta_int("top_step", -1)
+        for covered in range(last + 1, min(step, top + 1)):
+            await self.commit(covered)
         for _ in range(ATTEMPTS):
             try:
                 returned = await self.store.rewind(step, version, await self._rewound_groups(step, version))

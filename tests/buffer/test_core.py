@@ -314,3 +314,20 @@ async def test_rewind_to_a_checkpoint_generates_the_lost_steps_again(make_buffer
     assert len((await buffer.get_batch(1, 0, 1, 1)).groups) == 2  # step 1 is built anew
     with pytest.raises(FailedPrecondition, match="resume from a checkpoint of step 1 or later"):
         await buffer.rewind(0, 0)
+
+
+async def test_a_rewind_commits_the_steps_its_checkpoint_covers_whose_commit_was_lost(make_buffer):
+    # Steps 0 and 1 were handed out; the trainer saved its checkpoint of step 2 and died before committing step 1.
+    buffer = await make_buffer(rollout_batch_size=2, max_staleness=2)
+    for leased in await lease_all(buffer, 4):
+        await buffer.submit(leased.lease_id, finish(leased.group, [0.0, 1.0], version=0))
+    await buffer.get_batch(0, 0, 1, 1)
+    step1 = {g.group_id for g in (await buffer.get_batch(1, 0, 1, 1)).groups}
+    await buffer.commit(0)
+
+    assert await buffer.rewind(2, 2) == 0  # step 1 is in the checkpoint: committed, not generated again
+    status = await buffer.store.redis.hgetall(buffer.store.key("status"))
+    assert {status[gid.encode()] for gid in step1} == {b"trained:1"}
+    assert await buffer.store.violations() == []
+    with pytest.raises(FailedPrecondition, match="already committed"):
+        await buffer.get_batch(1, 0, 1, 1)
