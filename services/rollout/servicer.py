@@ -76,7 +76,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             except grpc.aio.AioRpcError as e:
                 if last or e.code() != grpc.StatusCode.UNAVAILABLE or not await self._succeeded(context):
                     raise
-        return None
 
     async def _succeeded(self, context) -> bool:
         """Waits for the coordinator's lease to pass to another gateway; whether it did in time."""
