@@ -47,14 +47,20 @@ class LeaseResult:
 
 @dataclass
 class BatchPart:
-    payloads: list[bytes]  # serialized PromptGroups, as stored: they go to the trainer without a parse
+    payloads: list[bytes]  # serialized PromptGroups without their arrays, as stored: they go out without a parse
+    arrays: list[bytes]  # each group's arrays (samples.take_arrays' form), or none when the caller reads them itself
+    arrays_keys: list[str]  # where in Redis each group's arrays are
     num_tokens: int
     total_groups: int
     policy_version: int
 
     @property
     def groups(self) -> list[common_pb2.PromptGroup]:
-        return [common_pb2.PromptGroup.FromString(payload) for payload in self.payloads]
+        """The groups, with their arrays when the part has them."""
+        groups = [common_pb2.PromptGroup.FromString(payload) for payload in self.payloads]
+        if self.arrays:
+            samples.put_batch_arrays(groups, self.arrays)
+        return groups
 
 
 @dataclass
@@ -194,13 +200,16 @@ class Buffer:
 
     # Submit
 
-    async def submit(self, lease_id: str, group: common_pb2.PromptGroup) -> tuple[bool, bool, str]:
-        """Stores a finished group; returns (accepted, duplicate, filtered reason). Idempotent per group."""
+    async def submit(
+        self, lease_id: str, group: common_pb2.PromptGroup, arrays_in_redis: bool = False
+    ) -> tuple[bool, bool, str]:
+        """Stores a finished group; returns (accepted, duplicate, filtered reason). Idempotent per group. With
+        `arrays_in_redis` the worker uploaded the samples' arrays (store.upload_key); else they are in `group`."""
         group_id = _group_id(lease_id)
         if group_id is None:
             raise InvalidArgument("lease_id", f"{lease_id!r} is not a lease id from LeasePrompts")
         dataset = group_id.split(":", 1)[0]
-        self._check_group(group, self._samples_per_group(dataset) if dataset == TRAIN else None)
+        self._check_group(group, self._samples_per_group(dataset) if dataset == TRAIN else None, arrays_in_redis)
         group.group_id = group_id
         group.min_weight_version = _min_version(group)
         outcome, reason = "completed", ""
@@ -210,10 +219,19 @@ class Buffer:
             verdict = self._run_dynamic_filter(group)
             if not verdict.keep:
                 outcome, reason = f"dropped:{verdict.reason}", verdict.reason
-        payload = group.SerializeToString()
-        result = await self.store.submit(lease_id, outcome, payload, group.min_weight_version, _num_tokens(group))
+        arrays = None
+        if not arrays_in_redis:  # stored apart from the rest, as a worker would have uploaded them
+            group = _copy(group)
+            arrays = samples.take_arrays(group)
+        payload, tokens = group.SerializeToString(), _num_tokens(group)
+        result = await self.store.submit(lease_id, outcome, payload, group.min_weight_version, tokens, arrays)
         if result == "unknown":
             raise NotFound(f"lease {lease_id!r} is unknown to this run; submit with a lease id from LeasePrompts")
+        if result == "no_arrays":
+            raise FailedPrecondition(
+                f"arrays_in_redis: no arrays were uploaded for lease {lease_id!r} (or they expired); write them to "
+                f"its upload key first, or send them in the group without arrays_in_redis"
+            )
         if result != "accepted":
             return False, True, ""
         if outcome == "completed":
@@ -223,8 +241,9 @@ class Buffer:
     def _samples_per_group(self, dataset: str) -> int:
         return self.config.n_samples_per_prompt if dataset == TRAIN else self.config.n_samples_per_eval_prompt
 
-    def _check_group(self, group: common_pb2.PromptGroup, expected: int | None) -> None:
-        """`expected` is the training group size; an evaluation may ask for any number of samples (at least one)."""
+    def _check_group(self, group: common_pb2.PromptGroup, expected: int | None, arrays_in_redis: bool) -> None:
+        """`expected` is the training group size; an evaluation may ask for any number of samples (at least one).
+        Uploaded arrays come from a gateway, which checks what it generates; only arrays sent here are checked."""
         if expected is not None and len(group.samples) != expected:
             raise InvalidArgument(
                 "group.samples", f"expected {expected} samples (--n-samples-per-prompt), got {len(group.samples)}"
@@ -233,6 +252,12 @@ class Buffer:
             raise InvalidArgument("group.samples", "a group needs at least one sample")
         for i, sample in enumerate(group.samples):
             where = f"group.samples[{i}]"
+            if sample.prompt_length < 0 or sample.response_length < 0:
+                raise InvalidArgument(f"{where}.prompt_length", "prompt_length and response_length must be >= 0")
+            if arrays_in_redis:
+                if any(getattr(sample, name) for name in samples.ARRAYS):
+                    raise InvalidArgument(f"{where}.tokens", "with arrays_in_redis the arrays are uploaded, not sent")
+                continue
             if len(sample.tokens) % 4 or len(sample.rollout_logprobs) % 4:
                 raise InvalidArgument(
                     f"{where}.tokens", "tokens and rollout_logprobs hold 4-byte values (int32, float32)"
@@ -263,7 +288,9 @@ class Buffer:
 
     # Batches
 
-    async def get_batch(self, step: int, dp_rank: int, dp_size: int, timeout_s: float) -> BatchPart:
+    async def get_batch(
+        self, step: int, dp_rank: int, dp_size: int, timeout_s: float, arrays_from_redis: bool = False
+    ) -> BatchPart:
         batch_size = self.config.rollout_batch_size
         if step < 0:
             raise InvalidArgument("step", f"must be >= 0, got {step}")
@@ -279,10 +306,15 @@ class Buffer:
             gids = await self._make_batch(step, timeout_s or self.config.batch_timeout_s)
         tokens = await self.store.num_tokens(gids)
         mine = partition(tokens, dp_size, self.config.balance_data)[dp_rank]
-        payloads = await self.store.completed_groups([gids[i] for i in mine])
-        if None in payloads:
+        chosen = [gids[i] for i in mine]
+        payloads = await self.store.completed_groups(chosen)
+        arrays = [] if arrays_from_redis else await self.store.arrays(chosen)
+        if None in payloads or None in arrays:
             raise FailedPrecondition(f"step {step}: its groups are gone; was the step committed meanwhile?")
-        return BatchPart(payloads, sum(tokens[i] for i in mine), len(gids), await self.policy_version())
+        version = await self.policy_version()
+        return BatchPart(
+            payloads, arrays, self.store.arrays_keys(chosen), sum(tokens[i] for i in mine), len(gids), version
+        )
 
     async def _make_batch(self, step: int, timeout_s: float) -> list[str]:
         last = await self.store.meta_int("last_committed_step", -1)
@@ -460,7 +492,13 @@ def _group_id(lease_id: str) -> str | None:
 
 
 def _num_tokens(group: common_pb2.PromptGroup) -> int:
-    return sum(samples.num_tokens(s.tokens) for s in group.samples)
+    return sum(s.prompt_length + s.response_length for s in group.samples)
+
+
+def _copy(group: common_pb2.PromptGroup) -> common_pb2.PromptGroup:
+    copy = common_pb2.PromptGroup()
+    copy.CopyFrom(group)
+    return copy
 
 
 def _min_version(group: common_pb2.PromptGroup) -> int:

@@ -13,7 +13,7 @@ _BLOCKED = {
 }
 
 
-_GROUPS_FIELD = buffer_pb2.GetBatchResponse.DESCRIPTOR.fields_by_name["groups"].number
+_FIELDS = buffer_pb2.GetBatchResponse.DESCRIPTOR.fields_by_name
 
 
 def _varint(value: int) -> bytes:
@@ -25,9 +25,9 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _repeated_message(field_number: int, payloads: list[bytes]) -> bytes:
-    """Wire encoding of a repeated message field from already serialized messages."""
-    tag = _varint(field_number << 3 | 2)  # wire type 2: length-delimited
+def _repeated_bytes(field: str, payloads: list[bytes]) -> bytes:
+    """Wire encoding of a repeated message (or bytes) field from already serialized messages."""
+    tag = _varint(_FIELDS[field].number << 3 | 2)  # wire type 2: length-delimited
     return b"".join(tag + _varint(len(payload)) + payload for payload in payloads)
 
 
@@ -65,21 +65,25 @@ class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
         return buffer_pb2.ReleaseLeaseResponse()
 
     async def SubmitGroup(self, request, context):
-        accepted, duplicate, reason = await self.buffer.submit(request.lease_id, request.group)
+        accepted, duplicate, reason = await self.buffer.submit(request.lease_id, request.group, request.arrays_in_redis)
         return buffer_pb2.SubmitGroupResponse(accepted=accepted, duplicate=duplicate, filtered_reason=reason)
 
     async def GetBatch(self, request, context):
         dp_size = request.dp_size or 1  # unset means one data-parallel rank
-        part = await self.buffer.get_batch(request.step, request.dp_rank, dp_size, request.timeout_seconds)
+        part = await self.buffer.get_batch(
+            request.step, request.dp_rank, dp_size, request.timeout_seconds, request.arrays_from_redis
+        )
         head = buffer_pb2.GetBatchResponse(
             step=request.step,
             num_tokens=part.num_tokens,
             total_groups=part.total_groups,
             policy_version=part.policy_version,
+            arrays_keys=part.arrays_keys if request.arrays_from_redis else [],
         )
-        # The groups' stored bytes are spliced in as field 2: a batch is megabytes, and parsing it only to
+        # The groups' and arrays' stored bytes are spliced in: a batch is megabytes, and parsing it only to
         # serialize it again would cost more than moving it.
-        return head.SerializeToString() + _repeated_message(_GROUPS_FIELD, part.payloads)
+        return (head.SerializeToString() + _repeated_bytes("groups", part.payloads)
+                + _repeated_bytes("arrays", part.arrays))  # fmt: skip
 
     async def CommitBatch(self, request, context):
         return buffer_pb2.CommitBatchResponse(num_deleted_groups=await self.buffer.commit(request.step))

@@ -5,7 +5,9 @@ buffer process at any point leaves a state the next process can continue from. T
 they rely on (the dataset cursor a lease started from, the room under the backpressure cap and the staleness bound,
 which steps have a batch), so any number of buffer processes on one Redis give the guarantees of one: a script that
 finds the state moved under it refuses (`Contended`) and its caller looks again. Keys live under
-`<prefix>:{<run_id>}:` (the braces keep a run's keys in one Redis Cluster slot).
+`<prefix>:{<run_id>}:` (the braces keep a run's keys in one Redis Cluster slot). A completed group is stored in two
+parts: `done:<gid>` without its samples' arrays (what the buffer reads) and `arrays:<gid>` (the bulk, which a trainer
+with Redis access reads itself); a worker may upload the arrays to `upload:<lease id>` before it submits.
 
 Group status (hash `status`): leased → pending (released or expired) → leased … → completed → batch:<step> →
 trained:<step>; or dropped:<reason> (a filter or the staleness bound); eval for evaluation groups.
@@ -140,17 +142,22 @@ end
 return #gids
 """
 
-# ARGV: ns, lease id, outcome ("completed" | "dropped:<reason>" | "eval:<dataset>"), payload, min version, tokens
+# ARGV: ns, lease id, outcome ("completed" | "dropped:<reason>" | "eval:<dataset>"), payload (the group without its
+# samples' arrays), min version, tokens, arrays ('' when uploaded), uploaded ('1': the arrays are at upload:<lease id>)
 _SUBMIT = """
 local ns, lease_id, outcome, payload, version, tokens = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local arrays, uploaded = ARGV[7], ARGV[8] == '1'
+local upload = ns .. ':upload:' .. lease_id
 local gid = string.match(lease_id, '^(.*)#%d+$')
 if not gid then return 'unknown' end
 local status = redis.call('HGET', ns .. ':status', gid)
 if not status then return 'unknown' end
 if status ~= 'leased' and status ~= 'pending' then
+  redis.call('DEL', upload)
   redis.call('HINCRBY', ns .. ':counters', 'duplicate_submits', 1)
   return 'duplicate'
 end
+if uploaded and redis.call('EXISTS', upload) == 0 then return 'no_arrays' end
 redis.call('ZREM', ns .. ':leases', gid)
 if status == 'pending' then redis.call('LREM', ns .. ':pending:' .. dataset_of(gid), 0, gid) end
 redis.call('DEL', ns .. ':group:' .. gid)
@@ -158,15 +165,24 @@ redis.call('HSET', ns .. ':status', gid, outcome)
 if outcome == 'completed' then
   local seq = redis.call('HINCRBY', ns .. ':counters', 'completed', 1)
   redis.call('SET', ns .. ':done:' .. gid, payload)
+  if uploaded then
+    redis.call('RENAME', upload, ns .. ':arrays:' .. gid)
+    redis.call('PERSIST', ns .. ':arrays:' .. gid)
+  else
+    redis.call('SET', ns .. ':arrays:' .. gid, arrays)
+  end
   redis.call('ZADD', ns .. ':done', seq, gid)
   redis.call('HSET', ns .. ':done_version', gid, version)
   redis.call('HSET', ns .. ':done_tokens', gid, tokens)
-elseif string.sub(outcome, 1, 5) == 'eval:' then
-  redis.call('HSET', ns .. ':' .. outcome, gid, payload)
-  redis.call('HINCRBY', ns .. ':counters', 'eval_completed', 1)
 else
-  redis.call('HINCRBY', ns .. ':counters', 'dropped', 1)
-  redis.call('HINCRBY', ns .. ':counters', outcome, 1)
+  redis.call('DEL', upload)
+  if string.sub(outcome, 1, 5) == 'eval:' then
+    redis.call('HSET', ns .. ':' .. outcome, gid, payload)
+    redis.call('HINCRBY', ns .. ':counters', 'eval_completed', 1)
+  else
+    redis.call('HINCRBY', ns .. ':counters', 'dropped', 1)
+    redis.call('HINCRBY', ns .. ':counters', outcome, 1)
+  end
 end
 return 'accepted'
 """
@@ -203,7 +219,7 @@ local dropped = 0
 for i = 3, #ARGV do
   local gid = ARGV[i]
   if redis.call('ZREM', ns .. ':done', gid) == 1 then
-    redis.call('DEL', ns .. ':done:' .. gid)
+    redis.call('DEL', ns .. ':done:' .. gid, ns .. ':arrays:' .. gid)
     redis.call('HDEL', ns .. ':done_version', gid)
     redis.call('HDEL', ns .. ':done_tokens', gid)
     redis.call('HSET', ns .. ':status', gid, 'dropped:' .. reason)
@@ -224,7 +240,7 @@ local record = redis.call('GET', ns .. ':batch:' .. step)
 if not record then return redis.error_reply('no batch was handed out for step ' .. step) end
 local gids = cjson.decode(record)
 for _, gid in ipairs(gids) do
-  redis.call('DEL', ns .. ':done:' .. gid)
+  redis.call('DEL', ns .. ':done:' .. gid, ns .. ':arrays:' .. gid)
   redis.call('HDEL', ns .. ':done_version', gid)
   redis.call('HDEL', ns .. ':done_tokens', gid)
   redis.call('HSET', ns .. ':status', gid, 'trained:' .. step)
@@ -270,7 +286,7 @@ for i = #ARGV - 1, 4, -2 do  -- backwards, so that LPUSH leaves them in their or
   local gid, payload = ARGV[i], ARGV[i + 1]
   redis.call('ZREM', ns .. ':done', gid)
   redis.call('ZREM', ns .. ':leases', gid)
-  redis.call('DEL', ns .. ':done:' .. gid)
+  redis.call('DEL', ns .. ':done:' .. gid, ns .. ':arrays:' .. gid)
   redis.call('HDEL', ns .. ':done_version', gid)
   redis.call('HDEL', ns .. ':done_tokens', gid)
   redis.call('SET', ns .. ':group:' .. gid, payload)
@@ -290,6 +306,11 @@ local current = tonumber(redis.call('HGET', ns .. ':meta', 'policy_version') or 
 if version > current then redis.call('HSET', ns .. ':meta', 'policy_version', version) end
 return math.max(version, current)
 """
+
+
+def upload_key(prefix: str, run_id: str, lease_id: str) -> str:
+    """Where a worker writes a group's arrays before its SubmitGroup with arrays_in_redis."""
+    return f"{prefix}:{{{run_id}}}:upload:{lease_id}"
 
 
 class Contended(Exception):
@@ -374,8 +395,14 @@ class BufferStore:
     async def expire(self) -> int:
         return int(await self._run("expire"))
 
-    async def submit(self, lease_id: str, outcome: str, payload: bytes, version: int, num_tokens: int) -> str:
-        return (await self._run("submit", lease_id, outcome, payload, version, num_tokens)).decode()
+    async def submit(
+        self, lease_id: str, outcome: str, payload: bytes, version: int, num_tokens: int, arrays: bytes | None
+    ) -> str:
+        """Stores a finished group: `payload` without its samples' arrays, and `arrays`, or (None) the arrays the
+        worker uploaded for this lease. 'accepted', 'duplicate', 'unknown', or 'no_arrays' when none were uploaded."""
+        uploaded = arrays is None
+        args = [lease_id, outcome, payload, version, num_tokens, b"" if uploaded else arrays, int(uploaded)]
+        return (await self._run("submit", *args)).decode()
 
     async def leased_group(self, group_id: str) -> bytes | None:
         """The stored prompt group (with its partial samples) of a group that is leased or waiting for a worker."""
@@ -401,6 +428,13 @@ class BufferStore:
         if not gids:
             return []
         return await self.redis.mget([self.key(f"done:{gid}") for gid in gids])
+
+    def arrays_keys(self, gids: list[str]) -> list[str]:
+        return [self.key(f"arrays:{gid}") for gid in gids]
+
+    async def arrays(self, gids: list[str]) -> list[bytes | None]:
+        """The samples' arrays of completed groups (samples.take_arrays' form)."""
+        return await self.redis.mget(self.arrays_keys(gids)) if gids else []
 
     async def record_batch(self, step: int, chosen: list[str]) -> bool:
         """Records step `step`'s groups; False when the step had a batch already."""
@@ -455,10 +489,11 @@ class BufferStore:
         problems += [f"{gid} waits for a batch with status {status.get(gid)}" for gid in done
                      if status.get(gid) != "completed"]  # fmt: skip
         for gid, s in status.items():
-            if s == "completed" and (gid not in done or not await self.redis.exists(self.key(f"done:{gid}"))):
+            stored = await self.redis.exists(self.key(f"done:{gid}"), self.key(f"arrays:{gid}"))
+            if s == "completed" and (gid not in done or stored != 2):
                 problems.append(f"{gid} is completed but not waiting for a batch with its samples")
             if s.startswith("batch:") and gid not in (await self.batch(int(s[6:])) or []):
                 problems.append(f"{gid} has status {s} but is not in that step's batch")
-            if s.startswith(("trained:", "dropped:")) and await self.redis.exists(self.key(f"done:{gid}")):
+            if s.startswith(("trained:", "dropped:")) and stored:
                 problems.append(f"{gid} is {s} but its samples are still stored")
         return problems

@@ -55,6 +55,7 @@ async def build(config: RolloutConfig) -> Service:
             buffer_pb2_grpc.BufferServiceStub(buffer_channel),
             reward_pb2_grpc.RewardServiceStub(reward_channel),
             tokenizer=_tokenizer(config.hf_checkpoint),
+            redis=fleet.redis if fleet is not None else None,
         )
     except BaseException as e:
         await stop(children)

@@ -11,12 +11,15 @@ import time
 
 import grpc
 import prometheus_client
+from redis.exceptions import RedisError
 
+from services.buffer.store import upload_key
 from services.common.errors import SlipstreamError
 from services.common.plugins import load_callable
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, check_samples, generate_group
+from slipstream import samples
 from slipstream.v1 import buffer_pb2, common_pb2, reward_pb2
 
 log = logging.getLogger(__name__)
@@ -34,11 +37,13 @@ RESPONSE_LENGTH = prometheus_client.Histogram(
 THROUGHPUT = prometheus_client.Gauge(
     "slipstream_rollout_throughput", "Over the last minute: samples/s, tokens/s, truncated ratio", ["measure"]
 )
+UPLOAD_TTL_S = 3600  # an upload whose submit never came (the gateway died between the two) is gone after this
 
 
 class Rollout:
-    def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, reward, tokenizer=None):
+    def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, reward, tokenizer=None, redis=None):
         self.config, self.pool, self.buffer, self.reward, self.tokenizer = config, pool, buffer, reward, tokenizer
+        self.redis = redis  # the buffer's Redis (--redis-url): training groups' arrays are uploaded there
         self.custom = None
         if config.custom_generate_function_path:
             self.custom = load_callable(config.custom_generate_function_path, "--custom-generate-function-path")
@@ -123,16 +128,14 @@ class Rollout:
             done.timings["generated"] = time.time()
             await self._score(done)
             done.timings["scored"] = time.time()
-            await self.buffer.SubmitGroup(
-                buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=done), timeout=60
-            )
+            await self._submit(lease.lease_id, done)
             self._count(done)
             self._failures = 0
             return done
         except asyncio.CancelledError:
             await self._release(lease.lease_id, "rollout stopped")
             raise
-        except (SlipstreamError, grpc.aio.AioRpcError) as e:
+        except (SlipstreamError, grpc.aio.AioRpcError, RedisError) as e:
             reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning("group %s goes back to the buffer: %s", group.group_id, reason)
         except Exception as e:  # a custom generate function's own failure must not lose the group
@@ -145,6 +148,16 @@ class Rollout:
         self._failures += 1  # a group that fails again and again must not spin: its slot waits before it is freed
         await asyncio.sleep(min(0.05 * 2**self._failures, 5.0))
         return None
+
+    async def _submit(self, lease_id: str, group: common_pb2.PromptGroup) -> None:
+        """With the buffer's Redis at hand, a training group's arrays go there, and the buffer gets the rest: the
+        bulk crosses to Redis once and from there to the trainer (buffer.proto, SubmitGroupRequest)."""
+        request = buffer_pb2.SubmitGroupRequest(lease_id=lease_id, group=group)
+        if self.redis is not None and group.dataset == "train":
+            key = upload_key(self.config.redis.prefix, self.config.run_id, lease_id)
+            await self.redis.set(key, samples.take_arrays(request.group), ex=UPLOAD_TTL_S)
+            request.arrays_in_redis = True
+        await self.buffer.SubmitGroup(request, timeout=60)
 
     async def _generate(self, group: common_pb2.PromptGroup, sampling: dict) -> list:
         ctx = GenerateContext(self.pool, sampling, self.config, self.tokenizer, self.reward, affinity=group.group_id)

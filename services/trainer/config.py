@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
+from services.common.redis_connection import RedisConfig
 from services.trainer.batching import BatchSizeError, BatchSizes
 
 
@@ -16,6 +17,9 @@ class TrainerConfig(ServiceConfig):
     """gRPC port of rank 0's control surface; 0 picks a free one (logged at start)."""
     buffer_addr: str = "localhost:50051"
     """The buffer service (host:port) that hands out each step's batch."""
+    redis: RedisConfig = RedisConfig()
+    """With --redis-url (the buffer's Redis), the trainer reads its batches' token arrays from Redis itself instead
+    of through the buffer (the buffer hands out their keys). Unset: the arrays come with GetBatch."""
     rollout_addr: str | None = None
     """The rollout gateway (host:port): after each --update-weights-interval steps the weights go to its engines.
     Unset, no weights are sent and the trainer sets the buffer's policy version itself."""

@@ -15,10 +15,12 @@ import torch
 import torch.distributed as dist
 
 from services.common.clients import Credentials, open_channel
+from services.common.redis_connection import open_redis
 from services.trainer import checkpoint, data_parallel
 from services.trainer.actor import Actor, Groups
 from services.trainer.config import TrainerConfig
 from services.trainer.data import from_groups
+from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,7 @@ class Trainer:
         self.uncommitted: list[int] = []  # steps trained but not yet covered by a checkpoint (with --save)
         self.channel = open_channel(config.buffer_addr, Credentials.of(config, "trainer"))
         self.buffer = buffer_pb2_grpc.BufferServiceStub(self.channel)
+        self.redis = open_redis(config.redis, Path(".")).client() if config.redis.url else None  # the batches' arrays
         if config.load:
             self._resume(Path(config.load))
         self.weights = None
@@ -374,10 +377,12 @@ class Trainer:
     def _get_batch(self, wait_s: float) -> buffer_pb2.GetBatchResponse | None:
         if self.config.load_debug_rollout_data:
             return self._saved_batch()
-        request = buffer_pb2.GetBatchRequest(step=self.step, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                             timeout_seconds=wait_s)  # fmt: skip
+        request = buffer_pb2.GetBatchRequest(
+            step=self.step, dp_rank=self.dp_rank, dp_size=self.dp_size, timeout_seconds=wait_s,
+            arrays_from_redis=self.redis is not None,
+        )  # fmt: skip
         try:
-            return self.buffer.GetBatch(request, timeout=wait_s + 30)
+            reply = self.buffer.GetBatch(request, timeout=wait_s + 30)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                 raise
@@ -385,6 +390,11 @@ class Trainer:
             log.log(logging.WARNING if e.code() == grpc.StatusCode.UNAVAILABLE else logging.DEBUG,
                     "step %d: waiting for the buffer (%s)", self.step, e.details())  # fmt: skip
             return None
+        # The groups come without their arrays: they are in the reply, or read here from Redis (two hops, not four).
+        keys = list(reply.arrays_keys)
+        samples.put_batch_arrays(reply.groups, self.redis.mget(keys) if keys else reply.arrays)
+        del reply.arrays[:], reply.arrays_keys[:]
+        return reply
 
     def _log(self, metrics: dict) -> None:
         c = self.control

@@ -85,12 +85,14 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SubmitGroupRequest(_message.Message):
-    __slots__ = ("lease_id", "group")
+    __slots__ = ("lease_id", "group", "arrays_in_redis")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_IN_REDIS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     group: _common_pb2.PromptGroup
-    def __init__(self, lease_id: _Optional[str] = ..., group: _Optional[_Union[_common_pb2.PromptGroup, _Mapping]] = ...) -> None: ...
+    arrays_in_redis: bool
+    def __init__(self, lease_id: _Optional[str] = ..., group: _Optional[_Union[_common_pb2.PromptGroup, _Mapping]] = ..., arrays_in_redis: _Optional[bool] = ...) -> None: ...
 
 class SubmitGroupResponse(_message.Message):
     __slots__ = ("accepted", "duplicate", "filtered_reason")
@@ -103,30 +105,36 @@ class SubmitGroupResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., filtered_reason: _Optional[str] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("step", "dp_rank", "dp_size", "timeout_seconds")
+    __slots__ = ("step", "dp_rank", "dp_size", "timeout_seconds", "arrays_from_redis")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FROM_REDIS_FIELD_NUMBER: _ClassVar[int]
     step: int
     dp_rank: int
     dp_size: int
     timeout_seconds: float
-    def __init__(self, step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    arrays_from_redis: bool
+    def __init__(self, step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., arrays_from_redis: _Optional[bool] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
-    __slots__ = ("step", "groups", "num_tokens", "total_groups", "policy_version")
+    __slots__ = ("step", "groups", "num_tokens", "total_groups", "policy_version", "arrays", "arrays_keys")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_KEYS_FIELD_NUMBER: _ClassVar[int]
     step: int
     groups: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptGroup]
     num_tokens: int
     total_groups: int
     policy_version: int
-    def __init__(self, step: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.PromptGroup, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., total_groups: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    arrays: _containers.RepeatedScalarFieldContainer[bytes]
+    arrays_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.PromptGroup, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., total_groups: _Optional[int] = ..., policy_version: _Optional[int] = ..., arrays: _Optional[_Iterable[bytes]] = ..., arrays_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitBatchRequest(_message.Message):
     __slots__ = ("step",)

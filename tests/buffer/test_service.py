@@ -12,7 +12,8 @@ import pytest
 
 from services.buffer.config import BufferConfig
 from services.buffer.server import build
-from slipstream.samples import decode_logprobs, encode_tokens
+from services.buffer.store import upload_key
+from slipstream.samples import decode_logprobs, encode_tokens, put_batch_arrays, take_arrays
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 from tests.buffer.conftest import finish, write_jsonl
 
@@ -53,20 +54,49 @@ def test_bad_requests_are_invalid_argument_or_not_found(stub):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "no batch was handed out for step 0" in details
 
 
-def test_round_trip_over_grpc(stub):
+def test_round_trip_over_grpc(stub, redis_client):
+    """One group sent whole, one with its arrays uploaded to Redis first (as a gateway with --redis-url does); the
+    trainer gets them back with the arrays in the reply, or reads them from Redis itself; a commit deletes them."""
     leases = stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=2), timeout=10).leases
     assert len(leases) == 2 and leases[0].deadline.seconds > 0
-    for lease in leases:
-        assert stub.SubmitGroup(
-            buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=finish(lease.group, [0, 1]))
-        ).accepted
-    batch = stub.GetBatch(buffer_pb2.GetBatchRequest(step=0, dp_rank=0, dp_size=1, timeout_seconds=5), timeout=10)
-    assert (
-        len(batch.groups) == 2 and decode_logprobs(batch.groups[0].samples[0].rollout_logprobs).tolist() == [-0.5] * 3
-    )
+    sent = [finish(lease.group, [0, 1]) for lease in leases]
+    assert stub.SubmitGroup(buffer_pb2.SubmitGroupRequest(lease_id=leases[0].lease_id, group=sent[0])).accepted
+    request = buffer_pb2.SubmitGroupRequest(lease_id=leases[1].lease_id, group=sent[1], arrays_in_redis=True)
+    code, details = code_of(stub.SubmitGroup, request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "arrays are uploaded" in details
+    arrays = take_arrays(without_arrays := _copy(sent[1]))
+    request.group.CopyFrom(without_arrays)
+    code, details = code_of(stub.SubmitGroup, request)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "no arrays were uploaded" in details
+    redis_client.set(upload_key("svc", "default", leases[1].lease_id), arrays)
+    assert stub.SubmitGroup(request).accepted
+    redis_client.set(upload_key("svc", "default", leases[1].lease_id), arrays)  # a retry's upload: dropped with it
+    assert stub.SubmitGroup(request).duplicate
+    assert not redis_client.keys("svc:*upload*")
+
+    ask = buffer_pb2.GetBatchRequest(step=0, dp_rank=0, dp_size=1, timeout_seconds=5)
+    batch = stub.GetBatch(ask, timeout=10)
+    assert not any(s.tokens for g in batch.groups for s in g.samples) and not batch.arrays_keys
+    put_batch_arrays(batch.groups, batch.arrays)
+    ask.arrays_from_redis = True
+    keyed = stub.GetBatch(ask, timeout=10)
+    assert not keyed.arrays and len(keyed.arrays_keys) == 2
+    put_batch_arrays(keyed.groups, redis_client.mget(keyed.arrays_keys))
+    for got in (batch, keyed):
+        by_id = {g.group_id: g for g in got.groups}
+        for lease, group in zip(leases, sent, strict=True):
+            assert [s.tokens for s in by_id[lease.group.group_id].samples] == [s.tokens for s in group.samples]
+    assert decode_logprobs(batch.groups[0].samples[0].rollout_logprobs).tolist() == [-0.5] * 3
     assert stub.CommitBatch(buffer_pb2.CommitBatchRequest(step=0)).num_deleted_groups == 2
     state = stub.GetState(buffer_pb2.GetStateRequest())
     assert state.last_committed_step == 0 and state.counters["trained"] == 2
+    assert redis_client.exists(*keyed.arrays_keys) == 0
+
+
+def _copy(group: common_pb2.PromptGroup) -> common_pb2.PromptGroup:
+    copy = common_pb2.PromptGroup()
+    copy.CopyFrom(group)
+    return copy
 
 
 def test_state_is_exported_as_prometheus_gauges(grpc_service, redis_url, tokenizer_dir, prompts_file):
