@@ -1,8 +1,11 @@
 """Submit + batch throughput of the buffer service against raw Redis moving the same bytes.
 
-For groups of 8 samples of 1k and 8k tokens: rollout workers submit every group over gRPC to a real
-`slipstream buffer` process, then the trainer takes them back in batches (GetBatch + CommitBatch). The baseline is
-redis-py storing and reading the same serialized groups with pipelined SET and GET on the same Redis.
+For groups of 8 samples of 1k and 8k tokens: rollout workers submit every group to a real `slipstream buffer`
+process, then the trainer takes them back in batches (GetBatch + CommitBatch) and puts each group together. Two
+paths: the data plane (`buffer`), as a gateway and a trainer with --redis-url run it: the worker uploads the samples'
+arrays to Redis and submits the rest over gRPC, the trainer gets the rest and the arrays' keys over gRPC and reads the
+arrays from Redis; and `inline`, everything through the buffer. The baseline is redis-py storing and reading the same
+serialized groups with pipelined SET and GET on the same Redis.
 
 Run: .venv/bin/python bench/buffer.py [--groups 64] [--batch 16] [--tokens 1024 8192]
 """
@@ -21,10 +24,11 @@ import grpc
 import numpy as np
 import redis
 
+from services.buffer.store import upload_key
 from services.common.clients import channel_options, wait_until_serving
 from services.common.redis_connection import EmbeddedRedis
 from services.common.tiny_checkpoint import write_tokenizer
-from slipstream.samples import decode_tokens, encode_logprobs, encode_mask, encode_tokens
+from slipstream.samples import decode_tokens, encode_logprobs, encode_mask, encode_tokens, put_batch_arrays, take_arrays
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 
 
@@ -73,7 +77,7 @@ def raw_redis(url: str, payloads: list[bytes], batch: int) -> float:
 
 
 def buffer_service(
-    url: str, folder: Path, run: str, groups: int, batch: int, samples: int, tokens: int
+    url: str, folder: Path, run: str, groups: int, batch: int, samples: int, tokens: int, plane: bool
 ) -> tuple[float, list]:
     data = folder / f"prompts-{tokens}.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?"}) + "\n" for i in range(groups)))
@@ -83,6 +87,7 @@ def buffer_service(
     args += ["--hf-checkpoint", str(folder / "tokenizer"), "--num-data-workers", "0", "--metrics-port", "null"]
     args += ["--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(samples), "--max-staleness", "1000"]
     server = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+    client = redis.Redis.from_url(url)
     try:
         address = f"127.0.0.1:{port}"
         wait_until_serving(address, 60)
@@ -95,16 +100,28 @@ def buffer_service(
                 buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=make_group(lease, samples, tokens, rng))
                 for lease in leases
             ]
+            payloads = [r.group.SerializeToString() for r in requests]
+
+            def submit(request: buffer_pb2.SubmitGroupRequest) -> bool:
+                if plane:  # as the gateway does it (services/rollout/workers.py, Rollout._submit)
+                    key = upload_key("slipstream", run, request.lease_id)
+                    client.set(key, take_arrays(request.group), ex=3600)
+                    request.arrays_in_redis = True
+                return stub.SubmitGroup(request, timeout=60).accepted
+
             start = time.perf_counter()
             with ThreadPoolExecutor(4) as pool:  # several rollout workers submit at once
-                assert all(r.accepted for r in pool.map(lambda r: stub.SubmitGroup(r, timeout=60), requests))
-            for step in range(groups // batch):
-                got = stub.GetBatch(buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=30), timeout=60)
-                assert len(got.groups) == batch
+                assert all(pool.map(submit, requests))
+            for step in range(groups // batch):  # as the trainer does it (services/trainer/loop.py, _get_batch)
+                ask = buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=30, arrays_from_redis=plane)
+                got = stub.GetBatch(ask, timeout=60)
+                put_batch_arrays(got.groups, client.mget(got.arrays_keys) if plane else got.arrays)
+                assert len(got.groups) == batch and all(s.tokens for g in got.groups for s in g.samples)
                 stub.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=60)
             elapsed = time.perf_counter() - start
-        return elapsed, [r.group.SerializeToString() for r in requests]
+        return elapsed, payloads
     finally:
+        client.close()
         server.terminate()
         server.wait(30)
 
@@ -125,25 +142,31 @@ def main() -> None:
         try:
             for tokens in args.tokens:
                 shape = (args.groups, args.batch, args.samples, tokens)
-                t_buffers, t_raws = [], []
+                times: dict[str, list[float]] = {"buffer": [], "inline": [], "raw": []}
                 for i in range(args.repeat):
-                    t_buffer, payloads = buffer_service(redis_server.url, folder, f"bench{tokens}-{i}", *shape)
-                    t_buffers.append(t_buffer)
-                    t_raws.append(raw_redis(redis_server.url, payloads, args.batch))
-                t_buffer, t_raw = statistics.median(t_buffers), statistics.median(t_raws)
+                    for plane in (True, False):
+                        elapsed, payloads = buffer_service(redis_server.url, folder, f"b{tokens}-{i}-{plane}", *shape,
+                                                           plane=plane)  # fmt: skip
+                        times["buffer" if plane else "inline"].append(elapsed)
+                    times["raw"].append(raw_redis(redis_server.url, payloads, args.batch))
+                median = {name: statistics.median(t) for name, t in times.items()}
+                ratios = [raw / buf for raw, buf in zip(times["raw"], times["buffer"], strict=True)]
                 mb, n = sum(map(len, payloads)) / 2**20, args.groups
-                rows.append((tokens, mb / n, n / t_buffer, mb / t_buffer, n / t_raw, mb / t_raw))
+                rows.append((tokens, mb / n, n / median["buffer"], mb / median["buffer"], n / median["inline"],
+                             n / median["raw"], mb / median["raw"], statistics.median(ratios), ratios))  # fmt: skip
         finally:
             redis_server.stop()
     print(
         f"groups of {args.samples} samples, {args.groups} groups, batches of {args.batch}, median of {args.repeat} runs"
     )
-    header = ["tokens/sample", "MiB/group", "buffer groups/s", "buffer MiB/s", "raw groups/s", "raw MiB/s"]
-    header.append("buffer/raw")
+    header = ["tokens/sample", "MiB/group", "buffer groups/s", "buffer MiB/s", "inline groups/s", "raw groups/s"]
+    header += ["raw MiB/s", "buffer/raw (median)", "buffer/raw per run"]
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
-    for tokens, size, g_buf, mb_buf, g_raw, mb_raw in rows:
-        print(f"{tokens} | {size:.2f} | {g_buf:.1f} | {mb_buf:.1f} | {g_raw:.1f} | {mb_raw:.1f} | {g_buf / g_raw:.0%}")
+    for tokens, size, g_buf, mb_buf, g_inline, g_raw, mb_raw, ratio, ratios in rows:
+        runs = " ".join(f"{r:.0%}" for r in ratios)
+        print(f"{tokens} | {size:.2f} | {g_buf:.1f} | {mb_buf:.1f} | {g_inline:.1f} | {g_raw:.1f} | {mb_raw:.1f} | "
+              f"{ratio:.0%} | {runs}")  # fmt: skip
     tokens = " ".join(map(str, args.tokens))
     command = f".venv/bin/python bench/buffer.py --groups {args.groups} --batch {args.batch} --tokens {tokens}"
     command += f" --repeat {args.repeat}"

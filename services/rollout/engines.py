@@ -61,6 +61,7 @@ class EnginePool:
         self._slots: dict[str, asyncio.Semaphore] = {}
         self.running = asyncio.Event()  # cleared while the engines are paused (around a weight sync)
         self.running.set()
+        self.committed = asyncio.Event()  # set when a weight sync's version is in the buffer: the staleness bound moved
         self.router: Engine | None = None  # with --use-router, generation goes through it
         self._router_tasks: set[asyncio.Task] = set()
         self.paused_elsewhere = None  # async () -> bool: another gateway paused the engines (fleet.py)

@@ -206,6 +206,7 @@ class WeightSync:
             self.pool.resume(),
             self.buffer.SetPolicyVersion(request, timeout=self.config.weight_sync_timeout_s, wait_for_ready=True),
         )
+        self.pool.committed.set()
         await self._mark_syncing(False)
         log.info("weights of version %d are live on %d engine(s)", version, sum(r.success for r in results))
         return results

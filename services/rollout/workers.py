@@ -81,6 +81,7 @@ class Rollout:
                 slots.release()
                 await asyncio.sleep(0.5)
                 continue
+            self.pool.committed.clear()
             try:
                 reply = await self._lease()
             except grpc.aio.AioRpcError as e:
@@ -90,7 +91,11 @@ class Rollout:
                 continue
             if not reply.leases:
                 slots.release()
-                await asyncio.sleep(1.0 if reply.blocked == buffer_pb2.LEASE_BLOCK_EXHAUSTED else 0.2)
+                if reply.blocked == buffer_pb2.LEASE_BLOCK_EXHAUSTED:
+                    await asyncio.sleep(1.0)
+                else:  # synchronous training: leases resume the moment this gateway's weight sync is committed
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.pool.committed.wait(), 0.2)
                 continue
             task = asyncio.create_task(self.run_group(reply.leases[0], self.sampling()))
             self._groups.add(task)

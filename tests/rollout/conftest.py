@@ -19,6 +19,7 @@ from services.reward.config import RewardConfig
 from services.reward.server import build as build_reward
 from services.rollout.config import RolloutConfig
 from services.rollout.server import build as build_rollout
+from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 
@@ -159,6 +160,14 @@ def wait_completed(buffer, count: int, timeout_s: float = 180) -> buffer_pb2.Buf
             return state
         time.sleep(0.2)
     pytest.fail(f"only {state.counters['completed']} of {count} groups completed")
+
+
+def get_batch(buffer, step: int, timeout_s: float = 5) -> buffer_pb2.GetBatchResponse:
+    """Step `step`'s batch as the trainer takes it: the groups with their arrays put back."""
+    request = buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=timeout_s)
+    batch = buffer.GetBatch(request, timeout=timeout_s + 30)
+    samples.put_batch_arrays(batch.groups, batch.arrays)
+    return batch
 
 
 def gateway_address(proc) -> str:

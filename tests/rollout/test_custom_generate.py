@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from slipstream import samples
-from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
-from tests.rollout.conftest import assert_groups_come_back, wait_completed
+from slipstream.v1 import common_pb2, rollout_pb2
+from tests.rollout.conftest import assert_groups_come_back, get_batch, wait_completed
 from tests.rollout.scripted_model import write_scripted_model
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "multi_turn_tools"
@@ -43,7 +43,7 @@ def test_multi_turn_samples_line_up_token_for_token_with_the_engine(make_system,
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
     tokenizer = AutoTokenizer.from_pretrained(calculator_model)
     environment = tool_message(tokenizer, "84")
-    batch = system.buffer.GetBatch(buffer_pb2.GetBatchRequest(step=0, dp_size=1, timeout_seconds=5), timeout=30)
+    batch = get_batch(system.buffer, 0, 5)
     for sample in (s for g in batch.groups for s in g.samples):
         tokens = samples.decode_tokens(sample.tokens).tolist()
         response, mask = tokens[sample.prompt_length :], samples.decode_mask(sample.loss_mask).tolist()

@@ -7,7 +7,7 @@ import signal
 
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
-from tests.rollout.conftest import gateway_address, start_rollout, wait_completed
+from tests.rollout.conftest import gateway_address, get_batch, start_rollout, wait_completed
 
 NUM_GROUPS = 300
 BATCH = 20
@@ -54,7 +54,7 @@ def test_hundreds_of_groups_survive_an_engine_kill_and_a_gateway_restart(
     assert state.counters["expired"] >= 1
     seen = []
     for step in range(NUM_GROUPS // BATCH):
-        batch = buffer.GetBatch(buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=10), timeout=60)
+        batch = get_batch(buffer, step, 10)
         for group in batch.groups:
             seen.append(group.group_id)
             assert len(group.samples) == 2

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from slipstream import samples
-from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
-from tests.rollout.conftest import NUM_PROMPTS, wait_completed
+from slipstream.v1 import common_pb2, rollout_pb2
+from tests.rollout.conftest import NUM_PROMPTS, get_batch, wait_completed
 
 MAX_LEN = 160
 
@@ -35,7 +35,7 @@ def _pause_mid_rollout(system, mode: str) -> None:
 def _all_samples(buffer) -> list[common_pb2.Sample]:
     found = []
     for step in range(NUM_PROMPTS // 4):
-        batch = buffer.GetBatch(buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=5), timeout=30)
+        batch = get_batch(buffer, step, 5)
         found += [s for g in batch.groups for s in g.samples]
     return found
 

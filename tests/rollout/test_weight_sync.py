@@ -28,7 +28,7 @@ from services.rollout.engines import Engine
 from services.rollout.weight_sync import _handed_over
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
-from tests.rollout.conftest import wait_completed
+from tests.rollout.conftest import get_batch, wait_completed
 
 
 def _sync(system, port: int, version: int, tensors: dict[str, torch.Tensor], bucket_size: int = 3) -> tuple:
@@ -83,7 +83,7 @@ def test_engines_load_the_sent_weights_and_serve_the_new_version(make_system, fr
         assert state.policy_version == version
     system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)  # generation runs under version 2
     wait_completed(system.buffer, 4)
-    batch = system.buffer.GetBatch(buffer_pb2.GetBatchRequest(step=0, dp_size=1, timeout_seconds=30), timeout=60)
+    batch = get_batch(system.buffer, 0, 30)
     samples = [s for g in batch.groups for s in g.samples]
     assert samples and all([(v.version, v.start) for v in s.weight_versions] == [("2", 0)] for s in samples)
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=60)

@@ -14,7 +14,7 @@ from services.reward.config import RewardConfig
 from services.reward.server import build as build_reward
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2
-from tests.rollout.conftest import NUM_PROMPTS, start_rollout, wait_completed
+from tests.rollout.conftest import NUM_PROMPTS, get_batch, start_rollout, wait_completed
 
 
 def test_every_group_reaches_the_buffer_exactly_once(system):
@@ -32,7 +32,7 @@ def test_every_group_reaches_the_buffer_exactly_once(system):
     assert state.counters.get("duplicate_submits", 0) == 0 and state.num_leased_groups == 0
     seen = []
     for step in range(NUM_PROMPTS // 4):
-        batch = buffer.GetBatch(buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=5), timeout=30)
+        batch = get_batch(buffer, step, 5)
         for group in batch.groups:
             seen.append(group.group_id)
             assert len(group.samples) == 2
@@ -58,7 +58,7 @@ def test_group_rm_scores_each_group_in_one_call(make_system, tmp_path):
     system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
     wait_completed(system.buffer, 4)
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
-    batch = system.buffer.GetBatch(buffer_pb2.GetBatchRequest(step=0, dp_size=1, timeout_seconds=5), timeout=30)
+    batch = get_batch(system.buffer, 0, 5)
     assert [[s.reward for s in g.samples] for g in batch.groups] == [[0.0, 1.0]] * 4  # the group function's ranks
 
 
