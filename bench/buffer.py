@@ -24,7 +24,6 @@ import grpc
 import numpy as np
 import redis
 
-from services.buffer.store import upload_key
 from services.common.clients import channel_options, wait_until_serving
 from services.common.redis_connection import EmbeddedRedis
 from services.common.tiny_checkpoint import write_tokenizer
@@ -101,11 +100,11 @@ def buffer_service(
                 for lease in leases
             ]
             payloads = [r.group.SerializeToString() for r in requests]
+            upload_keys = {lease.lease_id: lease.upload_key for lease in leases}
 
             def submit(request: buffer_pb2.SubmitGroupRequest) -> bool:
                 if plane:  # as the gateway does it (services/rollout/workers.py, Rollout._submit)
-                    key = upload_key("slipstream", run, request.lease_id)
-                    client.set(key, take_arrays(request.group), ex=3600)
+                    client.set(upload_keys[request.lease_id], take_arrays(request.group), ex=3600)
                     request.arrays_in_redis = True
                 return stub.SubmitGroup(request, timeout=60).accepted
 

@@ -37,8 +37,9 @@ def _timestamp(ms: int) -> Timestamp:
     return stamp
 
 
-def _lease(leased: LeasedGroup) -> buffer_pb2.Lease:
-    return buffer_pb2.Lease(lease_id=leased.lease_id, group=leased.group, deadline=_timestamp(leased.deadline_ms))
+def _lease(leased: LeasedGroup, upload_key: str) -> buffer_pb2.Lease:
+    deadline = _timestamp(leased.deadline_ms)
+    return buffer_pb2.Lease(lease_id=leased.lease_id, group=leased.group, deadline=deadline, upload_key=upload_key)
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
@@ -48,7 +49,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
     async def LeasePrompts(self, request, context):
         result = await self.buffer.lease(request.max_groups, request.lease_seconds, request.dataset)
         return buffer_pb2.LeasePromptsResponse(
-            leases=[_lease(leased) for leased in result.leases],
+            leases=[_lease(leased, self.buffer.store.upload_key(leased.lease_id)) for leased in result.leases],
             policy_version=result.policy_version,
             blocked=_BLOCKED[result.blocked],
         )

@@ -308,11 +308,6 @@ return math.max(version, current)
 """
 
 
-def upload_key(prefix: str, run_id: str, lease_id: str) -> str:
-    """Where a worker writes a group's arrays before its SubmitGroup with arrays_in_redis."""
-    return f"{prefix}:{{{run_id}}}:upload:{lease_id}"
-
-
 class Contended(Exception):
     """The state a transition was computed from moved under it (another buffer process): look again and retry."""
 
@@ -428,6 +423,10 @@ class BufferStore:
         if not gids:
             return []
         return await self.redis.mget([self.key(f"done:{gid}") for gid in gids])
+
+    def upload_key(self, lease_id: str) -> str:
+        """Where a worker may write a group's arrays before its SubmitGroup with arrays_in_redis."""
+        return self.key(f"upload:{lease_id}")
 
     def arrays_keys(self, gids: list[str]) -> list[str]:
         return [self.key(f"arrays:{gid}") for gid in gids]

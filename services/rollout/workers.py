@@ -13,7 +13,6 @@ import grpc
 import prometheus_client
 from redis.exceptions import RedisError
 
-from services.buffer.store import upload_key
 from services.common.errors import SlipstreamError
 from services.common.plugins import load_callable
 from services.rollout.config import RolloutConfig
@@ -133,7 +132,7 @@ class Rollout:
             done.timings["generated"] = time.time()
             await self._score(done)
             done.timings["scored"] = time.time()
-            await self._submit(lease.lease_id, done)
+            await self._submit(lease, done)
             self._count(done)
             self._failures = 0
             return done
@@ -154,13 +153,12 @@ class Rollout:
         await asyncio.sleep(min(0.05 * 2**self._failures, 5.0))
         return None
 
-    async def _submit(self, lease_id: str, group: common_pb2.PromptGroup) -> None:
+    async def _submit(self, lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> None:
         """With the buffer's Redis at hand, a training group's arrays go there, and the buffer gets the rest: the
         bulk crosses to Redis once and from there to the trainer (buffer.proto, SubmitGroupRequest)."""
-        request = buffer_pb2.SubmitGroupRequest(lease_id=lease_id, group=group)
-        if self.redis is not None and group.dataset == "train":
-            key = upload_key(self.config.redis.prefix, self.config.run_id, lease_id)
-            await self.redis.set(key, samples.take_arrays(request.group), ex=UPLOAD_TTL_S)
+        request = buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=group)
+        if self.redis is not None and lease.upload_key and group.dataset == "train":
+            await self.redis.set(lease.upload_key, samples.take_arrays(request.group), ex=UPLOAD_TTL_S)
             request.arrays_in_redis = True
         await self.buffer.SubmitGroup(request, timeout=60)
 

@@ -12,7 +12,6 @@ import pytest
 
 from services.buffer.config import BufferConfig
 from services.buffer.server import build
-from services.buffer.store import upload_key
 from slipstream.samples import decode_logprobs, encode_tokens, put_batch_arrays, take_arrays
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 from tests.buffer.conftest import finish, write_jsonl
@@ -59,6 +58,7 @@ def test_round_trip_over_grpc(stub, redis_client):
     trainer gets them back with the arrays in the reply, or reads them from Redis itself; a commit deletes them."""
     leases = stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=2), timeout=10).leases
     assert len(leases) == 2 and leases[0].deadline.seconds > 0
+    assert leases[1].upload_key.startswith("svc:{default}:upload:")
     sent = [finish(lease.group, [0, 1]) for lease in leases]
     assert stub.SubmitGroup(buffer_pb2.SubmitGroupRequest(lease_id=leases[0].lease_id, group=sent[0])).accepted
     request = buffer_pb2.SubmitGroupRequest(lease_id=leases[1].lease_id, group=sent[1], arrays_in_redis=True)
@@ -68,9 +68,9 @@ def test_round_trip_over_grpc(stub, redis_client):
     request.group.CopyFrom(without_arrays)
     code, details = code_of(stub.SubmitGroup, request)
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "no arrays were uploaded" in details
-    redis_client.set(upload_key("svc", "default", leases[1].lease_id), arrays)
+    redis_client.set(leases[1].upload_key, arrays)
     assert stub.SubmitGroup(request).accepted
-    redis_client.set(upload_key("svc", "default", leases[1].lease_id), arrays)  # a retry's upload: dropped with it
+    redis_client.set(leases[1].upload_key, arrays)  # a retry's upload: dropped with it
     assert stub.SubmitGroup(request).duplicate
     assert not redis_client.keys("svc:*upload*")
 
