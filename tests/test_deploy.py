@@ -62,7 +62,7 @@ def test_every_container_command_line_is_accepted(form, tmp_path):
     assert {"redis", "buffer", "reward", "rollout", "engine-0", "job"} <= set(services)
     redis_command = " ".join(services["redis"]["command"])
     assert "requirepass $(cat /run/secrets/redis_password)" in redis_command and "--appendonly yes" in redis_command
-    for name in ("buffer", "job"):  # Redis's password reaches them as a file, never on a command line
+    for name in ("buffer", "rollout", "job"):  # Redis's password reaches them as a file, never on a command line
         assert services[name]["secrets"] == ["redis_password"]
         assert "/run/secrets/redis_password" in services[name]["command"] and "@redis:" not in str(services[name])
     run_file = next(Path(v.split(":")[0]) for v in services["job"]["volumes"] if "/etc/slipstream/run.flags" in v)

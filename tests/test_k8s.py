@@ -97,7 +97,7 @@ def test_every_address_a_command_names_is_served_on_that_port(objects):
                     assert target["spec"]["clusterIP"] == "None", (name, arg)
                 named.append((name, host))
     assert {("rollout", "buffer"), ("rollout", "engine"), ("trainer", "rollout"), ("buffer", "redis"),
-            ("rollout", "redis")} <= set(named)  # fmt: skip
+            ("rollout", "redis"), ("trainer", "redis")} <= set(named)  # fmt: skip
 
 
 def test_network_policies_deny_by_default_and_open_each_port_to_its_callers(objects):
@@ -111,7 +111,7 @@ def test_network_policies_deny_by_default_and_open_each_port_to_its_callers(obje
                 opened.setdefault((name, port["port"]), set()).update(callers)
     assert opened[("buffer", 50051)] == {"rollout", "trainer"}
     assert opened[("reward", 50053)] == {"rollout"} and opened[("rollout", 50052)] == {"trainer", "rollout"}
-    assert opened[("redis", 6379)] == {"buffer", "rollout"} and opened[("engine", 30000)] == {"rollout"}
+    assert opened[("redis", 6379)] == {"buffer", "rollout", "trainer"} and opened[("engine", 30000)] == {"rollout"}
     assert opened[("trainer", "any")] == {"trainer", "engine"}  # torchrun, NCCL and the weight group
 
 
