@@ -62,6 +62,30 @@ def test_group_rm_scores_each_group_in_one_call(make_system, tmp_path):
     assert [[s.reward for s in g.samples] for g in batch.groups] == [[0.0, 1.0]] * 4  # the group function's ranks
 
 
+def test_a_gateway_on_the_buffers_redis_uploads_the_arrays_and_the_trainer_reads_them_there(
+    make_system, redis_url, redis_client
+):
+    """The data plane: the gateway writes each group's arrays to Redis and submits the rest; the buffer renames the
+    upload in its submit script; GetBatch hands out keys; nothing is left behind."""
+    renames = redis_client.info("commandstats").get("cmdstat_rename", {}).get("calls", 0)
+    system = make_system(num_engines=1, redis={"url": redis_url, "prefix": "dataplane"}, advertise_addr="127.0.0.1:9")
+    system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
+    wait_completed(system.buffer, 4)
+    system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
+    uploaded = redis_client.info("commandstats")["cmdstat_rename"]["calls"] - renames
+    ask = buffer_pb2.GetBatchRequest(step=0, dp_size=1, timeout_seconds=5, arrays_from_redis=True)
+    batch = system.buffer.GetBatch(ask, timeout=30)
+    assert uploaded >= 4 and len(batch.arrays_keys) == 4 and not batch.arrays
+    samples.put_batch_arrays(batch.groups, redis_client.mget(batch.arrays_keys))
+    for group in batch.groups:
+        for sample in group.samples:
+            tokens = samples.decode_tokens(sample.tokens)
+            assert tokens[: sample.prompt_length].tolist() == samples.decode_tokens(group.prompt_tokens).tolist()
+            assert len(samples.decode_logprobs(sample.rollout_logprobs)) == sample.response_length
+    system.buffer.CommitBatch(buffer_pb2.CommitBatchRequest(step=0), timeout=10)
+    assert redis_client.exists(*batch.arrays_keys) == 0 and not redis_client.keys("*:upload:*")
+
+
 def test_start_twice_and_commit_without_a_sync(system):
     _, gateway, _ = system
     assert gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10).started
