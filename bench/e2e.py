@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common.redis_connection import EmbeddedRedis
 from services.train.demo import train_args
 from services.train.report import split_times
 
@@ -54,18 +55,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out (start-up)")
+    parser.add_argument(
+        "--data-plane",
+        action="store_true",
+        help="every service on one Redis (--redis-url): the "
+        "gateway writes the samples' arrays there and the trainer reads them (docs/buffer.md)",
+    )
     args, extra = parser.parse_known_args()  # the rest goes to slipstream train (e.g. --rollout-num-gpus 1)
     header = ["mode", "step ms", "rollout", "reward", "train", "sync", "glue", "wall s", "samples/s", "reward@end"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for async_size in (0, 1):
-            steps = run(Path(tmp), args.steps, async_size, extra)
-            rows.append(row("sync" if not async_size else f"async {async_size}", steps, args.skip))
+        redis = EmbeddedRedis(Path(tmp) / "redis").start() if args.data_plane else None
+        given = ["--redis-url", redis.url] if redis else []
+        try:
+            for async_size in (0, 1):
+                steps = run(Path(tmp), args.steps, async_size, [*given, *extra])
+                rows.append(row("sync" if not async_size else f"async {async_size}", steps, args.skip))
+        finally:
+            if redis is not None:
+                redis.stop()
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, ["-" * w for w in widths], *rows]:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
     print(f"\nsteps {args.skip}..{args.steps - 1} of each run, {platform.node()}")
-    print(f"python bench/e2e.py --steps {args.steps} --skip {args.skip} {' '.join(extra)}".rstrip())
+    plane = " --data-plane" if args.data_plane else ""
+    print(f"python bench/e2e.py --steps {args.steps} --skip {args.skip}{plane} {' '.join(extra)}".rstrip())
 
 
 if __name__ == "__main__":

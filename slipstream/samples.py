@@ -43,31 +43,63 @@ def num_tokens(data: bytes) -> int:
 
 
 # The per-token arrays of a sample: a group's bulk. They travel apart from the rest of the group (its metadata) where
-# the bytes can skip hops: the worker writes them to Redis, the trainer reads them from there (buffer.proto).
+# the bytes can skip hops: the worker writes them to Redis, the trainer reads them from there (buffer.proto). Their
+# form is a serialized PromptGroup whose samples hold only these fields, encoded and decoded here at the wire level so
+# that each array is copied once each way (through the message API it would be copied three times, then twice).
 ARRAYS = ("tokens", "loss_mask", "rollout_logprobs", "routed_experts")
+_NUMBERS = [common_pb2.Sample.DESCRIPTOR.fields_by_name[name].number for name in ARRAYS]
+_SAMPLES = common_pb2.PromptGroup.DESCRIPTOR.fields_by_name["samples"].number
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(data: memoryview, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if byte < 0x80:
+            return value, at
 
 
 def take_arrays(group: common_pb2.PromptGroup) -> bytes:
     """Moves the samples' arrays out of `group`; returns them as a serialized PromptGroup whose samples hold only
     those fields, in order."""
-    arrays = common_pb2.PromptGroup()
+    pieces = []
     for sample in group.samples:
-        part = arrays.samples.add()
-        for name in ARRAYS:
-            setattr(part, name, getattr(sample, name))
-            sample.ClearField(name)
-    return arrays.SerializeToString()
+        fields, size = [], 0
+        for number, name in zip(_NUMBERS, ARRAYS, strict=True):
+            if data := getattr(sample, name):
+                head = _varint(number << 3 | 2) + _varint(len(data))
+                fields += [head, data]
+                size += len(head) + len(data)
+                sample.ClearField(name)
+        pieces += [_varint(_SAMPLES << 3 | 2) + _varint(size), *fields]
+    return b"".join(pieces)
 
 
 def put_arrays(group: common_pb2.PromptGroup, data: bytes) -> None:
     """Puts the arrays `take_arrays` took back into `group`'s samples."""
-    arrays = common_pb2.PromptGroup.FromString(data)
-    if len(arrays.samples) != len(group.samples):
-        raise ValueError(
-            f"group {group.group_id}: {len(arrays.samples)} samples' arrays for {len(group.samples)} samples"
-        )
-    for sample, part in zip(group.samples, arrays.samples, strict=True):
-        sample.MergeFrom(part)
+    view, at, parts = memoryview(data), 0, []
+    while at < len(view):
+        tag, at = _read_varint(view, at)
+        size, at = _read_varint(view, at)
+        if tag != _SAMPLES << 3 | 2 or at + size > len(view):
+            raise ValueError(f"group {group.group_id}: its arrays are not a PromptGroup of samples' arrays")
+        parts.append(view[at : at + size])
+        at += size
+    if len(parts) != len(group.samples):
+        raise ValueError(f"group {group.group_id}: {len(parts)} samples' arrays for {len(group.samples)} samples")
+    for sample, part in zip(group.samples, parts, strict=True):
+        sample.MergeFromString(part)
 
 
 def put_batch_arrays(groups: Sequence[common_pb2.PromptGroup], arrays: Sequence[bytes | None]) -> None:
