@@ -28,6 +28,8 @@ WELL_FORMED = {c for c in grpc.StatusCode} - {grpc.StatusCode.INTERNAL, grpc.Sta
                                                grpc.StatusCode.UNIMPLEMENTED}  # fmt: skip
 LAST = {"/slipstream.v1.TrainerService/Stop"}  # a valid request ends the trainer: called last, on its own
 EXAMPLES = int(os.environ.get("SLIPSTREAM_FUZZ_EXAMPLES", "12"))
+# Valid requests of these take seconds each (a checkpoint written, a batch waited for): a third of the examples.
+COSTLY = {"/slipstream.v1.TrainerService/SaveCheckpoint", "/slipstream.v1.BufferService/GetBatch"}
 RUN_ID = "fuzz"
 
 INT = {32: st.integers(-(2**31), 2**31 - 1), 64: st.integers(-(2**63), 2**63 - 1)}
@@ -176,7 +178,9 @@ FUZZED = [(n, full, m) for n, full, m in rpcs() if full not in LAST]
 def test_generated_requests_get_success_or_a_well_formed_error(services, name, full_name, method):
     address = services[0][name]
 
-    @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+    examples = max(1, EXAMPLES // 3) if full_name in COSTLY else EXAMPLES
+
+    @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(st.lists(messages(method.input_type), min_size=1, max_size=2))
     def check(requests):

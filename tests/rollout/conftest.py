@@ -112,13 +112,13 @@ class System:
 
 @pytest.fixture
 def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, tmp_path):
-    """`make_system(num_engines=2, buffer={...}, reward={...}, **gateway_settings)`: every part real; prompts
-    "What is i + 1?" with labels, and the eval set "arith" (the first 6 prompts)."""
+    """`make_system(num_engines=2, buffer={...}, reward={...}, num_prompts=24, **gateway_settings)`: every part real;
+    prompts "What is i + 1?" with labels, and the eval set "arith" (the first 6 prompts)."""
 
     def make(num_engines: int = 2, buffer: dict | None = None, reward: dict | None = None, model=tiny_model,
-             **gateway) -> System:  # fmt: skip
+             num_prompts: int = NUM_PROMPTS, **gateway) -> System:  # fmt: skip
         data = tmp_path / "prompts.jsonl"
-        rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(NUM_PROMPTS)]
+        rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(num_prompts)]
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
         buffer_service = grpc_service(build_buffer, BufferConfig(**{
             "prompt_data": str(data), "label_key": "label", "hf_checkpoint": str(model), "num_data_workers": 0,

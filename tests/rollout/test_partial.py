@@ -11,9 +11,10 @@ import pytest
 
 from slipstream import samples
 from slipstream.v1 import common_pb2, rollout_pb2
-from tests.rollout.conftest import NUM_PROMPTS, get_batch, wait_completed
+from tests.rollout.conftest import get_batch, wait_completed
 
 MAX_LEN = 160
+PROMPTS = 8  # all in flight at the pause (--rollout-concurrency 8): no later group adds anything but time
 
 
 def _pause_mid_rollout(system, mode: str) -> None:
@@ -34,7 +35,7 @@ def _pause_mid_rollout(system, mode: str) -> None:
 
 def _all_samples(buffer) -> list[common_pb2.Sample]:
     found = []
-    for step in range(NUM_PROMPTS // 4):
+    for step in range(PROMPTS // 4):
         batch = get_batch(buffer, step, 5)
         found += [s for g in batch.groups for s in g.samples]
     return found
@@ -55,12 +56,13 @@ def _check_aligned(sample: common_pb2.Sample) -> list[tuple[str, int, int]]:
 
 
 def test_abort_pause_returns_partial_groups_that_resume_where_they_stopped(make_system):
-    system = make_system(partial_rollout=True, pause_mode="abort", rollout_max_response_len=MAX_LEN)
+    system = make_system(partial_rollout=True, pause_mode="abort", rollout_max_response_len=MAX_LEN,
+                         num_prompts=PROMPTS)  # fmt: skip
     _pause_mid_rollout(system, "abort")
-    state = wait_completed(system.buffer, NUM_PROMPTS, timeout_s=300)
+    state = wait_completed(system.buffer, PROMPTS, timeout_s=300)
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
     assert state.counters["released"] >= 1  # in-flight groups went back to the buffer
-    assert state.counters["completed"] == state.counters["started"] == NUM_PROMPTS
+    assert state.counters["completed"] == state.counters["started"] == PROMPTS
     resumed = 0
     for sample in _all_samples(system.buffer):
         spans = _check_aligned(sample)
@@ -72,9 +74,9 @@ def test_abort_pause_returns_partial_groups_that_resume_where_they_stopped(make_
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_kept_requests_continue_under_the_new_version(make_system, mode):
-    system = make_system(pause_mode=mode, rollout_max_response_len=MAX_LEN)
+    system = make_system(pause_mode=mode, rollout_max_response_len=MAX_LEN, num_prompts=PROMPTS)
     _pause_mid_rollout(system, mode)
-    state = wait_completed(system.buffer, NUM_PROMPTS, timeout_s=300)
+    state = wait_completed(system.buffer, PROMPTS, timeout_s=300)
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
     assert state.counters.get("released", 0) == 0  # nothing was aborted
     spans = [_check_aligned(s) for s in _all_samples(system.buffer)]

@@ -121,7 +121,12 @@ def _processes(parallel: list[str]) -> int:
     return math.prod(sizes)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+SLOW_LAYOUTS = {"qwen3-pp2-tp2"}  # both of its parts run in `make test`; the two together in `make test-slow`
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_LAYOUTS else []) for name in LAYOUTS]
+)
 def test_the_trainer_sends_its_weights_after_each_step(make_system, service_process, tiny_model, tmp_path, layout):
     """The whole loop: the gateway rolls out, the trainer (one process; or several under torchrun, TP=2: the sender
     gathers the shards, the experts' too; EP=2: each rank holds half the experts and all gather them; PP=2: the
