@@ -142,14 +142,16 @@ class EnginePool:
 
     def _fail(self, engine: Engine, error: str, evict: bool = False) -> None:
         engine.failures += 1
+        if engine.state == EVICTED:  # out already: last_error keeps why; it is back once a health check passes
+            return
         engine.last_error = error
-        if engine.state != EVICTED and (evict or engine.failures >= self.config.rollout_health_check_failures):
+        if evict or engine.failures >= self.config.rollout_health_check_failures:
             engine.state = EVICTED
             log.warning("engine %s evicted: %s", engine.url, error)
             for request in list(engine.requests):  # a hung engine would hold them until --request-timeout-s
                 request.cancel()
             self._tell_router(engine.url, joined=False)
-        elif engine.state != EVICTED:
+        else:
             log.warning("engine %s failed (%d of %d before eviction): %s", engine.url, engine.failures,
                         self.config.rollout_health_check_failures, error)  # fmt: skip
 
