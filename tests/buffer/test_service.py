@@ -1,12 +1,10 @@
 """The buffer as a real gRPC service: status codes for bad requests, and `kill -9` of the process (with its
 embedded Redis) between a lease and its submit and between GetBatch and CommitBatch."""
 
-import asyncio
 import os
 import signal
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
 import grpc
@@ -14,15 +12,13 @@ import pytest
 
 from services.buffer.config import BufferConfig
 from services.buffer.server import build
-from services.common.metrics import RPC_REQUESTS
-from services.rollout.submitter import Submitter
 from slipstream.samples import decode_logprobs, encode_tokens, put_batch_arrays, take_arrays
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 from tests.buffer.conftest import finish, write_jsonl
 
 
 @pytest.fixture
-def buffer_address(grpc_service, redis_url, tokenizer_dir, prompts_file) -> str:
+def stub(grpc_service, redis_url, tokenizer_dir, prompts_file, channel_to):
     config = BufferConfig(
         prompt_data=str(prompts_file),
         hf_checkpoint=str(tokenizer_dir),
@@ -30,14 +26,9 @@ def buffer_address(grpc_service, redis_url, tokenizer_dir, prompts_file) -> str:
         num_data_workers=0,
         rollout_batch_size=2,
         n_samples_per_prompt=2,
-        redis={"url": redis_url, "prefix": f"svc{uuid.uuid4().hex[:8]}"},  # each test its own keys
+        redis={"url": redis_url, "prefix": "svc"},
     )
-    return grpc_service(build, config).address
-
-
-@pytest.fixture
-def stub(buffer_address, channel_to):
-    return buffer_pb2_grpc.BufferServiceStub(channel_to(buffer_address))
+    return buffer_pb2_grpc.BufferServiceStub(channel_to(grpc_service(build, config).address))
 
 
 def code_of(call, request) -> tuple[grpc.StatusCode, str]:
@@ -67,7 +58,7 @@ def test_round_trip_over_grpc(stub, redis_client):
     trainer gets them back with the arrays in the reply, or reads them from Redis itself; a commit deletes them."""
     leases = stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=2), timeout=10).leases
     assert len(leases) == 2 and leases[0].deadline.seconds > 0
-    assert leases[1].upload_key.endswith(":{default}:upload:" + leases[1].lease_id)
+    assert leases[1].upload_key.startswith("svc:{default}:upload:")
     sent = [finish(lease.group, [0, 1]) for lease in leases]
     assert stub.SubmitGroup(buffer_pb2.SubmitGroupRequest(lease_id=leases[0].lease_id, group=sent[0])).accepted
     request = buffer_pb2.SubmitGroupRequest(lease_id=leases[1].lease_id, group=sent[1], arrays_in_redis=True)
@@ -81,7 +72,7 @@ def test_round_trip_over_grpc(stub, redis_client):
     assert stub.SubmitGroup(request).accepted
     redis_client.set(leases[1].upload_key, arrays)  # a retry's upload: dropped with it
     assert stub.SubmitGroup(request).duplicate
-    assert not redis_client.keys("svc*upload*")
+    assert not redis_client.keys("svc:*upload*")
 
     ask = buffer_pb2.GetBatchRequest(step=0, dp_rank=0, dp_size=1, timeout_seconds=5)
     batch = stub.GetBatch(ask, timeout=10)
@@ -120,25 +111,6 @@ def test_several_groups_in_one_call_are_each_stored_or_refused_on_their_own(stub
     assert results[2].code == grpc.StatusCode.NOT_FOUND.value[0] and "unknown to this run" in results[2].error
     state = stub.GetState(buffer_pb2.GetStateRequest(), timeout=10)
     assert state.num_completed_groups == 2 and state.counters["duplicate_submits"] == 1
-
-
-def test_the_gateways_submitter_sends_groups_that_finish_together_in_one_call(stub, buffer_address):
-    """Groups that finish in the same turn of the gateway's event loop go to the buffer in one call."""
-    leases = stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=2), timeout=10).leases
-    assert len(leases) == 2
-    calls = RPC_REQUESTS.labels("buffer", "SubmitGroups", "OK")
-    before = calls._value.get()
-
-    async def finish_all():
-        async with grpc.aio.insecure_channel(buffer_address) as channel:
-            submitter = Submitter(buffer_pb2_grpc.BufferServiceStub(channel))
-            requests = [buffer_pb2.SubmitGroupRequest(lease_id=le.lease_id, group=finish(le.group, [0, 1]))
-                        for le in leases]  # fmt: skip
-            return await asyncio.gather(*map(submitter.submit, requests))
-
-    assert all(r.accepted for r in asyncio.run(finish_all()))
-    assert calls._value.get() - before == 1
-    assert stub.GetState(buffer_pb2.GetStateRequest(), timeout=10).num_completed_groups == 2
 
 
 def _copy(group: common_pb2.PromptGroup) -> common_pb2.PromptGroup:
