@@ -29,7 +29,6 @@ from redis.connection import Encoder, PythonRespSerializer
 from services.common.clients import channel_options, wait_until_serving
 from services.common.redis_connection import EmbeddedRedis
 from services.common.tiny_checkpoint import write_tokenizer
-from services.rollout.submitter import Submitter
 from slipstream.samples import decode_tokens, encode_logprobs, encode_mask, encode_tokens, put_batch_arrays, take_arrays
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 
@@ -70,8 +69,7 @@ def redis_client(url: str) -> redis.Redis:
 
 async def submit_all(address: str, url: str, requests: list, upload_keys: dict[str, str], plane: bool) -> None:
     """Rollout workers submitting as the gateway does (services/rollout/workers.py, Rollout._submit): asyncio, several
-    groups finishing at once, sent together while the previous call is out (services/rollout/submitter.py); on the
-    data plane each group's arrays go to Redis first."""
+    groups finishing at once; on the data plane each group's arrays go to Redis first."""
     client = redis.asyncio.Redis.from_url(url)
     slots = asyncio.Semaphore(SUBMITTING)
 
@@ -80,10 +78,10 @@ async def submit_all(address: str, url: str, requests: list, upload_keys: dict[s
             if plane:
                 await client.set(upload_keys[request.lease_id], take_arrays(request.group), ex=3600)
                 request.arrays_in_redis = True
-            return (await submitter.submit(request)).accepted
+            return (await stub.SubmitGroup(request, timeout=60)).accepted
 
     async with grpc.aio.insecure_channel(address, options=channel_options(timeout_s=120)) as channel:
-        submitter = Submitter(buffer_pb2_grpc.BufferServiceStub(channel))
+        stub = buffer_pb2_grpc.BufferServiceStub(channel)
         assert all(await asyncio.gather(*map(submit, requests)))
     await client.aclose()
 

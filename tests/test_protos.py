@@ -33,7 +33,7 @@ def test_services_are_drafted_whole():
     pool = descriptor_pool.Default()
     expected = {
         "BufferService": {
-            "LeasePrompts", "ExtendLease", "ReleaseLease", "SubmitGroup", "SubmitGroups",
+            "LeasePrompts", "ExtendLease", "ReleaseLease", "SubmitGroup",
             "GetBatch", "CommitBatch", "SetPolicyVersion", "Rewind", "GetState",
         },
         "RolloutService": {

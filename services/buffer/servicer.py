@@ -1,11 +1,8 @@
 """gRPC face of the buffer: translates BufferService requests to `Buffer` calls and the results back."""
 
-import asyncio
-
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.buffer.core import Buffer, LeasedGroup
-from services.common.errors import SlipstreamError
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc
 
 _BLOCKED = {
@@ -71,17 +68,6 @@ class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
     async def SubmitGroup(self, request, context):
         accepted, duplicate, reason = await self.buffer.submit(request.lease_id, request.group, request.arrays_in_redis)
         return buffer_pb2.SubmitGroupResponse(accepted=accepted, duplicate=duplicate, filtered_reason=reason)
-
-    async def SubmitGroups(self, request, context):
-        results = await asyncio.gather(*(self.SubmitGroup(one, context) for one in request.groups),
-                                       return_exceptions=True)  # fmt: skip
-        for result in results:  # Redis unreachable, say: the call fails as a whole, and is retried as a whole
-            if isinstance(result, BaseException) and not isinstance(result, SlipstreamError):
-                raise result
-        return buffer_pb2.SubmitGroupsResponse(results=[
-            buffer_pb2.SubmitGroupResult(code=r.code.value[0], error=str(r)) if isinstance(r, SlipstreamError)
-            else buffer_pb2.SubmitGroupResult(response=r) for r in results
-        ])  # fmt: skip
 
     async def GetBatch(self, request, context):
         dp_size = request.dp_size or 1  # unset means one data-parallel rank

@@ -29,8 +29,7 @@ MIN_TOKEN_CHARS = 16
 V1 = "/slipstream.v1."
 # The roles besides admin that may call each RPC (a method missing here is admin's only).
 CALLERS: dict[str, tuple[str, ...]] = {
-    **{f"{V1}BufferService/{m}": ("worker",) for m in ("LeasePrompts", "ExtendLease", "ReleaseLease", "SubmitGroup",
-                                                                  "SubmitGroups")},
+    **{f"{V1}BufferService/{m}": ("worker",) for m in ("LeasePrompts", "ExtendLease", "ReleaseLease", "SubmitGroup")},
     **{f"{V1}BufferService/{m}": ("trainer",) for m in ("GetBatch", "CommitBatch", "SetPolicyVersion", "Rewind")},
     **{f"{V1}RewardService/{m}": ("worker",) for m in ("Score", "ScoreGroup")},
     **{f"{V1}RolloutService/{m}": ("trainer",) for m in (

@@ -54,7 +54,6 @@ def _allow_bytes(serializer):
 # CONTROL_MIB, and None is the service's --max-message-mb (what gRPC itself enforces for every method).
 REQUEST_MIB: dict[str, int | None] = {
     "SubmitGroup": None,  # a finished group: its samples' tokens, log-probs, multimodal data
-    "SubmitGroups": None,
     "Score": 64,  # a group's responses and labels
     "ScoreGroup": 64,
     "SyncWeightBuckets": 64,  # per bucket: tensor specs, and colocated, a handle per tensor and GPU

@@ -18,7 +18,6 @@ from services.common.plugins import load_callable
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, check_samples, generate_group
-from services.rollout.submitter import Submitter
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, common_pb2, reward_pb2
 
@@ -44,7 +43,6 @@ class Rollout:
     def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, reward, tokenizer=None, redis=None):
         self.config, self.pool, self.buffer, self.reward, self.tokenizer = config, pool, buffer, reward, tokenizer
         self.redis = redis  # the buffer's Redis (--redis-url): training groups' arrays are uploaded there
-        self.submitter = Submitter(buffer)
         self.custom = None
         if config.custom_generate_function_path:
             self.custom = load_callable(config.custom_generate_function_path, "--custom-generate-function-path")
@@ -162,7 +160,7 @@ class Rollout:
         if self.redis is not None and lease.upload_key and group.dataset == "train":
             await self.redis.set(lease.upload_key, samples.take_arrays(request.group), ex=UPLOAD_TTL_S)
             request.arrays_in_redis = True
-        await self.submitter.submit(request)
+        await self.buffer.SubmitGroup(request, timeout=60)
 
     async def _generate(self, group: common_pb2.PromptGroup, sampling: dict) -> list:
         ctx = GenerateContext(self.pool, sampling, self.config, self.tokenizer, self.reward, affinity=group.group_id)

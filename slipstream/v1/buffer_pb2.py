@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from slipstream.v1 import common_pb2 as slipstream_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aslipstream/v1/buffer.proto\x12\rslipstream.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1aslipstream/v1/common.proto\"\x86\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12)\n\x05group\x18\x02 \x01(\x0b\x32\x1a.slipstream.v1.PromptGroup\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nupload_key\x18\x04 \x01(\t\"d\n\x13LeasePromptsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmax_groups\x18\x02 \x01(\x05\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\t\"\x80\x01\n\x14LeasePromptsResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.slipstream.v1.Lease\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12*\n\x07\x62locked\x18\x03 \x01(\x0e\x32\x19.slipstream.v1.LeaseBlock\">\n\x12\x45xtendLeaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"L\n\x13\x45xtendLeaseResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.slipstream.v1.Lease\x12\x0f\n\x07\x65xpired\x18\x02 \x03(\t\"g\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12.\n\x0fpartial_samples\x18\x02 \x03(\x0b\x32\x15.slipstream.v1.Sample\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"j\n\x12SubmitGroupRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12)\n\x05group\x18\x02 \x01(\x0b\x32\x1a.slipstream.v1.PromptGroup\x12\x17\n\x0f\x61rrays_in_redis\x18\x03 \x01(\x08\"S\n\x13SubmitGroupResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x17\n\x0f\x66iltered_reason\x18\x03 \x01(\t\"H\n\x13SubmitGroupsRequest\x12\x31\n\x06groups\x18\x01 \x03(\x0b\x32!.slipstream.v1.SubmitGroupRequest\"I\n\x14SubmitGroupsResponse\x12\x31\n\x07results\x18\x01 \x03(\x0b\x32 .slipstream.v1.SubmitGroupResult\"f\n\x11SubmitGroupResult\x12\x34\n\x08response\x18\x01 \x01(\x0b\x32\".slipstream.v1.SubmitGroupResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"u\n\x0fGetBatchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\x05\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12\x19\n\x11\x61rrays_from_redis\x18\x05 \x01(\x08\"\xb3\x01\n\x10GetBatchResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12*\n\x06groups\x18\x02 \x03(\x0b\x32\x1a.slipstream.v1.PromptGroup\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_groups\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x0e\n\x06\x61rrays\x18\x06 \x03(\x0c\x12\x13\n\x0b\x61rrays_keys\x18\x07 \x03(\t\"\"\n\x12\x43ommitBatchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"1\n\x13\x43ommitBatchResponse\x12\x1a\n\x12num_deleted_groups\x18\x01 \x01(\x03\"*\n\x17SetPolicyVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"+\n\x18SetPolicyVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"5\n\rRewindRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"-\n\x0eRewindResponse\x12\x1b\n\x13num_returned_groups\x18\x01 \x01(\x03\"\x11\n\x0fGetStateRequest\"\xe6\x02\n\x0b\x42ufferState\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x1b\n\x13num_pending_prompts\x18\x02 \x01(\x03\x12\x19\n\x11num_leased_groups\x18\x03 \x01(\x03\x12\x1c\n\x14num_completed_groups\x18\x04 \x01(\x03\x12\x1b\n\x13num_filtered_groups\x18\x05 \x01(\x03\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x1c\n\x14num_consumed_prompts\x18\x07 \x01(\x03\x12\x1b\n\x13last_committed_step\x18\x08 \x01(\x03\x12:\n\x08\x63ounters\x18\t \x03(\x0b\x32(.slipstream.v1.BufferState.CountersEntry\x12\x15\n\reval_datasets\x18\n \x03(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*}\n\nLeaseBlock\x12\x1b\n\x17LEASE_BLOCK_UNSPECIFIED\x10\x00\x12\x1c\n\x18LEASE_BLOCK_BACKPRESSURE\x10\x01\x12\x19\n\x15LEASE_BLOCK_STALENESS\x10\x02\x12\x19\n\x15LEASE_BLOCK_EXHAUSTED\x10\x03\x32\xdd\x06\n\rBufferService\x12W\n\x0cLeasePrompts\x12\".slipstream.v1.LeasePromptsRequest\x1a#.slipstream.v1.LeasePromptsResponse\x12T\n\x0b\x45xtendLease\x12!.slipstream.v1.ExtendLeaseRequest\x1a\".slipstream.v1.ExtendLeaseResponse\x12W\n\x0cReleaseLease\x12\".slipstream.v1.ReleaseLeaseRequest\x1a#.slipstream.v1.ReleaseLeaseResponse\x12T\n\x0bSubmitGroup\x12!.slipstream.v1.SubmitGroupRequest\x1a\".slipstream.v1.SubmitGroupResponse\x12W\n\x0cSubmitGroups\x12\".slipstream.v1.SubmitGroupsRequest\x1a#.slipstream.v1.SubmitGroupsResponse\x12K\n\x08GetBatch\x12\x1e.slipstream.v1.GetBatchRequest\x1a\x1f.slipstream.v1.GetBatchResponse\x12T\n\x0b\x43ommitBatch\x12!.slipstream.v1.CommitBatchRequest\x1a\".slipstream.v1.CommitBatchResponse\x12\x63\n\x10SetPolicyVersion\x12&.slipstream.v1.SetPolicyVersionRequest\x1a\'.slipstream.v1.SetPolicyVersionResponse\x12\x45\n\x06Rewind\x12\x1c.slipstream.v1.RewindRequest\x1a\x1d.slipstream.v1.RewindResponse\x12\x46\n\x08GetState\x12\x1e.slipstream.v1.GetStateRequest\x1a\x1a.slipstream.v1.BufferStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aslipstream/v1/buffer.proto\x12\rslipstream.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1aslipstream/v1/common.proto\"\x86\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12)\n\x05group\x18\x02 \x01(\x0b\x32\x1a.slipstream.v1.PromptGroup\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nupload_key\x18\x04 \x01(\t\"d\n\x13LeasePromptsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmax_groups\x18\x02 \x01(\x05\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\t\"\x80\x01\n\x14LeasePromptsResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.slipstream.v1.Lease\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12*\n\x07\x62locked\x18\x03 \x01(\x0e\x32\x19.slipstream.v1.LeaseBlock\">\n\x12\x45xtendLeaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"L\n\x13\x45xtendLeaseResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.slipstream.v1.Lease\x12\x0f\n\x07\x65xpired\x18\x02 \x03(\t\"g\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12.\n\x0fpartial_samples\x18\x02 \x03(\x0b\x32\x15.slipstream.v1.Sample\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"j\n\x12SubmitGroupRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12)\n\x05group\x18\x02 \x01(\x0b\x32\x1a.slipstream.v1.PromptGroup\x12\x17\n\x0f\x61rrays_in_redis\x18\x03 \x01(\x08\"S\n\x13SubmitGroupResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x17\n\x0f\x66iltered_reason\x18\x03 \x01(\t\"u\n\x0fGetBatchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\x05\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12\x19\n\x11\x61rrays_from_redis\x18\x05 \x01(\x08\"\xb3\x01\n\x10GetBatchResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12*\n\x06groups\x18\x02 \x03(\x0b\x32\x1a.slipstream.v1.PromptGroup\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_groups\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x0e\n\x06\x61rrays\x18\x06 \x03(\x0c\x12\x13\n\x0b\x61rrays_keys\x18\x07 \x03(\t\"\"\n\x12\x43ommitBatchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"1\n\x13\x43ommitBatchResponse\x12\x1a\n\x12num_deleted_groups\x18\x01 \x01(\x03\"*\n\x17SetPolicyVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"+\n\x18SetPolicyVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"5\n\rRewindRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"-\n\x0eRewindResponse\x12\x1b\n\x13num_returned_groups\x18\x01 \x01(\x03\"\x11\n\x0fGetStateRequest\"\xe6\x02\n\x0b\x42ufferState\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x1b\n\x13num_pending_prompts\x18\x02 \x01(\x03\x12\x19\n\x11num_leased_groups\x18\x03 \x01(\x03\x12\x1c\n\x14num_completed_groups\x18\x04 \x01(\x03\x12\x1b\n\x13num_filtered_groups\x18\x05 \x01(\x03\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x1c\n\x14num_consumed_prompts\x18\x07 \x01(\x03\x12\x1b\n\x13last_committed_step\x18\x08 \x01(\x03\x12:\n\x08\x63ounters\x18\t \x03(\x0b\x32(.slipstream.v1.BufferState.CountersEntry\x12\x15\n\reval_datasets\x18\n \x03(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*}\n\nLeaseBlock\x12\x1b\n\x17LEASE_BLOCK_UNSPECIFIED\x10\x00\x12\x1c\n\x18LEASE_BLOCK_BACKPRESSURE\x10\x01\x12\x19\n\x15LEASE_BLOCK_STALENESS\x10\x02\x12\x19\n\x15LEASE_BLOCK_EXHAUSTED\x10\x03\x32\x84\x06\n\rBufferService\x12W\n\x0cLeasePrompts\x12\".slipstream.v1.LeasePromptsRequest\x1a#.slipstream.v1.LeasePromptsResponse\x12T\n\x0b\x45xtendLease\x12!.slipstream.v1.ExtendLeaseRequest\x1a\".slipstream.v1.ExtendLeaseResponse\x12W\n\x0cReleaseLease\x12\".slipstream.v1.ReleaseLeaseRequest\x1a#.slipstream.v1.ReleaseLeaseResponse\x12T\n\x0bSubmitGroup\x12!.slipstream.v1.SubmitGroupRequest\x1a\".slipstream.v1.SubmitGroupResponse\x12K\n\x08GetBatch\x12\x1e.slipstream.v1.GetBatchRequest\x1a\x1f.slipstream.v1.GetBatchResponse\x12T\n\x0b\x43ommitBatch\x12!.slipstream.v1.CommitBatchRequest\x1a\".slipstream.v1.CommitBatchResponse\x12\x63\n\x10SetPolicyVersion\x12&.slipstream.v1.SetPolicyVersionRequest\x1a\'.slipstream.v1.SetPolicyVersionResponse\x12\x45\n\x06Rewind\x12\x1c.slipstream.v1.RewindRequest\x1a\x1d.slipstream.v1.RewindResponse\x12\x46\n\x08GetState\x12\x1e.slipstream.v1.GetStateRequest\x1a\x1a.slipstream.v1.BufferStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BUFFERSTATE_COUNTERSENTRY']._loaded_options = None
   _globals['_BUFFERSTATE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_LEASEBLOCK']._serialized_start=2152
-  _globals['_LEASEBLOCK']._serialized_end=2277
+  _globals['_LEASEBLOCK']._serialized_start=1899
+  _globals['_LEASEBLOCK']._serialized_end=2024
   _globals['_LEASE']._serialized_start=107
   _globals['_LEASE']._serialized_end=241
   _globals['_LEASEPROMPTSREQUEST']._serialized_start=243
@@ -55,34 +55,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITGROUPREQUEST']._serialized_end=853
   _globals['_SUBMITGROUPRESPONSE']._serialized_start=855
   _globals['_SUBMITGROUPRESPONSE']._serialized_end=938
-  _globals['_SUBMITGROUPSREQUEST']._serialized_start=940
-  _globals['_SUBMITGROUPSREQUEST']._serialized_end=1012
-  _globals['_SUBMITGROUPSRESPONSE']._serialized_start=1014
-  _globals['_SUBMITGROUPSRESPONSE']._serialized_end=1087
-  _globals['_SUBMITGROUPRESULT']._serialized_start=1089
-  _globals['_SUBMITGROUPRESULT']._serialized_end=1191
-  _globals['_GETBATCHREQUEST']._serialized_start=1193
-  _globals['_GETBATCHREQUEST']._serialized_end=1310
-  _globals['_GETBATCHRESPONSE']._serialized_start=1313
-  _globals['_GETBATCHRESPONSE']._serialized_end=1492
-  _globals['_COMMITBATCHREQUEST']._serialized_start=1494
-  _globals['_COMMITBATCHREQUEST']._serialized_end=1528
-  _globals['_COMMITBATCHRESPONSE']._serialized_start=1530
-  _globals['_COMMITBATCHRESPONSE']._serialized_end=1579
-  _globals['_SETPOLICYVERSIONREQUEST']._serialized_start=1581
-  _globals['_SETPOLICYVERSIONREQUEST']._serialized_end=1623
-  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_start=1625
-  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_end=1668
-  _globals['_REWINDREQUEST']._serialized_start=1670
-  _globals['_REWINDREQUEST']._serialized_end=1723
-  _globals['_REWINDRESPONSE']._serialized_start=1725
-  _globals['_REWINDRESPONSE']._serialized_end=1770
-  _globals['_GETSTATEREQUEST']._serialized_start=1772
-  _globals['_GETSTATEREQUEST']._serialized_end=1789
-  _globals['_BUFFERSTATE']._serialized_start=1792
-  _globals['_BUFFERSTATE']._serialized_end=2150
-  _globals['_BUFFERSTATE_COUNTERSENTRY']._serialized_start=2103
-  _globals['_BUFFERSTATE_COUNTERSENTRY']._serialized_end=2150
-  _globals['_BUFFERSERVICE']._serialized_start=2280
-  _globals['_BUFFERSERVICE']._serialized_end=3141
+  _globals['_GETBATCHREQUEST']._serialized_start=940
+  _globals['_GETBATCHREQUEST']._serialized_end=1057
+  _globals['_GETBATCHRESPONSE']._serialized_start=1060
+  _globals['_GETBATCHRESPONSE']._serialized_end=1239
+  _globals['_COMMITBATCHREQUEST']._serialized_start=1241
+  _globals['_COMMITBATCHREQUEST']._serialized_end=1275
+  _globals['_COMMITBATCHRESPONSE']._serialized_start=1277
+  _globals['_COMMITBATCHRESPONSE']._serialized_end=1326
+  _globals['_SETPOLICYVERSIONREQUEST']._serialized_start=1328
+  _globals['_SETPOLICYVERSIONREQUEST']._serialized_end=1370
+  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_start=1372
+  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_end=1415
+  _globals['_REWINDREQUEST']._serialized_start=1417
+  _globals['_REWINDREQUEST']._serialized_end=1470
+  _globals['_REWINDRESPONSE']._serialized_start=1472
+  _globals['_REWINDRESPONSE']._serialized_end=1517
+  _globals['_GETSTATEREQUEST']._serialized_start=1519
+  _globals['_GETSTATEREQUEST']._serialized_end=1536
+  _globals['_BUFFERSTATE']._serialized_start=1539
+  _globals['_BUFFERSTATE']._serialized_end=1897
+  _globals['_BUFFERSTATE_COUNTERSENTRY']._serialized_start=1850
+  _globals['_BUFFERSTATE_COUNTERSENTRY']._serialized_end=1897
+  _globals['_BUFFERSERVICE']._serialized_start=2027
+  _globals['_BUFFERSERVICE']._serialized_end=2799
 # @@protoc_insertion_point(module_scope)

@@ -106,28 +106,6 @@ class SubmitGroupResponse(_message.Message):
     filtered_reason: str
     def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., filtered_reason: _Optional[str] = ...) -> None: ...
 
-class SubmitGroupsRequest(_message.Message):
-    __slots__ = ("groups",)
-    GROUPS_FIELD_NUMBER: _ClassVar[int]
-    groups: _containers.RepeatedCompositeFieldContainer[SubmitGroupRequest]
-    def __init__(self, groups: _Optional[_Iterable[_Union[SubmitGroupRequest, _Mapping]]] = ...) -> None: ...
-
-class SubmitGroupsResponse(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[SubmitGroupResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[SubmitGroupResult, _Mapping]]] = ...) -> None: ...
-
-class SubmitGroupResult(_message.Message):
-    __slots__ = ("response", "code", "error")
-    RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    response: SubmitGroupResponse
-    code: int
-    error: str
-    def __init__(self, response: _Optional[_Union[SubmitGroupResponse, _Mapping]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
-
 class GetBatchRequest(_message.Message):
     __slots__ = ("step", "dp_rank", "dp_size", "timeout_seconds", "arrays_from_redis")
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -54,11 +54,6 @@ class BufferServiceStub:
                 request_serializer=slipstream_dot_v1_dot_buffer__pb2.SubmitGroupRequest.SerializeToString,
                 response_deserializer=slipstream_dot_v1_dot_buffer__pb2.SubmitGroupResponse.FromString,
                 _registered_method=True)
-        self.SubmitGroups = channel.unary_unary(
-                '/slipstream.v1.BufferService/SubmitGroups',
-                request_serializer=slipstream_dot_v1_dot_buffer__pb2.SubmitGroupsRequest.SerializeToString,
-                response_deserializer=slipstream_dot_v1_dot_buffer__pb2.SubmitGroupsResponse.FromString,
-                _registered_method=True)
         self.GetBatch = channel.unary_unary(
                 '/slipstream.v1.BufferService/GetBatch',
                 request_serializer=slipstream_dot_v1_dot_buffer__pb2.GetBatchRequest.SerializeToString,
@@ -111,14 +106,6 @@ class BufferServiceServicer:
 
     def SubmitGroup(self, request, context):
         """Store a finished group. Idempotent: a retried or late submit is never counted twice.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SubmitGroups(self, request, context):
-        """Several finished groups in one call (a gateway sends what finished while its previous call was out): each is
-        checked and stored on its own, as by SubmitGroup, and answered in order; one refused group fails only itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,11 +168,6 @@ def add_BufferServiceServicer_to_server(servicer, server):
                     servicer.SubmitGroup,
                     request_deserializer=slipstream_dot_v1_dot_buffer__pb2.SubmitGroupRequest.FromString,
                     response_serializer=slipstream_dot_v1_dot_buffer__pb2.SubmitGroupResponse.SerializeToString,
-            ),
-            'SubmitGroups': grpc.unary_unary_rpc_method_handler(
-                    servicer.SubmitGroups,
-                    request_deserializer=slipstream_dot_v1_dot_buffer__pb2.SubmitGroupsRequest.FromString,
-                    response_serializer=slipstream_dot_v1_dot_buffer__pb2.SubmitGroupsResponse.SerializeToString,
             ),
             'GetBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.GetBatch,
@@ -321,33 +303,6 @@ class BufferService:
             '/slipstream.v1.BufferService/SubmitGroup',
             slipstream_dot_v1_dot_buffer__pb2.SubmitGroupRequest.SerializeToString,
             slipstream_dot_v1_dot_buffer__pb2.SubmitGroupResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SubmitGroups(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/slipstream.v1.BufferService/SubmitGroups',
-            slipstream_dot_v1_dot_buffer__pb2.SubmitGroupsRequest.SerializeToString,
-            slipstream_dot_v1_dot_buffer__pb2.SubmitGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

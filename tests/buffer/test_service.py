@@ -93,26 +93,6 @@ def test_round_trip_over_grpc(stub, redis_client):
     assert redis_client.exists(*keyed.arrays_keys) == 0
 
 
-def test_several_groups_in_one_call_are_each_stored_or_refused_on_their_own(stub):
-    leases = stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=2), timeout=10).leases
-    first, second = (
-        buffer_pb2.SubmitGroupRequest(lease_id=le.lease_id, group=finish(le.group, [0, 1])) for le in leases
-    )
-    bad = buffer_pb2.SubmitGroupRequest(lease_id=leases[1].lease_id, group=finish(leases[1].group, [0, 1, 1]))
-    stranger = buffer_pb2.SubmitGroupRequest(lease_id="train:e9:b0:r1#1", group=finish(leases[0].group, [0, 1]))
-    request = buffer_pb2.SubmitGroupsRequest(groups=[first, bad, stranger, second, first])
-    results = stub.SubmitGroups(request, timeout=10).results
-    assert [r.HasField("response") for r in results] == [True, False, False, True, True]
-    assert results[3].response.accepted
-    # The same group twice in one call counts once (which of the two is stored first is Redis's order).
-    assert sorted((r.response.accepted, r.response.duplicate) for r in (results[0], results[4])) == [
-        (False, True), (True, False)]  # fmt: skip
-    assert results[1].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "expected 2 samples" in results[1].error
-    assert results[2].code == grpc.StatusCode.NOT_FOUND.value[0] and "unknown to this run" in results[2].error
-    state = stub.GetState(buffer_pb2.GetStateRequest(), timeout=10)
-    assert state.num_completed_groups == 2 and state.counters["duplicate_submits"] == 1
-
-
 def _copy(group: common_pb2.PromptGroup) -> common_pb2.PromptGroup:
     copy = common_pb2.PromptGroup()
     copy.CopyFrom(group)
