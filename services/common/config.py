@@ -12,6 +12,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -117,13 +118,30 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
     for dotted, value in args.items():
         _set_path(flags, dotted.split("."), value)
     config = validate_config(model, _merge(settings, flags), set(args), str(file_path) if file_path else None)
-    if print_config:
-        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    if print_config:  # without the passwords of URLs (--redis-url redis://:PASSWORD@host)
+        print(yaml.safe_dump(_redact_urls(config.model_dump(mode="json")), sort_keys=False), end="")
         raise SystemExit(0)
     if check:
         print(f"{prog}: the settings are valid")
         raise SystemExit(0)
     return config
+
+
+def redacted(url: str) -> str:
+    """`url` without its password (redis://user:PASSWORD@host, or unix://…?password=PASSWORD), for messages."""
+    parts = urlsplit(url)
+    userinfo, _, host = parts.netloc.rpartition("@")
+    netloc = f"{userinfo.split(':')[0]}:***@{host}" if ":" in userinfo else parts.netloc
+    query = "&".join("password=***" if q.startswith("password=") else q for q in parts.query.split("&"))
+    return url.replace(f"//{parts.netloc}", f"//{netloc}", 1).replace(f"?{parts.query}", f"?{query}", 1)
+
+
+def _redact_urls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _redact_urls(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_urls(v) for v in value]
+    return redacted(value) if isinstance(value, str) and "://" in value else value
 
 
 def _take_passthrough(model: type[StrictModel], unknown: list[str], args: dict) -> list[str]:

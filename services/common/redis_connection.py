@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import redis
 from pydantic import Field
 
-from services.common.config import StrictModel
+from services.common.config import StrictModel, redacted
 from services.common.errors import StartupError
 from services.common.processes import die_with_parent
 
@@ -137,15 +137,6 @@ class EmbeddedRedis:
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
-
-
-def redacted(url: str) -> str:
-    """`url` without its password (redis://user:PASSWORD@host, or unix://…?password=PASSWORD), for messages."""
-    parts = urlsplit(url)
-    userinfo, _, host = parts.netloc.rpartition("@")
-    netloc = f"{userinfo.split(':')[0]}:***@{host}" if ":" in userinfo else parts.netloc
-    query = "&".join("password=***" if q.startswith("password=") else q for q in parts.query.split("&"))
-    return url.replace(f"//{parts.netloc}", f"//{netloc}", 1).replace(f"?{parts.query}", f"?{query}", 1)
 
 
 class RedisHandle:

@@ -99,3 +99,10 @@ def test_print_config(capsys):
         load(["--print-config", "--port", "1234"])
     assert info.value.code == 0
     assert "port: 1234" in capsys.readouterr().out
+
+
+def test_print_config_shows_no_password_of_a_url(capsys):
+    with pytest.raises(SystemExit):
+        load_config(BufferConfig, ["--print-config", "--redis-url", "redis://:s3cret@redis:6379/0"], prog="buffer")
+    out = capsys.readouterr().out
+    assert "url: redis://:***@redis:6379/0" in out and "s3cret" not in out
