@@ -5,13 +5,13 @@ stack itself runs in real containers in `make deploy-check`."""
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from services.common.tiny_checkpoint import write_tiny_model
+from tests.redis_servers import check_redis_password_from_file
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "deploy" / "compose"
@@ -123,30 +123,6 @@ def sglang_command_line_is_accepted(engine: dict, flags: Path, tmp_path: Path) -
 @pytest.mark.skipif(TOOL is None, reason="needs podman-compose (with podman) or docker compose")
 def test_the_compose_redis_takes_its_password_from_the_secret_and_shows_it_nowhere(tmp_path):
     """The redis service's command from the rendered compose file, run for real in a redis:7 container with the
-    secret mounted where compose mounts it: the password works, no password is refused, and no process in the
-    container has the password on its command line."""
-    from tests.conftest import _docker_redis_available
-
-    if not _docker_redis_available():
-        pytest.skip("needs testcontainers and a container engine (DOCKER_HOST; `make test` sets one up here)")
-    import redis
-    from testcontainers.core.container import DockerContainer
-
+    secret mounted where compose mounts it."""
     service = render("cpu", tmp_path)["services"]["redis"]
-    (secret := tmp_path / "redis-password").write_text("compose-secret-pw\n")
-    secret.chmod(0o644)
-    container = DockerContainer("redis:7").with_command(service["command"]).with_exposed_ports(6379)
-    with container.with_volume_mapping(str(secret), "/run/secrets/redis_password", "ro"):
-        host, port = container.get_container_host_ip(), int(container.get_exposed_port(6379))
-        client, deadline = redis.Redis(host, port, password="compose-secret-pw"), time.monotonic() + 60
-        while True:
-            try:
-                assert client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, container.get_logs()
-                time.sleep(0.2)
-        with pytest.raises(redis.AuthenticationError):
-            redis.Redis(host, port).ping()
-        command_lines = container.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"]).output.decode()
-        assert "redis-server" in command_lines and "compose-secret-pw" not in command_lines
+    check_redis_password_from_file(service["command"], "/run/secrets/redis_password", tmp_path)

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from services.common.tiny_checkpoint import write_tiny_model
+from tests.redis_servers import check_redis_password_from_file
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
@@ -54,7 +55,7 @@ def test_the_workloads_and_their_kinds(objects):
     assert set(by_kind(objects, "HorizontalPodAutoscaler")) == {"reward"}
     assert set(by_kind(objects, "PodDisruptionBudget")) == {"buffer", "reward", "rollout", "engine"}
     redis = workloads(objects)["redis"]
-    assert redis["spec"]["volumeClaimTemplates"] and "--appendonly" in command_line(redis)
+    assert redis["spec"]["volumeClaimTemplates"] and "--appendonly yes" in " ".join(command_line(redis))
 
 
 def test_every_container_asks_for_resources_and_the_gpu_ones_for_gpus(objects):
@@ -74,6 +75,13 @@ def test_services_probe_what_they_serve(objects):
         if name in SLIPSTREAM:
             port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
             assert c["readinessProbe"]["grpc"]["port"] == port and c["livenessProbe"]["grpc"]["port"] == port
+
+
+def test_the_redis_takes_its_password_from_the_secret_and_shows_it_nowhere(objects, tmp_path):
+    """The redis pod's command, with Kubernetes' $$ → $, run for real in a redis:7 container with the Secret's file
+    mounted where the pod mounts it."""
+    command = [part.replace("$$", "$") for part in command_line(workloads(objects)["redis"])]
+    check_redis_password_from_file(command, "/etc/slipstream/redis/password", tmp_path)
 
 
 def test_every_address_a_command_names_is_served_on_that_port(objects):
