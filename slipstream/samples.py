@@ -51,7 +51,8 @@ _NUMBERS = [common_pb2.Sample.DESCRIPTOR.fields_by_name[name].number for name in
 _SAMPLES = common_pb2.PromptGroup.DESCRIPTOR.fields_by_name["samples"].number
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """Protobuf's base-128 varint encoding of `value` (>= 0)."""
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
@@ -78,11 +79,11 @@ def take_arrays(group: common_pb2.PromptGroup) -> bytes:
         fields, size = [], 0
         for number, name in zip(_NUMBERS, ARRAYS, strict=True):
             if data := getattr(sample, name):
-                head = _varint(number << 3 | 2) + _varint(len(data))
+                head = varint(number << 3 | 2) + varint(len(data))
                 fields += [head, data]
                 size += len(head) + len(data)
                 sample.ClearField(name)
-        pieces += [_varint(_SAMPLES << 3 | 2) + _varint(size), *fields]
+        pieces += [varint(_SAMPLES << 3 | 2) + varint(size), *fields]
     return b"".join(pieces)
 
 

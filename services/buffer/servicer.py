@@ -3,6 +3,7 @@
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.buffer.core import Buffer, LeasedGroup
+from slipstream.samples import varint
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc
 
 _BLOCKED = {
@@ -16,19 +17,10 @@ _BLOCKED = {
 _FIELDS = buffer_pb2.GetBatchResponse.DESCRIPTOR.fields_by_name
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _repeated_bytes(field: str, payloads: list[bytes]) -> bytes:
     """Wire encoding of a repeated message (or bytes) field from already serialized messages."""
-    tag = _varint(_FIELDS[field].number << 3 | 2)  # wire type 2: length-delimited
-    return b"".join(tag + _varint(len(payload)) + payload for payload in payloads)
+    tag = varint(_FIELDS[field].number << 3 | 2)  # wire type 2: length-delimited
+    return b"".join(tag + varint(len(payload)) + payload for payload in payloads)
 
 
 def _timestamp(ms: int) -> Timestamp:
