@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from services.trainer.advantages import compute_advantages
+from services.trainer.advantages import compute_advantages, normalized_rewards, whiten
 from services.trainer.batching import micro_batches, split_steps
 from services.trainer.config import TrainerConfig
 from services.trainer.data import RolloutBatch, input_tensors, response_tensors
 from services.trainer.data_parallel import DistributedAdamW
+from services.trainer.hooks import Hooks
 from services.trainer.losses import approx_kl, policy_loss, token_logprobs_and_entropy
 from services.trainer.optimizer import clip_gradients
 
@@ -46,6 +47,7 @@ class Actor:
     def __init__(self, config: TrainerConfig, model, optimizer, scheduler, groups: Groups, ref_model=None, ddp=None):
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups, self.ref_model, self.ddp = groups, ref_model, ddp
+        self.hooks = Hooks(config)  # slime's extension points: loss, advantages, TIS, reward post-processing
         if ddp is None and groups.dp is not None and dist.get_world_size(groups.dp) > 1:
             raise ValueError("data-parallel ranks sum their gradients through megatron's DDP: pass the actor "
                              "ddp=data_parallel.wrap(model, config)")  # fmt: skip
@@ -159,13 +161,25 @@ class Actor:
         ref_BR = self.full_logprobs(self.ref_model, batch) if self.ref_model is not None else None
         values_BR = self.critic.full_values(batch) if self.critic is not None else None
         kl_BR = approx_kl(old_BR, ref_BR, "k1") * mask_BR if ref_BR is not None and c.kl_coef else None
-        advantages_BR, returns_BR = compute_advantages(
-            c.advantage_estimator, batch.rewards_B, mask_BR, group_size=batch.group_size, kl_BT=kl_BR,
-            values_BT=values_BR, kl_coef=c.kl_coef, gamma=c.gamma, lambd=c.lambd,
-            disable_std_normalization=c.disable_grpo_std_normalization, normalize_advantages=c.normalize_advantages,
-        )  # fmt: skip
-        per_step = {"old": old_BR, "ref": ref_BR, "adv": advantages_BR, "mask": mask_BR,
-                    "rollout": tensors["rollout_logprobs_BR"]}  # fmt: skip
+        rewards_B = batch.rewards_B
+        if not (batch.normalized or c.disable_rewards_normalization):
+            std = not c.disable_grpo_std_normalization
+            rewards_B = normalized_rewards(c.advantage_estimator, rewards_B, batch.group_size, std)
+        per_step = {"old": old_BR, "ref": ref_BR, "mask": mask_BR, "rollout": tensors["rollout_logprobs_BR"],
+                    "rewards": rewards_B}  # fmt: skip
+        if self.hooks["custom_advantage_function_path"]:
+            kl = kl_BR if kl_BR is not None else torch.zeros_like(mask_BR)
+            advantages_BR, returns_BR = self.hooks.advantages(batch, rewards_B, {**per_step, "values": values_BR,
+                                                                                 "kl": kl})  # fmt: skip
+            if c.normalize_advantages:
+                advantages_BR = whiten(advantages_BR, mask_BR)
+        else:
+            advantages_BR, returns_BR = compute_advantages(
+                c.advantage_estimator, rewards_B, mask_BR, group_size=batch.group_size, kl_BT=kl_BR,
+                values_BT=values_BR, kl_coef=c.kl_coef, gamma=c.gamma, lambd=c.lambd,
+                normalize_advantages=c.normalize_advantages, rewards_normalization=False,
+            )  # fmt: skip
+        per_step["adv"] = advantages_BR
         critic_t = {"old_values": values_BR, "returns": returns_BR, "mask": mask_BR}
         self.model.train()
         results = []
@@ -228,14 +242,28 @@ class Actor:
                 "tokens_per_s": float(tokens) / elapsed}  # fmt: skip
 
     def micro_batch_loss(self, batch: RolloutBatch, mb: list[int], t: dict, share: dict):
-        return self.micro_loss(*self.logprobs(self.model, batch, mb, entropy=True), mb, t, share)
+        if self.hooks["custom_loss_function_path"] is None:
+            return self.micro_loss(*self.logprobs(self.model, batch, mb, entropy=True), mb, t, share, batch)
+        inputs = self.inputs(batch, mb)
+        lengths = [batch.response_lengths()[i] for i in mb]
+        take = self._take(t, mb, max(lengths))
+        loss, metrics = self.hooks.loss(self.forward(self.model, inputs), inputs, take, lengths, share["token_level"])
+        return self._scaled(loss, metrics, take["mask"], mb, share)
 
-    def micro_loss(self, logprobs_bR, entropy_bR, mb: list[int], t: dict, share: dict):
+    def _take(self, t: dict, mb: list[int], width: int) -> dict:
+        """Rows `mb` of the rollout's tensors, cut to `width` response tokens, on this rank's device."""
+        return {k: (v[mb, :width] if v.dim() == 2 else v[mb]).to(self.device) if v is not None else None
+                for k, v in t.items()}  # fmt: skip
+
+    def micro_loss(self, logprobs_bR, entropy_bR, mb: list[int], t: dict, share: dict, batch: RolloutBatch = None):
         """One micro-batch's loss, scaled by its share of the step's trained tokens (or samples) over all DP ranks,
         and its metrics scaled alike (so that summing gives the step's means)."""
         c = self.config
-        width = logprobs_bR.shape[1]
-        take = {k: (v[mb, :width].to(self.device) if v is not None else None) for k, v in t.items()}
+        take = self._take(t, mb, logprobs_bR.shape[1])
+        tis = None
+        if batch is not None and c.use_tis:
+            lengths, prompts = batch.response_lengths(), batch.prompt_lengths
+            tis = self.hooks.tis_function([lengths[i] for i in mb], [prompts[i] for i in mb])
         loss, metrics = policy_loss(
             logprobs_bR, take["mask"], old_logprobs_BT=take["old"], advantages_BT=take["adv"],
             entropy_BT=entropy_bR, ref_logprobs_BT=take["ref"], rollout_logprobs_BT=take["rollout"],
@@ -243,9 +271,12 @@ class Actor:
             eps_clip_high=c.eps_clip_high, eps_clip_c=c.eps_clip_c, entropy_coef=c.entropy_coef,
             use_kl_loss=c.use_kl_loss, kl_loss_coef=c.kl_loss_coef, kl_loss_type=c.kl_loss_type, use_tis=c.use_tis,
             tis_clip=c.tis_clip, tis_clip_low=c.tis_clip_low, use_rollout_logprobs=c.use_rollout_logprobs,
-            loss_aggregation="token" if share["token_level"] else "sequence",
+            loss_aggregation="token" if share["token_level"] else "sequence", tis_function=tis,
         )  # fmt: skip
-        part = (float(take["mask"].sum()) if share["token_level"] else float(len(mb))) / share["total"]
+        return self._scaled(loss, metrics, take["mask"], mb, share)
+
+    def _scaled(self, loss, metrics: dict, mask_bR, mb: list[int], share: dict):
+        part = (float(mask_bR.sum()) if share["token_level"] else float(len(mb))) / share["total"]
         if self.moe and not self.pipelined:  # the routers' auxiliary losses, added at backward, weigh as this loss
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 

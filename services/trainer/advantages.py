@@ -29,6 +29,7 @@ def compute_advantages(
     lambd: float = 1.0,
     disable_std_normalization: bool = False,
     normalize_advantages: bool = False,
+    rewards_normalization: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Returns `(advantages_BT, returns_BT)` for slime's `--advantage-estimator`.
 
@@ -38,13 +39,16 @@ def compute_advantages(
     minus its group mean, minus `kl_coef * kl` per token. Both reinforce++ variants are always whitened (slime
     refuses to run them without `--normalize-advantages`); `returns_BT` is the value before whitening.
     `kl_BT` is the per-token KL to the reference policy (`losses.approx_kl`), needed when `kl_coef` is not 0.
+    Without `rewards_normalization` the rewards are taken as already normalized (slime's
+    `--disable-rewards-normalization`, or a custom reward post-processing): no group statistics are applied.
     """
     mask_BT = _checked_mask(advantage_estimator, rewards_B, loss_mask_BT, group_size, kl_BT, values_BT, kl_coef)
     rewards_B = rewards_B.to(torch.float32)
     kl_BT = torch.zeros_like(mask_BT) if kl_BT is None else kl_BT.to(torch.float32) * mask_BT
+    if rewards_normalization:
+        rewards_B = normalized_rewards(advantage_estimator, rewards_B, group_size, not disable_std_normalization)
     if advantage_estimator in ("grpo", "gspo", "cispo"):
-        adv_B = group_normalized_rewards(rewards_B, group_size, std_normalization=not disable_std_normalization)
-        advantages_BT = returns_BT = adv_B[:, None] * mask_BT
+        advantages_BT = returns_BT = rewards_B[:, None] * mask_BT
     elif advantage_estimator == "ppo":
         rewards_BT = token_level_rewards(rewards_B, mask_BT, kl_BT, kl_coef)
         advantages_BT, returns_BT = gae(rewards_BT, values_BT.to(torch.float32), mask_BT, gamma, lambd)
@@ -52,11 +56,21 @@ def compute_advantages(
         rewards_BT = token_level_rewards(rewards_B, mask_BT, kl_BT, kl_coef)
         advantages_BT = returns_BT = discounted_returns(rewards_BT, gamma) * mask_BT
     else:
-        baseline_B = group_normalized_rewards(rewards_B, group_size, std_normalization=False)
-        advantages_BT = returns_BT = (baseline_B[:, None] - kl_coef * kl_BT) * mask_BT
+        advantages_BT = returns_BT = (rewards_B[:, None] - kl_coef * kl_BT) * mask_BT
     if normalize_advantages or advantage_estimator.startswith("reinforce_plus_plus"):
         advantages_BT = whiten(advantages_BT, mask_BT)
     return advantages_BT, returns_BT
+
+
+def normalized_rewards(estimator: str, rewards_B: Tensor, group_size: int, std_normalization: bool = True) -> Tensor:
+    """slime's reward post-processing before the estimator: grpo, gspo and cispo take the group-normalized reward,
+    the reinforce++ baseline the reward minus its group mean, the others the reward as it is."""
+    rewards_B = rewards_B.to(torch.float32)
+    if estimator in ("grpo", "gspo", "cispo"):
+        return group_normalized_rewards(rewards_B, group_size, std_normalization=std_normalization)
+    if estimator == "reinforce_plus_plus_baseline":
+        return group_normalized_rewards(rewards_B, group_size, std_normalization=False)
+    return rewards_B
 
 
 def group_normalized_rewards(rewards_B: Tensor, group_size: int, *, std_normalization: bool = True) -> Tensor:

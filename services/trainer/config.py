@@ -122,8 +122,23 @@ class TrainerConfig(ServiceConfig):
     """PPO: train only the critic for this many first rollouts."""
     critic_lr: float | None = Field(None, gt=0)
     """PPO: the critic's learning rate; unset takes --lr."""
-    loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
-    """The actor's loss."""
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
+    """The actor's loss; custom_loss is --custom-loss-function-path's."""
+    custom_loss_function_path: str | None = None
+    """With --loss-type custom_loss: slime's fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)."""
+    custom_advantage_function_path: str | None = None
+    """slime's fn(args, rollout_data): sets rollout_data["advantages"] and ["returns"] instead of the estimator."""
+    custom_tis_function_path: str | None = None
+    """With --use-tis: slime's fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, ...) ->
+    (pg_loss, loss_masks, metrics) instead of the truncated importance sampling."""
+    custom_reward_post_process_path: str | None = None
+    """slime's fn(args, samples) -> (raw_rewards, rewards): the rewards the estimator gets, instead of the group
+    normalization."""
+    custom_convert_samples_to_train_data_path: str | None = None
+    """slime's fn(args, samples) -> dict (tokens, response_lengths, loss_masks, rewards, raw_reward, ...): the
+    step's training data from its samples; its rewards are taken as normalized."""
+    disable_rewards_normalization: bool = False
+    """Train on the rewards as scored: no group mean (or std) is taken before the estimator."""
     eps_clip: float = Field(0.2, ge=0)
     """PPO clip range (lower side, and upper side unless --eps-clip-high)."""
     eps_clip_high: float | None = Field(None, ge=0)
@@ -225,6 +240,13 @@ class TrainerConfig(ServiceConfig):
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather gathers the weights the distributed optimizer updated in shards: "
                              "add --use-distributed-optimizer or drop it")  # fmt: skip
+        if (self.loss_type == "custom_loss") != bool(self.custom_loss_function_path):
+            raise ValueError("--loss-type custom_loss and --custom-loss-function-path go together: give both, or none")
+        if self.custom_loss_function_path and self.pipeline_model_parallel_size > 1:
+            raise ValueError("a custom loss gets the whole model's logits, which only the last pipeline stage has: use "
+                             "--pipeline-model-parallel-size 1")  # fmt: skip
+        if self.custom_tis_function_path and not self.use_tis:
+            raise ValueError("--custom-tis-function-path replaces the TIS weights of --use-tis: add --use-tis")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu (e.g. --max-tokens-per-gpu 8192)")
         try:

@@ -28,9 +28,15 @@ class RolloutBatch:
     group_size: int
     sample_ids: list[str]
     routed_experts: list[bytes] | None = None  # the engines' routing per sample (int32), for rollout routing replay
+    raw_rewards_B: torch.Tensor | None = None  # the rewards as scored, where a hook has replaced `rewards_B`
+    normalized: bool = False  # `rewards_B` is already normalized (by a custom reward post-processing or conversion)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def scored_rewards_B(self) -> torch.Tensor:
+        return self.rewards_B if self.raw_rewards_B is None else self.raw_rewards_B
 
     def lengths(self) -> list[int]:
         return [len(t) for t in self.tokens]

@@ -19,7 +19,6 @@ from services.common.redis_connection import open_redis
 from services.trainer import checkpoint, data_parallel
 from services.trainer.actor import Actor, Groups
 from services.trainer.config import TrainerConfig
-from services.trainer.data import from_groups
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc
 
@@ -265,7 +264,7 @@ class Trainer:
                 self.weights.close()
 
     def train_step(self, reply: buffer_pb2.GetBatchResponse) -> dict:
-        batch = from_groups(list(reply.groups), self.config.n_samples_per_prompt)
+        batch = self.actor.hooks.batch(list(reply.groups), self.config.n_samples_per_prompt)
         self.control.phase = "train"
         if self.config.colocate and self.weights is not None:
             self.weights.release()  # the engines' GPU memory is the trainer's until the sync after this step
@@ -286,7 +285,7 @@ class Trainer:
             request = buffer_pb2.SetPolicyVersionRequest(version=self.policy_version)
             self.buffer.SetPolicyVersion(request, timeout=60, wait_for_ready=True)
         now = time.perf_counter()
-        metrics = {**steps[-1], "reward": float(batch.rewards_B.mean()), "train_s": trained - started,
+        metrics = {**steps[-1], "reward": float(batch.scored_rewards_B.mean()), "train_s": trained - started,
                    "sync_s": now - trained, "step_s": now - self.last_step_end, "wait_s": started - self.last_step_end,
                    "response_length": sum(batch.response_lengths()) / len(batch),
                    **_rollout_times(reply.groups, self.last_step_unix, time.time() - (now - started))}  # fmt: skip

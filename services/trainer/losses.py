@@ -8,6 +8,7 @@ padding must hold finite numbers (0 is fine) so that masking by multiplication k
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -238,6 +239,7 @@ def policy_loss(
     tis_clip_low: float = 0.0,
     use_rollout_logprobs: bool = False,
     loss_aggregation: str = "token",
+    tis_function: Callable | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The actor's loss for one micro-batch and its metrics (detached scalars), with slime's argument names.
 
@@ -245,9 +247,11 @@ def policy_loss(
     estimator (PPO clip, GSPO's sequence ratio, or CISPO), times the TIS weights when `use_tis`, aggregated, minus
     `entropy_coef` * mean entropy, plus `kl_loss_coef` * mean KL to `ref_logprobs_BT` when `use_kl_loss`.
     `use_rollout_logprobs` takes the rollout engine's log-probs as the old policy instead of the trainer's
-    recomputed `old_logprobs_BT` (slime forbids combining it with TIS, which needs both).
+    recomputed `old_logprobs_BT` (slime forbids combining it with TIS, which needs both). `tis_function(pg_loss_BT,
+    old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT) -> (pg_loss_BT, kept_mask_BT, metrics_BT)` replaces the
+    TIS weights (a custom TIS: `hooks.py`); its metrics are averaged over the trained tokens before its mask.
     """
-    _check_policy_args(**locals())  # every argument, by name, before anything is computed
+    _check_policy_args(**{k: v for k, v in locals().items() if k != "tis_function"})  # by name, before any compute
     if use_rollout_logprobs:
         old_logprobs_BT = rollout_logprobs_BT
     if loss_type == "sft_loss":
@@ -264,6 +268,7 @@ def policy_loss(
             clip=(eps_clip, eps_clip if eps_clip_high is None else eps_clip_high, eps_clip_c),
             tis_clip=(tis_clip_low, tis_clip),
             loss_aggregation=loss_aggregation,
+            tis_function=tis_function,
         )
     if entropy_BT is not None:
         entropy = aggregate(entropy_BT, loss_mask_BT, loss_aggregation)
@@ -288,6 +293,7 @@ def _surrogate_loss(
     clip: tuple[float, float, float | None],
     tis_clip: tuple[float, float],
     loss_aggregation: str,
+    tis_function: Callable | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The aggregated policy-gradient loss and its metrics. `clip` is (eps_clip, eps_clip_high, eps_clip_c),
     `tis_clip` (low, high); TIS applies when `rollout_logprobs_BT` is given."""
@@ -302,7 +308,11 @@ def _surrogate_loss(
     else:
         pg_loss_BT, clipped_BT = ppo_clip_loss(log_ratio_BT, advantages_BT, eps_clip, eps_clip_high, eps_clip_c)
     metrics: dict[str, Tensor] = {}
-    if rollout_logprobs_BT is not None:
+    if rollout_logprobs_BT is not None and tis_function is not None:
+        pg_loss_BT, kept_BT, extra = tis_function(pg_loss_BT, old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT)
+        pg_loss_BT = pg_loss_BT * kept_BT  # rejected tokens add nothing; the mean stays over the trained tokens
+        metrics.update({k: aggregate(v.detach(), loss_mask_BT, loss_aggregation) for k, v in extra.items()})
+    elif rollout_logprobs_BT is not None:
         weights_BT, tis_clipped_BT = tis_weights(old_logprobs_BT, rollout_logprobs_BT, tis_clip[1], tis_clip[0])
         pg_loss_BT = pg_loss_BT * weights_BT
         metrics["tis"] = aggregate(weights_BT, loss_mask_BT, loss_aggregation)

@@ -52,7 +52,7 @@ def pipeline_train(actor, batch: RolloutBatch, mbs: list[list[int]], t: dict, sh
 
     def loss_of(inputs, num_microbatches, logits):
         mb = next(order)
-        loss, metrics = actor.micro_loss(*actor.response_logprobs(logits, inputs), mb, t, share)
+        loss, metrics = actor.micro_loss(*actor.response_logprobs(logits, inputs), mb, t, share, batch)
         return loss * num_microbatches, metrics  # the schedule divides by the number of micro-batches
 
     outputs = _schedule(actor, actor.model, batch, mbs, loss_of, forward_only=False)
