@@ -79,6 +79,12 @@ class RolloutConfig(ServiceConfig):
     they generated), retract them to the engine's queue, or keep them in place to continue under the new weights."""
     custom_generate_function_path: str = ""
     """`pkg.mod:fn` or `file.py:fn`: an async fn(ctx, group) that returns a group's samples (multi-turn, tools)."""
+    rollout_function_path: str = ""
+    """slime's whole-rollout function, fn(args, rollout_id, data_source, evaluation=False) -> groups of samples: it
+    leases groups with data_source.get_samples(n) and generates through args.sglang_router_ip/port (the engine pool).
+    Replaces the built-in workers (docs/plugins.md)."""
+    rollout_batch_size: int = Field(32, ge=1)
+    """Prompt groups per step; a rollout function reads it as args.rollout_batch_size."""
     hf_checkpoint: str = ""
     """HF checkpoint folder: its tokenizer is given to custom generate functions, and launched engines serve it."""
     max_turns: int = Field(8, ge=1)
@@ -148,6 +154,9 @@ class RolloutConfig(ServiceConfig):
                 "a gateway of a fleet (--redis-url) is reached by the others at its port: give --port "
                 "(not 0) or --advertise-addr"
             )
+        if self.rollout_function_path and self.custom_generate_function_path:
+            raise ValueError("--rollout-function-path replaces the workers that call --custom-generate-function-path: "
+                             "give one of them")  # fmt: skip
         if self.use_router and self.redis.url:
             raise ValueError("--use-router routes through one router per gateway; with --redis-url drop it")
         if self.engine_api_key_file is not None and not self.engine_api_key():

@@ -120,13 +120,14 @@ def extend_sample(sample: common_pb2.Sample, output: dict, engine_url: str) -> c
     return sample
 
 
-def check_samples(group: common_pb2.PromptGroup, produced) -> list:
-    """A custom generate function's samples, checked before anything is stored: as many as the group needs, each
-    starting with the group's prompt and carrying one loss-mask entry and one log-prob per response token."""
+def check_samples(group: common_pb2.PromptGroup, produced, what: str = "custom generate function") -> list:
+    """A custom generate (or rollout) function's samples, checked before anything is stored: as many as the group
+    needs, each starting with the group's prompt and carrying one loss-mask entry and one log-prob per response
+    token."""
     if not isinstance(produced, list | tuple) or not all(isinstance(s, common_pb2.Sample) for s in produced):
-        raise InvalidArgument("custom generate function", "must return a list of slipstream.v1.Sample")
+        raise InvalidArgument(what, "must return a list of slipstream.v1.Sample")
     if len(produced) != group.n_samples:
-        raise InvalidArgument("custom generate function", f"returned {len(produced)} samples for n={group.n_samples}")
+        raise InvalidArgument(what, f"returned {len(produced)} samples for n={group.n_samples}")
     prompt = arrays.decode_tokens(group.prompt_tokens)
     for index, sample in enumerate(produced):
         where = f"sample {index}"

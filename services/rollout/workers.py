@@ -46,6 +46,9 @@ class Rollout:
         self.custom = None
         if config.custom_generate_function_path:
             self.custom = load_callable(config.custom_generate_function_path, "--custom-generate-function-path")
+        self.function = None
+        if config.rollout_function_path:
+            self.function = load_callable(config.rollout_function_path, "--rollout-function-path")
         self.window = Window()
         self._loop_task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
@@ -58,7 +61,12 @@ class Rollout:
     def start(self) -> bool:
         if self.running:
             return False
-        self._loop_task = asyncio.create_task(self._lease_loop())
+        if self.function is not None:
+            from services.rollout import rollout_function
+
+            self._loop_task = asyncio.create_task(rollout_function.run(self, self.function))
+        else:
+            self._loop_task = asyncio.create_task(self._lease_loop())
         return True
 
     async def stop(self, abort_in_flight: bool) -> None:

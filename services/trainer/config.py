@@ -137,6 +137,9 @@ class TrainerConfig(ServiceConfig):
     custom_convert_samples_to_train_data_path: str | None = None
     """slime's fn(args, samples) -> dict (tokens, response_lengths, loss_masks, rewards, raw_reward, ...): the
     step's training data from its samples; its rewards are taken as normalized."""
+    custom_rollout_log_function_path: str | None = None
+    """slime's fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool, called with each step's
+    samples (rank 0's); True skips the step's TensorBoard scalars."""
     disable_rewards_normalization: bool = False
     """Train on the rewards as scored: no group mean (or std) is taken before the estimator."""
     eps_clip: float = Field(0.2, ge=0)

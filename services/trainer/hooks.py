@@ -9,7 +9,9 @@
 - `--custom-tis-function-path`: `fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
   response_lengths) -> (pg_loss, loss_masks, metrics)` replaces the truncated importance sampling (with --use-tis);
 - `--custom-loss-function-path` (with `--loss-type custom_loss`): `fn(args, batch, logits, sum_of_sample_mean) ->
-  (loss, metrics)` replaces the actor's loss; `logits` is `[1, T, V]`, the micro-batch's sequences one after another.
+  (loss, metrics)` replaces the actor's loss; `logits` is `[1, T, V]`, the micro-batch's sequences one after another;
+- `--custom-rollout-log-function-path`: `fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool`
+  gets each step's samples on rank 0; True skips the step's TensorBoard scalars (steps.jsonl is always written).
 
 Per-token values go to and come from these functions as slime has them: one 1-D tensor per sample over its response
 tokens, or those tensors concatenated. Each data-parallel rank calls them on its own share of the step."""
@@ -24,7 +26,8 @@ from services.trainer.losses import aggregate
 from slipstream.v1 import common_pb2
 
 NAMES = ("custom_convert_samples_to_train_data_path", "custom_reward_post_process_path",
-         "custom_advantage_function_path", "custom_tis_function_path", "custom_loss_function_path")  # fmt: skip
+         "custom_advantage_function_path", "custom_tis_function_path", "custom_loss_function_path",
+         "custom_rollout_log_function_path")  # fmt: skip
 
 
 def flag(name: str) -> str:
@@ -57,6 +60,13 @@ class Hooks:
         batch.rewards_B = _rewards(rewards, len(samples), "custom_reward_post_process_path", "rewards")
         batch.normalized = True
         return batch
+
+    def log_rollout(self, step: int, groups: list[common_pb2.PromptGroup], metrics: dict) -> bool:
+        """Calls the rollout log function, if any; True when it asks to skip the default logging."""
+        function = self["custom_rollout_log_function_path"]
+        if function is None:
+            return False
+        return function(step, self.args, samples_of(groups), metrics, metrics.get("wait_s", 0.0)) is True
 
     # Advantages
 

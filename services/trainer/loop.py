@@ -294,7 +294,8 @@ class Trainer:
         if torch.cuda.is_available() and "tokens_per_s" in metrics:
             metrics["mfu"] = mfu(self.gpt.shape, metrics["tokens_per_s"] / self.info.world_size, batch.lengths())
         self._record(reply, metrics)
-        self._log(metrics)
+        self._log(metrics, skip_scalars=dist.get_rank() == 0 and self.actor.hooks.log_rollout(
+            self.step - 1, list(reply.groups), metrics))  # fmt: skip
         return metrics
 
     def _saved_batch(self) -> buffer_pb2.GetBatchResponse:
@@ -397,7 +398,7 @@ class Trainer:
         del reply.arrays[:], reply.arrays_keys[:]
         return reply
 
-    def _log(self, metrics: dict) -> None:
+    def _log(self, metrics: dict, skip_scalars: bool = False) -> None:
         c = self.control
         c.step, c.policy_version, c.last_metrics = self.step, self.policy_version, metrics
         if dist.get_rank() != 0:
@@ -407,7 +408,7 @@ class Trainer:
             self.step, metrics["reward"], metrics.get("loss", 0.0), metrics.get("pg_clipfrac", 0.0),
             metrics.get("grad_norm", 0.0), metrics.get("tokens_per_s", metrics.get("critic/tokens_per_s", 0.0)),
         )  # fmt: skip
-        if self.writer is not None:
+        if self.writer is not None and not skip_scalars:
             for name, value in metrics.items():
                 self.writer.add_scalar(f"train/{name}", value, self.step)
             self.writer.flush()
