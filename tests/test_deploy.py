@@ -104,8 +104,8 @@ def test_every_container_command_line_is_accepted(form, tmp_path):
 
 def sglang_command_line_is_accepted(engine: dict, flags: Path, tmp_path: Path) -> None:
     """The SGLang container's entrypoint runs for real (with `python3` printing its arguments): every option it passes
-    is one of the pinned release's server options (deploy/sglang/server_args.txt, read from its sources)."""
-    listed = (REPO / "deploy" / "sglang" / "server_args.txt").read_text().splitlines()
+    is one of the pinned release's server options (services/rollout/sglang_server_args.txt, read from its sources)."""
+    listed = (REPO / "services" / "rollout" / "sglang_server_args.txt").read_text().splitlines()
     release = listed[0].split("sglang-")[1].split("-")[0]
     assert engine["image"].split(":v")[1].startswith(release + "-"), (engine["image"], release)  # the same release
     fake = tmp_path / "bin" / "python3"

@@ -154,8 +154,8 @@ def test_every_command_line_is_accepted(objects, tmp_path):
 
 def sglang_options_are_the_releases(args: list[str], tmp_path: Path) -> None:
     """The engine's shell command runs for real (with `python3` printing its arguments): every option is one of the
-    pinned SGLang release's (deploy/sglang/server_args.txt)."""
-    listed = (REPO / "deploy" / "sglang" / "server_args.txt").read_text().splitlines()
+    pinned SGLang release's (services/rollout/sglang_server_args.txt)."""
+    listed = (REPO / "services" / "rollout" / "sglang_server_args.txt").read_text().splitlines()
     fake = tmp_path / "bin" / "python3"
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")

@@ -1,9 +1,12 @@
 """The command-line options of an SGLang release's server (`python -m sglang.launch_server`), read from the release's
 own sources without importing them (importing needs its CUDA dependencies). Writes one option a line to
-deploy/sglang/server_args.txt, which the tests hold our compose files' SGLang command lines against.
+services/rollout/sglang_server_args.txt, the pinned release's list: `slipstream train` refuses a --sglang-<option>
+that is not in it, and the tests hold our compose files' and manifests' SGLang command lines against it
+(tests/contract checks that it is what the pinned wheel gives; docs/engine.md, "SGLang versions", says how to re-pin).
 
-    pip download sglang==0.5.23 --no-deps -d /tmp/sglang
-    python tools/sglang_server_args.py /tmp/sglang/sglang-0.5.23-*.whl > deploy/sglang/server_args.txt
+    pip download sglang==0.5.23 --no-deps --only-binary=:all: --python-version 3.11 \\
+        --platform manylinux_2_34_x86_64 --platform manylinux_2_17_x86_64 -d .cache/sglang
+    python tools/sglang_server_args.py .cache/sglang/sglang-0.5.23-*.whl > services/rollout/sglang_server_args.txt
 
 What it reads: every `A[T, "help"]` / `A[T, Arg(...)]` field of the ServerArgs field groups
 (`sglang/srt/arg_groups/fields/`; the option is `--field-name`, or Arg's `cli_name` and `aliases`, none with
@@ -63,11 +66,14 @@ def main() -> int:
     if len(sys.argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    wheel = Path(sys.argv[1])
-    options = server_options(wheel)
-    print(f"# SGLang's server options, from {wheel.name} by tools/sglang_server_args.py")
-    print("\n".join(options))
+    print(listing(Path(sys.argv[1])), end="")
     return 0
+
+
+def listing(wheel: Path) -> str:
+    """The option list as the file holds it: a header naming the wheel, then one option a line."""
+    options = "\n".join(server_options(wheel))
+    return f"# SGLang's server options, from {wheel.name} by tools/sglang_server_args.py\n{options}\n"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from services.buffer.config import BufferConfig
 from services.buffer.datasets import parse_spec
 from services.common.config import ConfigError, ServiceConfig, StrictModel, _add_field_flags, load_config
 from services.reward.config import RewardConfig
+from services.rollout import sglang_options
 from services.rollout.config import RolloutConfig
 from services.trainer.batching import BatchSizeError
 from services.trainer.config import TrainerConfig
@@ -152,6 +153,8 @@ def route(argv: list[str]) -> dict[str, list[str]]:
     for chunk in _chunks(argv):
         flag, values = chunk[0].split("=")[0], [*chunk[0].split("=")[1:], *chunk[1:]]
         if flag.startswith("--sglang-"):
+            if flag not in flags["rollout"]:  # the gateway's own --sglang-server-concurrency aside: SGLang's
+                sglang_options.check(flag)
             routed["rollout"] += chunk
         elif flag in IGNORED:
             ignored.append(f"{flag} ({IGNORED[flag]})")
