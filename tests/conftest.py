@@ -156,17 +156,19 @@ def grpc_service() -> Iterator[Callable]:
 class ServiceProcess:
     """`slipstream <name> …` as a real child process, with its log in a file."""
 
-    def __init__(self, args: list[str], log_path: Path, cwd: Path, nproc: int = 1, module: str = "slipstream"):
+    def __init__(self, args: list[str], log_path: Path, cwd: Path, nproc: int = 1, module: str = "slipstream",
+                 env: dict[str, str] | None = None):  # fmt: skip
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd, env = [sys.executable, "-m", module, *args], None
+        base = {**os.environ, **(env or {})}
+        cmd, env = [sys.executable, "-m", module, *args], base
         if module != "slipstream":  # a module of the tests, which runs the command its own way
-            env = {**os.environ, "PYTHONPATH": str(REPO)}
+            env = {**base, "PYTHONPATH": str(REPO)}
         if nproc > 1:  # ranks under torchrun (the trainer)
             port = str(processes.free_port())
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                    "127.0.0.1", "--master-port", port, "-m", f"services.{args[0]}", *args[1:]]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+            env = {**base, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True
         )

@@ -38,6 +38,7 @@ def _generate(url, sample, sampling_params):
     sample.response_length = len(output["output_ids"])
     sample.loss_mask = [1] * sample.response_length
     sample.rollout_log_probs = [entry[0] for entry in meta["output_token_logprobs"]]
+    sample.weight_versions.append(meta["weight_version"])
     finish = meta["finish_reason"]["type"]
     sample.status = {"stop": sample.Status.COMPLETED, "length": sample.Status.TRUNCATED}.get(
         finish, sample.Status.ABORTED

@@ -34,6 +34,7 @@ class GenerateEndpoint:
     def __init__(self, pool):
         self.pool = pool
         self.runner: web.AppRunner | None = None
+        self.served: set[str] = set()  # the weight versions of the answers since the caller last cleared it
 
     async def start(self) -> int:
         app = web.Application(client_max_size=1 << 30)
@@ -60,6 +61,8 @@ class GenerateEndpoint:
             answer, _ = await self.pool.generate(payload)
         except SlipstreamError as e:
             return web.json_response({"error": str(e)}, status=503)
+        for output in answer if isinstance(answer, list) else [answer]:
+            self.served.add(str(output.get("meta_info", {}).get("weight_version", "")))
         return web.json_response(answer)
 
 
@@ -127,10 +130,14 @@ async def run(rollout, function) -> None:
                 continue
             source = DataSource(rollout, asyncio.get_running_loop())
             keepalive = asyncio.create_task(_keep_alive(rollout, source))
+            endpoint.served.clear()
             try:
                 output = await asyncio.to_thread(function, args, rollout_id, source, evaluation=False)
                 groups = output.samples if hasattr(output, "samples") else output
-                await _finish(rollout, source, groups or [])
+                # Samples that do not say which weights made them count as made by the oldest served in the call.
+                versions = [int(v) for v in endpoint.served if v.isdigit()]
+                await _finish(rollout, source, groups or [], str(min(versions)) if versions else "")
+                log.info("rollout function call %d: %d group(s) returned", rollout_id, len(groups or []))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -155,14 +162,14 @@ async def _keep_alive(rollout, source: DataSource) -> None:
                 await rollout.buffer.ExtendLease(request, timeout=30)
 
 
-async def _finish(rollout, source: DataSource, groups: list[list[Sample]]) -> None:
+async def _finish(rollout, source: DataSource, groups: list[list[Sample]], oldest: str) -> None:
     for samples in groups:
         lease = source.leases.pop(samples[0].group_index, None) if samples else None
         if lease is None:
             log.warning("the rollout function returned a group its data source did not hand out; it is left out")
             continue
         try:
-            group = _group(lease.group, samples)
+            group = _group(lease.group, samples, oldest)
             if any(s.status == common_pb2.SAMPLE_STATUS_ABORTED for s in group.samples):
                 await rollout._release(lease.lease_id, "aborted by a pause")
                 continue
@@ -177,8 +184,10 @@ async def _finish(rollout, source: DataSource, groups: list[list[Sample]]) -> No
             await rollout._release(lease.lease_id, reason)
 
 
-def _group(leased: common_pb2.PromptGroup, samples: list[Sample]) -> common_pb2.PromptGroup:
-    """The leased group with the function's samples, checked as a custom generate function's are."""
+def _group(leased: common_pb2.PromptGroup, samples: list[Sample], oldest: str) -> common_pb2.PromptGroup:
+    """The leased group with the function's samples, checked as a custom generate function's are. slime's samples
+    list the weight versions that generated them (without their spans: each covers the response here); a sample that
+    lists none gets `oldest`."""
     group = common_pb2.PromptGroup()
     group.CopyFrom(leased)
     del group.samples[:]
@@ -191,6 +200,8 @@ def _group(leased: common_pb2.PromptGroup, samples: list[Sample]) -> common_pb2.
             rollout_logprobs=arrays.encode_logprobs(s.rollout_log_probs or []), reward=_reward(s.reward),
             status=TO_PROTO[s.status if s.status != Status.PENDING else Status.COMPLETED],
         )  # fmt: skip
+        for version in dict.fromkeys(s.weight_versions or ([oldest] if oldest else [])):
+            sample.weight_versions.add(version=str(version), start=0, end=n)
         if s.metadata:
             sample.metadata.update(s.metadata)
         produced.append(sample)
