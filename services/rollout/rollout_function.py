@@ -70,8 +70,8 @@ class DataSource:
     """slime's data source over the buffer: `get_samples(n)` leases n groups; `add_samples(groups)` gives groups back.
     Called from the rollout function's thread; the leases are taken and kept alive on the gateway's loop."""
 
-    def __init__(self, rollout, loop: asyncio.AbstractEventLoop):
-        self.rollout, self.loop = rollout, loop
+    def __init__(self, rollout, loop: asyncio.AbstractEventLoop, args):
+        self.rollout, self.loop, self.args = rollout, loop, args
         self.leases: dict[int, buffer_pb2.Lease] = {}  # by the group_index its samples carry
         self._next = 0
 
@@ -102,6 +102,7 @@ class DataSource:
                     await asyncio.wait_for(rollout.pool.committed.wait(), 0.2)
             taken += reply.leases
         groups = []
+        self.args.n_samples_per_prompt = taken[0].group.n_samples if taken else self.args.n_samples_per_prompt
         for lease in taken:
             self.leases[self._next] = lease
             groups.append([self._sample(lease.group, self._next, j) for j in range(lease.group.n_samples)])
@@ -120,7 +121,8 @@ async def run(rollout, function) -> None:
     """The rollout loop with a user's rollout function: one call after another until the rollout stops."""
     endpoint = GenerateEndpoint(rollout.pool)
     port = await endpoint.start()
-    args = args_of(rollout.config, sglang_router_ip="127.0.0.1", sglang_router_port=port)
+    # n_samples_per_prompt is the buffer's: known from the first group leased
+    args = args_of(rollout.config, sglang_router_ip="127.0.0.1", sglang_router_port=port, n_samples_per_prompt=None)
     rollout_id = 0
     try:
         while True:
@@ -128,7 +130,7 @@ async def run(rollout, function) -> None:
             if not rollout.pool.generating() and rollout.pool.router is None:
                 await asyncio.sleep(0.5)
                 continue
-            source = DataSource(rollout, asyncio.get_running_loop())
+            source = DataSource(rollout, asyncio.get_running_loop(), args)
             keepalive = asyncio.create_task(_keep_alive(rollout, source))
             endpoint.served.clear()
             try:
