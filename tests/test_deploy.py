@@ -95,7 +95,7 @@ def test_every_container_command_line_is_accepted(form, tmp_path):
     if form != "cpu":  # SGLang's engines: GPUs by device id, the host's IPC, the run file's --sglang-* options
         engine = services["engine-0"]
         assert engine["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["0"]
-        assert engine["ipc"] == "host" and "sed -n 's/^--sglang-/--/p'" in " ".join(engine["entrypoint"])
+        assert engine["ipc"] == "host" and "s/^--sglang-/--/p" in " ".join(engine["entrypoint"])
         assert services["job"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["1"]
         sglang_command_line_is_accepted(engine, flags, tmp_path)
     else:
@@ -112,10 +112,13 @@ def sglang_command_line_is_accepted(engine: dict, flags: Path, tmp_path: Path) -
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
     fake.chmod(0o755)
-    script = engine["entrypoint"][-1].replace("/etc/slipstream/run.flags", str(flags))
+    with_gateways = tmp_path / "run.flags"  # the gateway's own --sglang-server-concurrency stays with the gateway
+    with_gateways.write_text(flags.read_text() + "\n--sglang-server-concurrency 64\n")
+    script = engine["entrypoint"][-1].replace("/etc/slipstream/run.flags", str(with_gateways))
     argv = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True,
                           env={"PATH": f"{fake.parent}:/usr/bin:/bin"}).stdout.split()  # fmt: skip
     assert argv[:2] == ["-m", "sglang.launch_server"] and "--mem-fraction-static" in argv, argv
+    assert "--server-concurrency" not in argv
     unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in listed]
     assert not unknown, f"not options of SGLang {release}: {unknown}"
 
