@@ -41,7 +41,8 @@ class Engine:
     version: str = ""  # the engine's SGLang version (0.5.21+ needs begin/end around weight updates)
     admissions: int = 0  # a re-admitted engine may have restarted: it is in no weight group any more
     gpus: tuple[int, ...] = (0,)  # of its TP ranks, in the node's numbering (SGLang's base_gpu_id, gpu_id_step)
-    requests: set = field(default_factory=set)  # its requests in flight, cancelled when it is evicted
+    requests: set = field(default_factory=set)  # the tasks of its requests in flight, cancelled when it is evicted
+    evicting: set = field(default_factory=set)  # those of them cancelled by its eviction (not by their callers)
     generates: bool = True  # False: another gateway of the fleet generates on it, this one only syncs its weights
 
 
@@ -59,6 +60,7 @@ class EnginePool:
         self.engines: dict[str, Engine] = {}
         self._session: aiohttp.ClientSession | None = None
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self._gauges: dict[str, object] = {}  # each engine's OUTSTANDING child, looked up once
         self.running = asyncio.Event()  # cleared while the engines are paused (around a weight sync)
         self.running.set()
         self.committed = asyncio.Event()  # set when a weight sync's version is in the buffer: the staleness bound moved
@@ -148,8 +150,9 @@ class EnginePool:
         if evict or engine.failures >= self.config.rollout_health_check_failures:
             engine.state = EVICTED
             log.warning("engine %s evicted: %s", engine.url, error)
-            for request in list(engine.requests):  # a hung engine would hold them until --request-timeout-s
-                request.cancel()
+            for task in list(engine.requests):  # a hung engine would hold them until --request-timeout-s
+                engine.evicting.add(task)
+                task.cancel()
             self._tell_router(engine.url, joined=False)
         else:
             log.warning("engine %s failed (%d of %d before eviction): %s", engine.url, engine.failures,
@@ -301,23 +304,25 @@ class EnginePool:
         return self._session
 
     async def _post(self, engine: Engine, path: str, payload: dict):
+        gauge = self._gauges.get(engine.url) or self._gauges.setdefault(engine.url, OUTSTANDING.labels(engine.url))
         async with self._slots[engine.url]:
             engine.outstanding += 1
-            OUTSTANDING.labels(engine.url).inc()
-            request = asyncio.ensure_future(self._fetch(f"{engine.url}{path}", payload))
-            engine.requests.add(request)
+            gauge.inc()
+            task = asyncio.current_task()  # the caller's: an eviction cancels it here, no task of our own per request
+            engine.requests.add(task)
             try:
-                status, body = await request
+                status, body = await self._fetch(f"{engine.url}{path}", payload)
             except (aiohttp.ClientError, TimeoutError) as e:
                 raise EngineFailure(_describe(e)) from None
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # our caller is cancelled, not the engine evicted
+                if task not in engine.evicting or task.uncancel():  # the caller is cancelled (too)
                     raise
                 raise EngineFailure(f"evicted with this request in flight ({engine.last_error})") from None
             finally:
-                engine.requests.discard(request)
+                engine.requests.discard(task)
+                engine.evicting.discard(task)
                 engine.outstanding -= 1
-                OUTSTANDING.labels(engine.url).dec()
+                gauge.dec()
         if status >= 500:
             raise EngineFailure(f"HTTP {status}: {body[:200]!r}")
         if status >= 400:  # our request was bad: another engine would refuse it too

@@ -67,3 +67,30 @@ async def test_a_misbehaving_engine_is_retried_elsewhere_and_evicted(fault, engi
 def test_a_reward_service_that_is_down_sends_groups_back(make_system, free_port):
     system = make_system(num_engines=1, reward_addr=f"127.0.0.1:{free_port()}")
     assert_groups_come_back(system)
+
+
+async def test_an_eviction_ends_its_engines_requests_and_a_callers_cancel_stays_a_cancel(engine_url, free_port):
+    """A request hanging on an engine that is evicted goes to another engine at once (not after the request timeout);
+    a caller that cancels its own request sees the cancellation."""
+    bad, runner = await _misbehaving_engine("hang", free_port())
+    pool = EnginePool(RolloutConfig(request_timeout_s=60.0, affinity_slack=1000))
+    await pool.register(bad)
+    await pool.register(engine_url)
+    affinity = next(f"g{i}" for i in range(100) if pool.pick(f"g{i}").url == bad)
+    request = asyncio.create_task(pool.generate(BODY, affinity=affinity))
+    while not pool.engines[bad].outstanding:
+        await asyncio.sleep(0.01)
+    pool.evict(pool.engines[bad], "hung")
+    answer, engine = await asyncio.wait_for(request, 30)  # well before the 60 s request timeout
+    assert engine.url == engine_url and len(answer["output_ids"]) == 4
+    await pool.deregister(engine_url)
+    pool.engines[bad].state = HEALTHY  # back, and hanging again: this time the caller gives up
+    request = asyncio.create_task(pool.generate(BODY, affinity=affinity))
+    while not pool.engines[bad].outstanding:
+        await asyncio.sleep(0.01)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert pool.engines[bad].outstanding == 0 and not pool.engines[bad].requests
+    await pool.close()
+    await runner.cleanup()
