@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.train.demo import train_args
+from tests import wandb_files
 
 
 def steps_of(run_dir: Path) -> list[dict]:
@@ -45,7 +46,9 @@ def mean(values) -> float:
 
 @pytest.mark.timeout(600)
 def test_train_learns_evaluates_saves_and_leaves_nothing_behind(service_process, tmp_path):
-    run = service_process("train", *train_args(tmp_path, steps=24), "--lr", "3e-3")  # learns visibly within 24 steps
+    """The demo, logged to W&B as well (offline: the run's files, read back)."""
+    run = service_process("train", *train_args(tmp_path, steps=24), "--lr", "3e-3",  # learns visibly in 24 steps
+                          "--use-wandb", "--wandb-mode", "offline", "--wandb-project", "demo")  # fmt: skip
     assert run.wait(480) == 0, run.log[-3000:]
     run_dir = tmp_path / "demo"
     steps = steps_of(run_dir)
@@ -60,6 +63,15 @@ def test_train_learns_evaluates_saves_and_leaves_nothing_behind(service_process,
     assert list((run_dir / "tensorboard").iterdir())
     assert "step   23  reward" in run.log and "reward curve:" in run.log
     assert wait_gone(run_dir) == []
+    wandb_run = wandb_files.run_file(run_dir)  # the reward curve under slime's name, the evaluations, the settings
+    rows = wandb_files.history(wandb_run)
+    curve = {int(r["rollout/step"]): float(r["rollout/raw_reward"]) for r in rows if "rollout/raw_reward" in r}
+    assert curve == pytest.approx(dict(enumerate(rewards)))
+    evaluated = {int(r["eval/step"]): float(r["eval/held_out"]) for r in rows if "eval/held_out" in r}
+    assert evaluated == pytest.approx({e["step"]: e["results"]["held_out"]["mean_reward"] for e in evals})
+    assert all("eval/results/_type" in r for r in rows if "eval/held_out" in r)  # each evaluation's table
+    settings = wandb_files.config(wandb_run)
+    assert json.loads(settings["trainer"])["lr"] == 3e-3 and "wandb_key" not in json.loads(settings["train"])
 
 
 @pytest.mark.timeout(900)

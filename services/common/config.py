@@ -119,7 +119,7 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
         _set_path(flags, dotted.split("."), value)
     config = validate_config(model, _merge(settings, flags), set(args), str(file_path) if file_path else None)
     if print_config:  # without the passwords of URLs (--redis-url redis://:PASSWORD@host)
-        print(yaml.safe_dump(_redact_urls(config.model_dump(mode="json")), sort_keys=False), end="")
+        print(yaml.safe_dump(printable(config), sort_keys=False), end="")
         raise SystemExit(0)
     if check:
         print(f"{prog}: the settings are valid")
@@ -134,6 +134,11 @@ def redacted(url: str) -> str:
     netloc = f"{userinfo.split(':')[0]}:***@{host}" if ":" in userinfo else parts.netloc
     query = "&".join("password=***" if q.startswith("password=") else q for q in parts.query.split("&"))
     return url.replace(f"//{parts.netloc}", f"//{netloc}", 1).replace(f"?{parts.query}", f"?{query}", 1)
+
+
+def printable(config: BaseModel, **dump) -> dict:
+    """A config's settings as plain data with no URL's password (for --print-config and the W&B run config)."""
+    return _redact_urls(config.model_dump(mode="json", **dump))
 
 
 def _redact_urls(value: Any) -> Any:

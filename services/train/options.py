@@ -5,10 +5,12 @@ every service validates its own part and the names are the services' own."""
 
 import argparse
 import difflib
+import importlib.util
 import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -64,6 +66,25 @@ class TrainOptions(StrictModel):
     consumed), saying which part stalled and its last error; 0 waits forever."""
     log_level: str = "info"
     """Log level of the services (their logs are under <run>/logs)."""
+    use_wandb: bool = False
+    """Log the run to W&B (the wandb package): every step's metrics under slime's names, the evaluations and every
+    service's settings (docs/train.md, "W&B")."""
+    wandb_project: str | None = None
+    """W&B project."""
+    wandb_team: str | None = None
+    """W&B entity (team or user)."""
+    wandb_group: str | None = None
+    """W&B group; also the run's name (default: --run-id)."""
+    wandb_host: str | None = None
+    """W&B server, for a self-hosted one."""
+    wandb_key: str | None = None
+    """W&B API key (or WANDB_API_KEY in the environment, which keeps it out of `ps`)."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """online (W&B's default), offline (files only: `wandb sync` later) or disabled."""
+    wandb_dir: Path | None = None
+    """Folder of the W&B files; default the run folder."""
+    wandb_run_id: str | None = None
+    """Log into this W&B run; default: the run folder's (kept in <run>/wandb-run-id), or a new one."""
     host: str = "127.0.0.1"
     """Address the services it starts listen on (gRPC and metrics). The default keeps them on this machine; another
     (0.0.0.0: every interface) opens them to the network: add --tls-cert-file/--tls-key-file (docs/SECURITY.md)."""
@@ -78,6 +99,8 @@ class TrainOptions(StrictModel):
             raise ValueError("--debug-rollout-only and --debug-train-only exclude each other")
         if self.debug_train_only and not self.load_debug_rollout_data:
             raise ValueError("--debug-train-only trains on saved batches: pass --load-debug-rollout-data PATH")
+        if self.use_wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--use-wandb needs the wandb package: pip install wandb")
         for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
             path = getattr(self, name)
             if path and "{rollout_id}" not in path:
@@ -115,10 +138,8 @@ IGNORED = {
     "--optimizer": "the optimizer is AdamW (Megatron's)",
     "--megatron-to-hf-mode": "weights are converted to HF names by the trainer itself",
     "--ref-load": "the reference model is --hf-checkpoint's weights",
-    "--use-wandb": "metrics go to TensorBoard under the run folder",
-    "--wandb-project": "metrics go to TensorBoard under the run folder",
-    "--wandb-group": "metrics go to TensorBoard under the run folder",
-    "--wandb-key": "metrics go to TensorBoard under the run folder",
+    "--disable-wandb-random-suffix": "the W&B run's name is --wandb-group or --run-id, with no random suffix",
+    "--wandb-always-use-train-step": "a step trains one rollout: train/step and rollout/step are the same",
 }  # fmt: skip
 # Flags accepted only at their neutral value, with the reason.
 NEUTRAL = {

@@ -23,7 +23,7 @@ from services.common.logs import setup_logging
 from services.common.processes import free_port
 from services.common.redis_connection import open_redis
 from services.rollout.launch import Child, num_gpus, start, stop
-from services.train import report
+from services.train import report, wandb_log
 from services.train.options import Plan, parse
 from services.train.stall import RunStalled, StallWatch, last_error
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -59,6 +59,7 @@ class Run:
         self._eval_pool = ThreadPoolExecutor(1)
         self._eval_pending: list[Future] = []
         self._writer = None
+        self.wandb: wandb_log.WandbRun | None = None
         self._next_step: int | None = None  # --debug-rollout-only
         self.interrupted = False  # set by the signal handler, raised as Interrupted at the next poll
 
@@ -76,6 +77,7 @@ class Run:
         if o.buffer_addr and redis.url:  # joining a buffer: its Redis, when given, is checked first (one sentence)
             open_redis(redis, self.run_dir)
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.wandb = wandb_log.start(self.plan)
         self._secure()
         self.addr["buffer"] = o.buffer_addr or self._service("buffer", [])
         if not o.debug_train_only:
@@ -229,6 +231,8 @@ class Run:
                 offset, lines = _tail(self.steps_file, offset)
                 for line in lines:
                     progress.step(line)
+                    if self.wandb is not None:
+                        self.wandb.step(line)
                     if eval_sets and interval and (line["step"] + 1) % interval == 0:
                         self._evaluate(line["step"] + 1)
                 for result in self._finished_evals():
@@ -333,6 +337,8 @@ class Run:
             with (self.run_dir / "eval.jsonl").open("a") as f:
                 f.write(json.dumps(results[-1]) + "\n")
             self._tensorboard(results[-1])
+            if self.wandb is not None:
+                self.wandb.evaluation(results[-1])
         return results
 
     def _tensorboard(self, result: dict) -> None:
@@ -347,10 +353,12 @@ class Run:
 
     # Stopping
 
-    def stop(self) -> None:
+    def stop(self, exit_code: int = 0) -> None:
         self._eval_pool.shutdown(wait=False, cancel_futures=True)
         if self._writer is not None:
             self._writer.close()
+        if self.wandb is not None:
+            self.wandb.finish(exit_code)
         for channel in self.channels:
             channel.close()
         # The trainer first (it may be in a sync with the gateway), then the gateway (its engines with it), then the
@@ -396,18 +404,19 @@ def execute(plan: Plan) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    code = 1  # an error that gets past the handlers below
     try:
         run.start()
         run.train()
-        return 0
+        code = 0
     except (Interrupted, KeyboardInterrupt):
         print("slipstream train: interrupted; stopping every service", file=sys.stderr)
-        return 130
+        code = 130
     except (ChildFailed, StartupError, RunStalled) as e:
         print(f"slipstream train: {e}", file=sys.stderr)
-        return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave children behind
-        run.stop()
+        run.stop(code)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    return code
