@@ -5,7 +5,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from services.common import eval_sets
 from services.common.config import ServiceConfig
+from services.common.eval_sets import EvalSet
 from services.common.redis_connection import RedisConfig
 
 
@@ -25,6 +27,17 @@ class BufferConfig(ServiceConfig):
     """Training prompts: a .jsonl or .parquet file, optionally sliced by rows as path@[a:b]."""
     eval_prompt_data: list[str] = []
     """Evaluation sets as name/path pairs: aime a.jsonl gsm8k g.parquet@[0:500]."""
+    eval_config: Path | None = None
+    """slime's multi-task evaluation file (YAML): each set's path, keys, reward type, samples per prompt and sampling
+    (services/common/eval_sets.py); instead of --eval-prompt-data."""
+    eval_input_key: str | None = None
+    """Row field of the eval sets' prompts; unset takes --input-key."""
+    eval_label_key: str | None = None
+    """Row field of the eval sets' labels; unset takes --label-key."""
+    eval_tool_key: str | None = None
+    """Row field of the eval sets' tool specs; unset takes --tool-key."""
+    eval_max_prompt_len: int | None = Field(None, ge=1)
+    """Eval prompts with more tokens are skipped; unset takes --rollout-max-prompt-len."""
     input_key: str = "prompt"
     """Row field holding the prompt: a string, or a list of chat messages."""
     label_key: str | None = None
@@ -97,8 +110,20 @@ class BufferConfig(ServiceConfig):
     def groups_in_flight(self) -> int:
         return max(self.over_sampling_batch_size or 0, self.rollout_batch_size)
 
+    def eval_sets(self) -> list[EvalSet]:
+        """The eval sets, from --eval-config or --eval-prompt-data."""
+        if self.eval_config is not None:
+            return eval_sets.load(self.eval_config)
+        pairs = zip(self.eval_prompt_data[::2], self.eval_prompt_data[1::2], strict=True)
+        return [EvalSet(name=name, path=path) for name, path in pairs]
+
+    def samples_per_eval_prompt(self) -> dict[str, int]:
+        return {s.name: s.n_samples_per_eval_prompt or self.n_samples_per_eval_prompt for s in self.eval_sets()}
+
     @model_validator(mode="after")
     def _check_sources(self) -> "BufferConfig":
+        if self.eval_config is not None and self.eval_prompt_data:
+            raise ValueError("--eval-config lists the eval sets: drop --eval-prompt-data, or add them to the file")
         if len(self.eval_prompt_data) % 2:
             raise ValueError("eval_prompt_data takes name/path pairs, e.g. --eval-prompt-data aime aime.jsonl")
         names = self.eval_prompt_data[::2]
@@ -107,7 +132,8 @@ class BufferConfig(ServiceConfig):
                 raise ValueError(f"eval set name {name!r} must be non-empty, without ':' and not 'train'")
         if len(set(names)) != len(names):
             raise ValueError("eval_prompt_data names must be unique")
-        needs_tokenizer = self.prompt_data or self.eval_prompt_data or self.data_source_path
+        self.eval_sets()  # a bad --eval-config stops here, naming the set and the key
+        needs_tokenizer = self.prompt_data or self.eval_prompt_data or self.eval_config or self.data_source_path
         if needs_tokenizer and not self.hf_checkpoint:
             raise ValueError("hf_checkpoint is required to tokenize prompts; pass --hf-checkpoint <model folder>")
         return self

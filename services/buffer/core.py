@@ -72,6 +72,10 @@ class Buffer:
     buffer_filter: object = None
     _reading: asyncio.Lock = field(default_factory=asyncio.Lock)  # the prompt streams have one reader at a time
     _submitted: asyncio.Event = field(default_factory=asyncio.Event)
+    _eval_samples: dict[str, int] = field(default_factory=dict)  # each eval set's samples per prompt
+
+    def __post_init__(self) -> None:
+        self._eval_samples = self.config.samples_per_eval_prompt()
 
     async def start(self) -> None:
         """Positions every stream at the cursor stored in Redis (where the previous process stopped)."""
@@ -239,7 +243,9 @@ class Buffer:
         return not reason, False, reason
 
     def _samples_per_group(self, dataset: str) -> int:
-        return self.config.n_samples_per_prompt if dataset == TRAIN else self.config.n_samples_per_eval_prompt
+        if dataset == TRAIN:
+            return self.config.n_samples_per_prompt
+        return self._eval_samples.get(dataset, self.config.n_samples_per_eval_prompt)
 
     def _check_group(self, group: common_pb2.PromptGroup, expected: int | None, arrays_in_redis: bool) -> None:
         """`expected` is the training group size; an evaluation may ask for any number of samples (at least one).

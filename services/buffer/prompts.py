@@ -26,6 +26,7 @@ class RowSpec:
     chat_template_kwargs: dict = field(default_factory=dict)
     max_prompt_len: int | None = None
     skip_invalid_rows: bool = False
+    metadata: dict = field(default_factory=dict)  # added to every prompt's metadata (an eval set's rm_type, ...)
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,8 @@ def _row_fields(raw: RawRow, spec: RowSpec) -> tuple[Any, str, dict | None, list
 def prompt_group(raw: RawRow, spec: RowSpec) -> common_pb2.PromptGroup:
     prompt, label, metadata, tools = _row_fields(raw, spec)
     group = common_pb2.PromptGroup(prompt_index=raw.row, label=label)
-    if metadata:
-        group.metadata.update(metadata)
+    if metadata or spec.metadata:
+        group.metadata.update({**(metadata or {}), **spec.metadata})
     if tools:
         group.tools_json = json.dumps(tools, ensure_ascii=False)
     text = _prompt_text(prompt, tools, spec)

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 import prometheus_client
 
@@ -15,6 +16,7 @@ from services.buffer.servicer import BufferServicer
 from services.buffer.source import CustomPromptStream, PromptStream
 from services.buffer.store import BufferStore
 from services.common.errors import StartupError
+from services.common.eval_sets import EvalSet
 from services.common.plugins import PluginError, load_callable
 from services.common.processes import die_with_parent
 from services.common.redis_connection import open_redis
@@ -39,6 +41,17 @@ def row_spec(config: BufferConfig) -> RowSpec:
     )
 
 
+def eval_row_spec(config: BufferConfig, eval_set: EvalSet) -> RowSpec:
+    """An eval set's own keys, chat template and metadata, else the --eval-* flags', else the training ones."""
+    own = {"input_key": eval_set.input_key or config.eval_input_key,
+           "label_key": eval_set.label_key or config.eval_label_key,
+           "tool_key": eval_set.tool_key or config.eval_tool_key,
+           "metadata_key": eval_set.metadata_key, "apply_chat_template": eval_set.apply_chat_template,
+           "chat_template_kwargs": eval_set.apply_chat_template_kwargs,
+           "max_prompt_len": config.eval_max_prompt_len}  # fmt: skip
+    return replace(row_spec(config), **{k: v for k, v in own.items() if v is not None}, metadata=eval_set.metadata())
+
+
 def build_streams(config: BufferConfig, executor) -> dict:
     """The train stream and one per eval set; datasets read at start-up have every row checked here."""
     spec = row_spec(config)
@@ -51,12 +64,12 @@ def build_streams(config: BufferConfig, executor) -> dict:
             blocks = open_blocks(config.prompt_data, config.streaming_data)
             shuffle, seed = config.rollout_shuffle, config.rollout_seed
             streams[TRAIN] = PromptStream(TRAIN, blocks, spec, executor, seed, shuffle, config.num_epoch)
-        pairs = zip(config.eval_prompt_data[::2], config.eval_prompt_data[1::2], strict=True)
-        for name, path in pairs:
-            streams[name] = PromptStream(name, open_blocks(path, False), spec, executor, 0, False, None)
+        for eval_set in config.eval_sets():
+            blocks, own = open_blocks(eval_set.path, False), eval_row_spec(config, eval_set)
+            streams[eval_set.name] = PromptStream(eval_set.name, blocks, own, executor, 0, False, None)
         for stream in streams.values():
             if isinstance(stream, PromptStream) and len(stream.blocks) == 1:
-                check_rows(stream.rows(0), spec)
+                check_rows(stream.rows(0), stream.spec)
     except (DatasetError, PluginError) as e:
         raise StartupError(str(e)) from None
     return streams
@@ -68,7 +81,7 @@ async def build(config: BufferConfig) -> Service:
     redis_handle = open_redis(config.redis, config.run_dir)
     client = redis_handle.async_client()
     executor = None
-    if config.num_data_workers and (config.prompt_data or config.eval_prompt_data):
+    if config.num_data_workers and (config.prompt_data or config.eval_sets()):
         # spawn: forking a process that runs gRPC threads is unsafe.
         context = multiprocessing.get_context("spawn")
         executor = ProcessPoolExecutor(config.num_data_workers, mp_context=context, initializer=die_with_parent)

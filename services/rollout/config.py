@@ -3,9 +3,11 @@
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
+from services.common import eval_sets
 from services.common.config import ServiceConfig
+from services.common.eval_sets import EvalSet
 from services.common.redis_connection import RedisConfig
 from services.rollout.allowlist import LOOPBACK
 
@@ -97,6 +99,11 @@ class RolloutConfig(ServiceConfig):
     """Top-k of evaluation; unset takes --rollout-top-k."""
     eval_max_response_len: int | None = Field(None, ge=1)
     """Most new tokens of an evaluation response; unset takes --rollout-max-response-len."""
+    eval_min_new_tokens: int | None = Field(None, ge=0)
+    """Fewest new tokens of an evaluation response (SGLang's min_new_tokens)."""
+    eval_config: Path | None = None
+    """slime's multi-task evaluation file (YAML, as the buffer's): each set's sampling settings override the --eval-*
+    ones for that set (services/common/eval_sets.py)."""
     rollout_num_gpus: int = Field(0, ge=0)
     """GPUs for engines the gateway launches itself (0: none, use --engine-urls). Without GPUs each slot is one
     reference engine on CPU."""
@@ -133,6 +140,12 @@ class RolloutConfig(ServiceConfig):
     """Folder for the logs of launched engines and the router."""
 
     passthrough: ClassVar[dict[str, str]] = {"--sglang-": "sglang_args"}
+    _eval_sets: dict[str, EvalSet] = PrivateAttr(default_factory=dict)
+
+    def eval_sampling(self, dataset: str) -> dict:
+        """An eval set's own sampling settings (SGLang's names) from --eval-config."""
+        eval_set = self._eval_sets.get(dataset)
+        return eval_set.sampling() if eval_set is not None else {}
 
     @model_validator(mode="after")
     def _check_launch(self) -> "RolloutConfig":
@@ -157,6 +170,8 @@ class RolloutConfig(ServiceConfig):
         if self.rollout_function_path and self.custom_generate_function_path:
             raise ValueError("--rollout-function-path replaces the workers that call --custom-generate-function-path: "
                              "give one of them")  # fmt: skip
+        if self.eval_config is not None:  # a bad file stops here, naming the set and the key
+            self._eval_sets = {s.name: s for s in eval_sets.load(self.eval_config)}
         if self.use_router and self.redis.url:
             raise ValueError("--use-router routes through one router per gateway; with --redis-url drop it")
         if self.engine_api_key_file is not None and not self.engine_api_key():

@@ -43,9 +43,9 @@ async def evaluate(rollout, datasets: list[str], n: int, overrides: common_pb2.S
     if not 0 <= n <= MAX_SAMPLES_PER_PROMPT:
         raise InvalidArgument("n_samples_per_prompt", f"must be 0 (the buffer's) to {MAX_SAMPLES_PER_PROMPT}, got {n}")
     check_sampling(overrides)
-    sampling = rollout.sampling(overrides, evaluation=True)
     names = datasets or known
-    results = await asyncio.gather(*(_one_pass(rollout, name, n, sampling) for name in names))
+    passes = (_one_pass(rollout, name, n, rollout.sampling(overrides, evaluation=True, dataset=name)) for name in names)
+    results = await asyncio.gather(*passes)
     return dict(zip(names, results, strict=True))
 
 

@@ -176,8 +176,10 @@ class Rollout:
             return await generate_group(ctx, group, resume=self.config.partial_rollout)
         return check_samples(group, await self.custom(ctx, group))
 
-    def sampling(self, overrides: common_pb2.SamplingParams | None = None, evaluation: bool = False) -> dict:
-        """SGLang sampling_params of rollouts (or of evaluation: --eval-* where set), with `overrides` applied."""
+    def sampling(self, overrides: common_pb2.SamplingParams | None = None, evaluation: bool = False,
+                 dataset: str = "") -> dict:  # fmt: skip
+        """SGLang sampling_params of rollouts (or of evaluation: --eval-* where set, then the eval set's own from
+        --eval-config), with `overrides` applied."""
         c = self.config
         params = {"temperature": c.rollout_temperature, "top_p": c.rollout_top_p, "top_k": c.rollout_top_k,
                   "max_new_tokens": c.rollout_max_response_len}  # fmt: skip
@@ -189,6 +191,10 @@ class Rollout:
             params["stop"] = c.rollout_stop
         if c.rollout_stop_token_ids:
             params["stop_token_ids"] = c.rollout_stop_token_ids
+        if evaluation:
+            if c.eval_min_new_tokens is not None:
+                params["min_new_tokens"] = c.eval_min_new_tokens
+            params.update(c.eval_sampling(dataset))
         if overrides is not None:
             for descriptor, value in overrides.ListFields():
                 params[descriptor.name] = list(value) if descriptor.is_repeated else value

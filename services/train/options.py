@@ -256,7 +256,8 @@ def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
         raise ConfigError(f"--hf-checkpoint {model} has no config.json; pass the folder of an HF checkpoint "
                           "(config.json, the weights and the tokenizer)")  # fmt: skip
     specs = [("--prompt-data", buffer.prompt_data)] if buffer.prompt_data else []
-    specs += [("--eval-prompt-data", spec) for spec in buffer.eval_prompt_data[1::2]]
+    source = "--eval-config" if buffer.eval_config else "--eval-prompt-data"
+    specs += [(source, eval_set.path) for eval_set in buffer.eval_sets()]
     for flag, spec in specs:
         path = parse_spec(spec)[0]
         if not path.exists():

@@ -215,7 +215,7 @@ class Run:
     def train(self) -> None:
         total = self.plan.configs["trainer"].num_rollout
         interval = self.options.eval_interval
-        eval_sets = bool(self.plan.configs["buffer"].eval_prompt_data) and "rollout" in self.addr
+        eval_sets = bool(self.plan.configs["buffer"].eval_sets()) and "rollout" in self.addr
         seen = _read_steps(self.steps_file)
         first = seen[-1]["step"] + 1 if seen else 0
         if eval_sets and first == 0:  # as slime, before training

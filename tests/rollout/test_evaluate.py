@@ -52,3 +52,25 @@ def test_buffer_keeps_eval_groups_apart_from_training(system):
     gateway.Evaluate(rollout_pb2.EvaluateRequest(), timeout=120)
     state = buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
     assert state.counters["eval_completed"] == 6 and state.num_completed_groups == 0
+
+
+def test_an_eval_config_gives_each_set_its_keys_samples_sampling_and_reward(make_system, tmp_path):
+    """slime's --eval-config, read by the buffer (sets, keys, samples per prompt, reward type) and by the gateway
+    (sampling): the reward service scores with `exact` but the set "short" asks for `random` (some rewards are 1),
+    and "renamed" has its prompts and labels under other keys than the training data's."""
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_text("".join(f'{{"question": "What is {i} + 2?", "answer": "{i + 2}"}}\n' for i in range(5)))
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        "eval:\n  defaults: {n_samples_per_eval_prompt: 2}\n  datasets:\n"
+        f"    - {{name: short, path: '{tmp_path / 'prompts.jsonl'}@[0:6]', max_response_len: 2, rm_type: random, "
+        "n_samples_per_eval_prompt: 4}\n"
+        f"    - {{name: renamed, path: '{renamed}', input_key: question, label_key: answer}}\n"
+    )
+    system = make_system(num_engines=1, buffer={"eval_prompt_data": [], "eval_config": str(config)},
+                         reward={"rm_type": "exact"}, eval_config=str(config))  # fmt: skip
+    results = {r.dataset: r for r in system.gateway.Evaluate(rollout_pb2.EvaluateRequest(), timeout=120).results}
+    assert set(results) == {"short", "renamed"}
+    assert results["short"].num_samples == 6 * 4 and results["short"].metrics["response_length/max"] <= 2
+    assert results["short"].mean_reward > 0  # `random`: 24 draws of 0 or 1
+    assert results["renamed"].num_samples == 5 * 2 and results["renamed"].metrics["response_length/max"] <= 8

@@ -1,0 +1,111 @@
+"""slime's multi-task evaluation file (`--eval-config`, slime's YAML): an entry per eval set, under `eval:` (or at the
+root), with `defaults` for every set:
+
+    eval:
+      defaults: {max_response_len: 16384, top_p: 0.7}
+      datasets:
+        - {name: aime, path: aime.jsonl, rm_type: deepscaler, n_samples_per_eval_prompt: 16}
+        - {name: gsm8k, path: gsm8k.parquet@[0:500], input_key: question, label_key: answer}
+
+Each setting comes from the set's entry, else `defaults`, else the --eval-* flag, else the training setting, as in
+slime. The buffer takes what makes the prompts (path, keys, chat template, samples per prompt, the reward type and
+metadata_overrides as the prompts' metadata) and the gateway what makes the responses (sampling)."""
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from services.common.config import StrictModel
+
+# slime's keys that have no meaning here, and why.
+UNSUPPORTED = {
+    "custom_rm_path": "the reward service's --custom-rm-path scores every set; pick a set's reward with rm_type",
+    "custom_generate_function_path": "the gateway's --custom-generate-function-path generates every set",
+    "multimodal_keys": "prompts are text",
+    "app_service": "generation goes through the gateway's engines",
+    "message_processor": "not supported",
+    "reward_model": "pick a set's reward with rm_type",
+    "remote_environment": "not supported",
+    "repetition_penalty": "not a sampling setting of the gateway",
+    "skip_special_tokens": "not a sampling setting of the gateway",
+    "no_stop_trim": "not a sampling setting of the gateway",
+    "eval_task_timeout": "the gateway's --request-timeout-s bounds every request",
+    "min_eval_samples": "every prompt of a set is evaluated",
+    "eval_early_stop_remaining": "every prompt of a set is evaluated",
+    "eval_early_stop_idle_timeout": "every prompt of a set is evaluated",
+}
+# The settings the gateway samples with, by their names in the file → SGLang's.
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_response_len": "max_new_tokens",
+            "stop": "stop", "stop_token_ids": "stop_token_ids", "min_new_tokens": "min_new_tokens"}  # fmt: skip
+
+
+class EvalSet(StrictModel):
+    name: str = Field(pattern=r"^[^:]+$")
+    path: str
+    input_key: str | None = None
+    label_key: str | None = None
+    tool_key: str | None = None
+    metadata_key: str | None = None
+    apply_chat_template: bool | None = None
+    apply_chat_template_kwargs: dict | None = None
+    rm_type: str | None = None
+    metadata_overrides: dict[str, Any] = {}
+    n_samples_per_eval_prompt: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    max_response_len: int | None = Field(None, ge=1)
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_new_tokens: int | None = Field(None, ge=0)
+
+    def metadata(self) -> dict[str, Any]:
+        """What every prompt of the set carries in its metadata (the reward service reads `rm_type` there)."""
+        return {**({"rm_type": self.rm_type} if self.rm_type else {}), **self.metadata_overrides}
+
+    def sampling(self) -> dict[str, Any]:
+        """The set's own sampling settings, by SGLang's names."""
+        return {SAMPLING[k]: v for k, v in self.model_dump(include=set(SAMPLING)).items() if v is not None}
+
+
+def load(path: Path) -> list[EvalSet]:
+    """The eval sets of a slime eval config; a ValueError names the file, the set and the key at fault."""
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--eval-config {path}: {e}") from None
+    root = document.get("eval", document) if isinstance(document, dict) else None
+    if not isinstance(root, dict):
+        raise ValueError(f"--eval-config {path}: expected a mapping with `datasets` (under `eval:` or at the root)")
+    defaults, entries = root.get("defaults") or {}, root.get("datasets")
+    if isinstance(entries, dict):  # slime also takes {name: settings}
+        entries = [{"name": name, **(settings or {})} for name, settings in entries.items()]
+    if not entries or not isinstance(entries, list) or not isinstance(defaults, dict):
+        raise ValueError(f"--eval-config {path}: `datasets` must list at least one set, `defaults` be a mapping")
+    _check_keys(path, "defaults", defaults, allowed=set(EvalSet.model_fields) - {"name", "path"})
+    sets = []
+    for entry in entries:
+        where = f"set {entry.get('name')!r}" if isinstance(entry, dict) else "a set"
+        if not isinstance(entry, dict):
+            raise ValueError(f"--eval-config {path}: {where} is not a mapping")
+        _check_keys(path, where, entry, allowed=set(EvalSet.model_fields))
+        try:
+            sets.append(EvalSet(**{**defaults, **entry}))
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"--eval-config {path}: {where}: {problems}") from None
+    names = [s.name for s in sets]
+    if len(set(names)) != len(names) or "train" in names:
+        raise ValueError(f"--eval-config {path}: set names must be unique and not 'train', got {names}")
+    return sets
+
+
+def _check_keys(path: Path, where: str, mapping: dict, allowed: set[str]) -> None:
+    for key in mapping:
+        if key in UNSUPPORTED:
+            raise ValueError(f"--eval-config {path}: {where}: {key} is not supported here ({UNSUPPORTED[key]})")
+        if key not in allowed:
+            raise ValueError(f"--eval-config {path}: {where}: unknown key {key!r}; the keys are "
+                             f"{', '.join(sorted(allowed))}")  # fmt: skip
