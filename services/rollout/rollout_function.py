@@ -73,10 +73,24 @@ class DataSource:
     def __init__(self, rollout, loop: asyncio.AbstractEventLoop, args):
         self.rollout, self.loop, self.args = rollout, loop, args
         self.leases: dict[int, buffer_pb2.Lease] = {}  # by the group_index its samples carry
+        self.closed = False  # the call is over (or the rollout stopped): nothing more is leased
+        self._taking: set = set()
         self._next = 0
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
-        return asyncio.run_coroutine_threadsafe(self._take(num_samples), self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(self._take(num_samples), self.loop)
+        self._taking.add(future)
+        try:
+            return future.result()
+        finally:
+            self._taking.discard(future)
+
+    def close(self) -> None:
+        """On the gateway's loop: ends the leasing of a call whose thread may still run (a thread cannot be stopped:
+        its get_samples fails from now on)."""
+        self.closed = True
+        for future in list(self._taking):
+            future.cancel()
 
     def add_samples(self, samples: list[list[Sample]]) -> None:
         for group in samples:
@@ -89,18 +103,23 @@ class DataSource:
 
     async def _take(self, num_groups: int) -> list[list[Sample]]:
         rollout, taken = self.rollout, []
-        while len(taken) < num_groups:
-            await rollout.pool.running.wait()
-            rollout.pool.committed.clear()
-            request = buffer_pb2.LeasePromptsRequest(max_groups=num_groups - len(taken),
-                                                     lease_seconds=rollout.config.lease_seconds)  # fmt: skip
-            reply = await rollout.buffer.LeasePrompts(request, timeout=30)
-            if not reply.leases and reply.blocked == buffer_pb2.LEASE_BLOCK_EXHAUSTED and not taken:
-                await asyncio.sleep(1.0)
-            elif not reply.leases:  # the staleness bound: leases resume once this gateway's weight sync commits
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(rollout.pool.committed.wait(), 0.2)
-            taken += reply.leases
+        try:
+            while len(taken) < num_groups and not self.closed:
+                await rollout.pool.running.wait()
+                rollout.pool.committed.clear()
+                reply = await rollout._lease(num_groups - len(taken))
+                if not reply.leases and reply.blocked == buffer_pb2.LEASE_BLOCK_EXHAUSTED and not taken:
+                    await asyncio.sleep(1.0)
+                elif not reply.leases:  # the staleness bound: leases resume once this gateway's weight sync commits
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(rollout.pool.committed.wait(), 0.2)
+                taken += reply.leases
+            if self.closed:
+                raise asyncio.CancelledError
+        except asyncio.CancelledError:
+            for lease in taken:
+                await rollout._release(lease.lease_id, "rollout stopped")
+            raise
         groups = []
         self.args.n_samples_per_prompt = taken[0].group.n_samples if taken else self.args.n_samples_per_prompt
         for lease in taken:
@@ -146,6 +165,7 @@ async def run(rollout, function) -> None:
                 log.exception("the rollout function (--rollout-function-path) failed; its groups go back to the buffer")
                 await asyncio.sleep(1.0)
             finally:
+                source.close()
                 keepalive.cancel()
                 for lease in source.leases.values():
                     await rollout._release(lease.lease_id, "not returned by the rollout function")

@@ -108,10 +108,10 @@ class Rollout:
             self._groups.add(task)
             task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
 
-    async def _lease(self) -> buffer_pb2.LeasePromptsResponse:
+    async def _lease(self, max_groups: int = 1) -> buffer_pb2.LeasePromptsResponse:
         """One LeasePrompts call that a stop cannot cut in half: if the rollout stops while the call is out, what it
         leased goes straight back to the buffer instead of waiting for its lease to expire."""
-        request = buffer_pb2.LeasePromptsRequest(max_groups=1, lease_seconds=self.config.lease_seconds)
+        request = buffer_pb2.LeasePromptsRequest(max_groups=max_groups, lease_seconds=self.config.lease_seconds)
         call = asyncio.ensure_future(self.buffer.LeasePrompts(request, timeout=30))
         try:
             return await asyncio.shield(call)
