@@ -65,19 +65,23 @@ def test_train_learns_evaluates_saves_and_leaves_nothing_behind(service_process,
     assert wait_gone(run_dir) == []
     wandb_run = wandb_files.run_file(run_dir)  # the reward curve under slime's name, the evaluations, the settings
     rows = wandb_files.history(wandb_run)
-    curve = {int(r["rollout/step"]): float(r["rollout/raw_reward"]) for r in rows if "rollout/raw_reward" in r}
-    assert curve == pytest.approx(dict(enumerate(rewards)))
+    curve = [r for r in rows if "rollout/raw_reward" in r]  # one point per trained step, with steps.jsonl's reward
+    assert [int(r["rollout/step"]) for r in curve] == list(range(24))
+    assert [float(r["rollout/raw_reward"]) for r in curve] == pytest.approx(rewards)
+    assert all("train/loss" in r and "train/lr-pg_0" in r and "perf/step_time" in r for r in curve)
     evaluated = {int(r["eval/step"]): float(r["eval/held_out"]) for r in rows if "eval/held_out" in r}
     assert evaluated == pytest.approx({e["step"]: e["results"]["held_out"]["mean_reward"] for e in evals})
     assert all("eval/results/_type" in r for r in rows if "eval/held_out" in r)  # each evaluation's table
     settings = wandb_files.config(wandb_run)
-    assert json.loads(settings["trainer"])["lr"] == 3e-3 and "wandb_key" not in json.loads(settings["train"])
+    assert json.loads(settings["trainer"])["lr"] == 3e-3 and json.loads(settings["train"])["wandb_project"] == "demo"
 
 
 @pytest.mark.timeout(900)
 def test_sigkill_mid_run_then_load_resumes_exactly(service_process, tmp_path):
+    """The whole run SIGKILLed, then the same command with --load: the steps after the last checkpoint are trained
+    again, and the run goes on in the same W&B run."""
     steps = 20
-    args = [*train_args(tmp_path, steps=steps), "--save-interval", "5"]
+    args = [*train_args(tmp_path, steps=steps), "--save-interval", "5", "--use-wandb", "--wandb-mode", "offline"]
     run_dir = tmp_path / "demo"
     first = service_process("train", *args)
     deadline = time.monotonic() + 420
@@ -104,6 +108,10 @@ def test_sigkill_mid_run_then_load_resumes_exactly(service_process, tmp_path):
     trained = [gid for s in lineage for gid in s["groups"]]
     assert len(trained) == len(set(trained)) == steps * 32  # no prompt group trained twice, none missing
     assert wait_gone(run_dir) == []
+    parts = sorted((run_dir / "wandb").glob("offline-run-*"))  # the killed run's and the resumed one's: one W&B run
+    assert len(parts) == 2 and parts[0].name[-8:] == parts[1].name[-8:] == (run_dir / "wandb-run-id").read_text()
+    rows = wandb_files.history(next(parts[1].glob("run-*.wandb")))
+    assert [int(r["rollout/step"]) for r in rows if "rollout/raw_reward" in r] == list(range(resumed_at, steps))
 
 
 def wait_steps(run, run_dir: Path, n: int, timeout_s: float = 300) -> None:

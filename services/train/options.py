@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from services.buffer.config import BufferConfig
 from services.buffer.datasets import parse_spec
@@ -77,8 +77,8 @@ class TrainOptions(StrictModel):
     """W&B group; also the run's name (default: --run-id)."""
     wandb_host: str | None = None
     """W&B server, for a self-hosted one."""
-    wandb_key: str | None = None
-    """W&B API key (or WANDB_API_KEY in the environment, which keeps it out of `ps`)."""
+    wandb_key: SecretStr | None = None
+    """W&B API key (or WANDB_API_KEY in the environment, which keeps it out of `ps`); never printed or logged."""
     wandb_mode: Literal["online", "offline", "disabled"] | None = None
     """online (W&B's default), offline (files only: `wandb sync` later) or disabled."""
     wandb_dir: Path | None = None
@@ -99,8 +99,6 @@ class TrainOptions(StrictModel):
             raise ValueError("--debug-rollout-only and --debug-train-only exclude each other")
         if self.debug_train_only and not self.load_debug_rollout_data:
             raise ValueError("--debug-train-only trains on saved batches: pass --load-debug-rollout-data PATH")
-        if self.use_wandb and importlib.util.find_spec("wandb") is None:
-            raise ValueError("--use-wandb needs the wandb package: pip install wandb")
         for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
             path = getattr(self, name)
             if path and "{rollout_id}" not in path:
@@ -215,6 +213,9 @@ def parse(argv: list[str]) -> Plan:
         raise SystemExit(0)
     routed = route(argv)
     plan = Plan(load_config(TrainOptions, routed.pop("train"), prog="slipstream train"))
+    # Here, not in TrainOptions: a service reading the launcher's flags (@run.flags) has no wandb and needs none.
+    if plan.options.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--use-wandb needs the wandb package: pip install wandb")
     # Checked with the addresses the launcher will add, so that what needs them (--colocate) is judged as it will run.
     started = {"rollout": ["--reward-addr", "launched:0"], "trainer": ["--buffer-addr", "launched:0"]}
     if not plan.options.debug_train_only:

@@ -8,40 +8,42 @@ import os
 import secrets
 from pathlib import Path
 
-from services.common.config import ConfigError, printable
+from services.common.config import printable
 from services.common.errors import StartupError
 
 log = logging.getLogger(__name__)
 
-# Our metric → slime's. The rest go under train/ (the trainer's) with their own names.
+# Our metric → slime's (slime's trainer: train/<loss metric>, train/lr-pg_0; its timers: perf/<name>_time). The rest go
+# under train/ with their own names.
 SLIME_NAMES = {
     "reward": "rollout/raw_reward",
     "response_length": "rollout/response_lengths",
-    "loss": "train/loss",
-    "pg_loss": "train/pg_loss",
     "entropy": "train/entropy_loss",
-    "pg_clipfrac": "train/pg_clipfrac",
-    "ppo_kl": "train/ppo_kl",
-    "kl_loss": "train/kl_loss",
-    "grad_norm": "train/grad_norm",
     "lr": "train/lr-pg_0",
     "step_s": "perf/step_time",
     "train_s": "perf/train_time",
     "wait_s": "perf/train_wait_time",
     "sync_s": "perf/update_weights_time",
     "rollout_s": "perf/rollout_time",
-    "reward_s": "perf/reward_time",
     "tokens_per_s": "perf/actor_train_tok_per_s",
-    "samples_per_s": "perf/samples_per_s",
-    "mfu": "perf/mfu",
 }
+# slime's step metrics, and which one each prefix is plotted against (its define_metric calls).
+STEP_METRICS = {"train/*": "train/step", "rollout/*": "rollout/step", "perf/*": "rollout/step", "eval/*": "eval/step"}
+
+
+def metric_name(name: str) -> str:
+    """W&B's name of one of our step metrics: slime's where it has one (a critic's as slime's critic role:
+    train/critic-<name>), else train/<name>."""
+    if name.startswith("critic/"):
+        return "train/critic-" + metric_name(name.removeprefix("critic/")).removeprefix("train/")
+    return SLIME_NAMES.get(name, f"train/{name}")
 
 
 def step_metrics(line: dict) -> dict[str, float]:
-    """One line of steps.jsonl as W&B metrics, with slime's step metrics (rollout/step, train/step)."""
+    """One line of steps.jsonl as W&B metrics, with slime's step metrics: one line trains one rollout, so its
+    rollout/step and train/step are the same."""
     step = line["step"]
-    out = {SLIME_NAMES.get(name, f"train/{name}"): value for name, value in line["metrics"].items()}
-    return {**out, "rollout/step": step, "train/step": step}
+    return {**{metric_name(k): v for k, v in line["metrics"].items()}, "rollout/step": step, "train/step": step}
 
 
 def eval_metrics(result: dict) -> dict[str, float]:
@@ -53,34 +55,46 @@ def eval_metrics(result: dict) -> dict[str, float]:
     return out
 
 
-class WandbRun:
-    """The W&B run of a `slipstream train` run; its id is kept in the run folder, so a resumed run (--load) goes on
-    in the same W&B run (or the one --wandb-run-id names)."""
+def run_config(plan) -> dict:
+    """Every service's settings and the launcher's (`train`), as W&B's run config, with no secret: no URL's password,
+    no --wandb-key (a SecretStr, dumped as stars), no engine API key given as --sglang-api-key."""
+    config = {name: printable(c) for name, c in plan.configs.items()}
+    if "rollout" in config:
+        engine = config["rollout"]["sglang_args"]
+        config["rollout"]["sglang_args"] = [
+            "***" if engine[i - 1 : i] == ["--api-key"] else "--api-key=***" if a.startswith("--api-key=") else a
+            for i, a in enumerate(engine)
+        ]
+    return {**config, "train": printable(plan.options)}
 
-    def __init__(self, options, run_dir: Path, config: dict):
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError("--use-wandb needs the wandb package: pip install wandb") from None
+
+class WandbRun:
+    """The W&B run of a `slipstream train` run. Its id is kept in the run folder, so a resumed run (--load) goes on
+    in the same W&B run, as slime's secondary processes join theirs (resume="allow"); --wandb-run-id names one."""
+
+    def __init__(self, options, config: dict):
+        import wandb
+
         self.wandb = wandb
-        id_file = run_dir / "wandb-run-id"
+        id_file = options.run_dir / "wandb-run-id"
         run_id = options.wandb_run_id or (id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4))
-        if options.wandb_key and options.wandb_mode != "offline":
-            wandb.login(key=options.wandb_key, host=options.wandb_host, verify=False)
-        folder = Path(options.wandb_dir or run_dir)
+        folder = Path(options.wandb_dir or options.run_dir)
         folder.mkdir(parents=True, exist_ok=True)
+        # The key and the host as settings of this process: not wandb.login, which writes the key to ~/.netrc.
+        settings = {"api_key": options.wandb_key.get_secret_value()} if options.wandb_key else {}
+        if options.wandb_host:
+            settings["base_url"] = options.wandb_host
         self.run = wandb.init(
             id=run_id, resume="allow", project=options.wandb_project, entity=options.wandb_team,
             group=options.wandb_group, name=options.wandb_group or options.run_id, dir=str(folder), config=config,
-            mode=options.wandb_mode, settings=wandb.Settings(silent=True, x_disable_stats=True),
+            mode=options.wandb_mode, settings=wandb.Settings(silent=True, **settings),
         )  # fmt: skip
         id_file.write_text(self.run.id)
-        for prefix, step in (("train", "train/step"), ("rollout", "rollout/step"), ("perf", "rollout/step"),
-                             ("eval", "eval/step")):  # fmt: skip
-            if prefix != "perf":
-                self.run.define_metric(step)
-            self.run.define_metric(f"{prefix}/*", step_metric=step)
-        log.info("W&B run %s (%s) in %s", self.run.id, options.wandb_mode or "online", folder)
+        for step in sorted(set(STEP_METRICS.values())):
+            self.run.define_metric(step)
+        for pattern, step in STEP_METRICS.items():
+            self.run.define_metric(pattern, step_metric=step)
+        log.info("W&B run %s (%s): %s", self.run.id, options.wandb_mode or "online", self.run.url or folder / "wandb")
 
     def step(self, line: dict) -> None:
         self.run.log(step_metrics(line))
@@ -96,19 +110,19 @@ class WandbRun:
         self.run.finish(exit_code=exit_code)
 
 
-def run_config(plan) -> dict:
-    """Every service's settings and the launcher's, as W&B's run config (URL passwords and the W&B key left out)."""
-    config = {name: printable(c) for name, c in plan.configs.items()}
-    return {**config, "train": printable(plan.options, exclude={"wandb_key"})}
-
-
-def start(plan) -> "WandbRun | None":
+def start(plan) -> WandbRun | None:
+    """The run's W&B run with --use-wandb (before any service starts: a refused key stops nothing), else None."""
     options = plan.options
     if not options.use_wandb:
         return None
-    if options.wandb_mode:
-        os.environ["WANDB_MODE"] = options.wandb_mode
+    # The launcher's own W&B service: one inherited from a parent process that uses W&B (WANDB_SERVICE: a pipeline, a
+    # notebook, pytest) would take this run's records, and end with that process.
+    os.environ.pop("WANDB_SERVICE", None)
     try:
-        return WandbRun(options, options.run_dir, run_config(plan))
-    except Exception as e:  # a refused key, an unreachable server: say so before anything starts
-        raise StartupError(f"--use-wandb: W&B did not start: {type(e).__name__}: {e}") from None
+        return WandbRun(options, run_config(plan))
+    except ImportError as e:  # installed, but broken (options.py stops a run without the package)
+        raise StartupError(f"--use-wandb: cannot import wandb ({e}); pip install wandb") from None
+    except Exception as e:  # a missing or refused key, an unreachable server
+        raise StartupError(f"--use-wandb: W&B did not start ({type(e).__name__}: {' '.join(str(e).split())}); pass "
+                           "--wandb-key or set WANDB_API_KEY, check --wandb-host, or log to files with "
+                           "--wandb-mode offline") from None  # fmt: skip
