@@ -1,14 +1,17 @@
 """Configuration of the buffer service. Field names follow slime's arguments (`--prompt-data`, `--input-key`, …)."""
 
+import logging
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from services.common import eval_sets
 from services.common.config import ServiceConfig
 from services.common.eval_sets import EvalSet
 from services.common.redis_connection import RedisConfig
+
+log = logging.getLogger(__name__)
 
 
 class BufferConfig(ServiceConfig):
@@ -29,7 +32,7 @@ class BufferConfig(ServiceConfig):
     """Evaluation sets as name/path pairs: aime a.jsonl gsm8k g.parquet@[0:500]."""
     eval_config: Path | None = None
     """slime's multi-task evaluation file (YAML): each set's path, keys, reward type, samples per prompt and sampling
-    (services/common/eval_sets.py); instead of --eval-prompt-data."""
+    (services/common/eval_sets.py); given, --eval-prompt-data is ignored (as in slime)."""
     eval_input_key: str | None = None
     """Row field of the eval sets' prompts; unset takes --input-key."""
     eval_label_key: str | None = None
@@ -37,7 +40,7 @@ class BufferConfig(ServiceConfig):
     eval_tool_key: str | None = None
     """Row field of the eval sets' tool specs; unset takes --tool-key."""
     eval_max_prompt_len: int | None = Field(None, ge=1)
-    """Eval prompts with more tokens are skipped; unset takes --rollout-max-prompt-len."""
+    """Eval prompts with more tokens are skipped; unset: no bound (as in slime; not --rollout-max-prompt-len)."""
     input_key: str = "prompt"
     """Row field holding the prompt: a string, or a list of chat messages."""
     label_key: str | None = None
@@ -102,6 +105,8 @@ class BufferConfig(ServiceConfig):
     expire_interval_s: float = Field(1.0, gt=0)
     """How often expired leases are returned to the pool."""
 
+    _eval_sets: list[EvalSet] = PrivateAttr(default_factory=list)
+
     @property
     def run_dir(self) -> Path:
         return self.output_dir / self.run_id
@@ -111,19 +116,14 @@ class BufferConfig(ServiceConfig):
         return max(self.over_sampling_batch_size or 0, self.rollout_batch_size)
 
     def eval_sets(self) -> list[EvalSet]:
-        """The eval sets, from --eval-config or --eval-prompt-data."""
-        if self.eval_config is not None:
-            return eval_sets.load(self.eval_config)
-        pairs = zip(self.eval_prompt_data[::2], self.eval_prompt_data[1::2], strict=True)
-        return [EvalSet(name=name, path=path) for name, path in pairs]
+        """The eval sets, from --eval-config, else --eval-prompt-data."""
+        return self._eval_sets
 
     def samples_per_eval_prompt(self) -> dict[str, int]:
         return {s.name: s.n_samples_per_eval_prompt or self.n_samples_per_eval_prompt for s in self.eval_sets()}
 
     @model_validator(mode="after")
     def _check_sources(self) -> "BufferConfig":
-        if self.eval_config is not None and self.eval_prompt_data:
-            raise ValueError("--eval-config lists the eval sets: drop --eval-prompt-data, or add them to the file")
         if len(self.eval_prompt_data) % 2:
             raise ValueError("eval_prompt_data takes name/path pairs, e.g. --eval-prompt-data aime aime.jsonl")
         names = self.eval_prompt_data[::2]
@@ -132,7 +132,13 @@ class BufferConfig(ServiceConfig):
                 raise ValueError(f"eval set name {name!r} must be non-empty, without ':' and not 'train'")
         if len(set(names)) != len(names):
             raise ValueError("eval_prompt_data names must be unique")
-        self.eval_sets()  # a bad --eval-config stops here, naming the set and the key
+        if self.eval_config is None:
+            pairs = zip(self.eval_prompt_data[::2], self.eval_prompt_data[1::2], strict=True)
+            self._eval_sets = [EvalSet(name=name, path=path) for name, path in pairs]
+        else:  # a bad file stops here, naming the set and the key
+            self._eval_sets = eval_sets.load(self.eval_config)
+            if self.eval_prompt_data:
+                log.warning("--eval-config lists the eval sets: --eval-prompt-data is ignored, as in slime")
         needs_tokenizer = self.prompt_data or self.eval_prompt_data or self.eval_config or self.data_source_path
         if needs_tokenizer and not self.hf_checkpoint:
             raise ValueError("hf_checkpoint is required to tokenize prompts; pass --hf-checkpoint <model folder>")

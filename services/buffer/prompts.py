@@ -27,6 +27,7 @@ class RowSpec:
     max_prompt_len: int | None = None
     skip_invalid_rows: bool = False
     metadata: dict = field(default_factory=dict)  # added to every prompt's metadata (an eval set's rm_type, ...)
+    flags: str = "--"  # the flags that set the fields above, named in errors: "--eval-" for an eval set's
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ def prepare_rows(rows: list[RawRow], spec: RowSpec) -> list[bytes | Skipped]:
             continue
         num_tokens = samples.num_tokens(group.prompt_tokens)
         if spec.max_prompt_len is not None and num_tokens > spec.max_prompt_len:
-            message = f"{raw.where}: {num_tokens} prompt tokens > --rollout-max-prompt-len"
+            bound = "--eval-max-prompt-len" if spec.flags == "--eval-" else "--rollout-max-prompt-len"
+            message = f"{raw.where}: {num_tokens} prompt tokens > {bound}"
             results.append(Skipped("prompt_too_long", message))
             continue
         results.append(group.SerializeToString())
@@ -91,7 +93,7 @@ def check_rows(rows: list[RawRow], spec: RowSpec) -> int:
 def _row_fields(raw: RawRow, spec: RowSpec) -> tuple[Any, str, dict | None, list | None]:
     """(prompt, label, metadata, tools) of a row, each checked."""
     row = parse_json_row(raw)
-    prompt = _field(row, spec.input_key, raw, "--input-key")
+    prompt = _field(row, spec.input_key, raw, f"{spec.flags}input-key")
     is_messages = isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
     if not isinstance(prompt, str) and not is_messages:
         raise DatasetError(
@@ -102,7 +104,7 @@ def _row_fields(raw: RawRow, spec: RowSpec) -> tuple[Any, str, dict | None, list
         raise DatasetError(f"{raw.where}: the prompt is a list of chat messages; pass --apply-chat-template")
     label = ""
     if spec.label_key:
-        value = _field(row, spec.label_key, raw, "--label-key")
+        value = _field(row, spec.label_key, raw, f"{spec.flags}label-key")
         label = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     metadata = _json_field(row.get(spec.metadata_key), raw, spec.metadata_key, dict)
     tools = _json_field(row.get(spec.tool_key), raw, spec.tool_key, list) if spec.tool_key else None
@@ -137,7 +139,8 @@ def _prompt_text(prompt: Any, tools: list | None, spec: RowSpec) -> str:
 def _field(row: dict, key: str, raw: RawRow, flag: str) -> Any:
     if key not in row or row[key] is None:
         present = ", ".join(sorted(map(str, row))) or "none"
-        raise DatasetError(f'{raw.where}: field "{key}" missing (keys present: {present}); pass {flag} <key>')
+        also = " (or the set's own key in --eval-config)" if flag.startswith("--eval-") else ""
+        raise DatasetError(f'{raw.where}: field "{key}" missing (keys present: {present}); pass {flag} <key>{also}')
     return row[key]
 
 

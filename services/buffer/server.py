@@ -42,14 +42,16 @@ def row_spec(config: BufferConfig) -> RowSpec:
 
 
 def eval_row_spec(config: BufferConfig, eval_set: EvalSet) -> RowSpec:
-    """An eval set's own keys, chat template and metadata, else the --eval-* flags', else the training ones."""
+    """An eval set's own keys, chat template and metadata, else the --eval-* flags', else the training ones; its
+    prompt length bound is --eval-max-prompt-len alone, as in slime."""
     own = {"input_key": eval_set.input_key or config.eval_input_key,
            "label_key": eval_set.label_key or config.eval_label_key,
            "tool_key": eval_set.tool_key or config.eval_tool_key,
            "metadata_key": eval_set.metadata_key, "apply_chat_template": eval_set.apply_chat_template,
-           "chat_template_kwargs": eval_set.apply_chat_template_kwargs,
-           "max_prompt_len": config.eval_max_prompt_len}  # fmt: skip
-    return replace(row_spec(config), **{k: v for k, v in own.items() if v is not None}, metadata=eval_set.metadata())
+           "chat_template_kwargs": eval_set.apply_chat_template_kwargs}  # fmt: skip
+    own = {k: v for k, v in own.items() if v is not None}
+    own.update(max_prompt_len=config.eval_max_prompt_len, metadata=eval_set.metadata(), flags="--eval-")
+    return replace(row_spec(config), **own)
 
 
 def build_streams(config: BufferConfig, executor) -> dict:

@@ -9,8 +9,10 @@ root), with `defaults` for every set:
 
 Each setting comes from the set's entry, else `defaults`, else the --eval-* flag, else the training setting, as in
 slime. The buffer takes what makes the prompts (path, keys, chat template, samples per prompt, the reward type and
-metadata_overrides as the prompts' metadata) and the gateway what makes the responses (sampling)."""
+metadata_overrides as the prompts' metadata), the gateway what makes the responses (sampling, a generate function) and
+the reward service checks the reward types."""
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +24,11 @@ from services.common.config import StrictModel
 # slime's keys that have no meaning here, and why.
 UNSUPPORTED = {
     "custom_rm_path": "the reward service's --custom-rm-path scores every set; pick a set's reward with rm_type",
-    "custom_generate_function_path": "the gateway's --custom-generate-function-path generates every set",
     "multimodal_keys": "prompts are text",
     "app_service": "generation goes through the gateway's engines",
     "message_processor": "not supported",
     "reward_model": "pick a set's reward with rm_type",
     "remote_environment": "not supported",
-    "repetition_penalty": "not a sampling setting of the gateway",
-    "skip_special_tokens": "not a sampling setting of the gateway",
-    "no_stop_trim": "not a sampling setting of the gateway",
     "eval_task_timeout": "the gateway's --request-timeout-s bounds every request",
     "min_eval_samples": "every prompt of a set is evaluated",
     "eval_early_stop_remaining": "every prompt of a set is evaluated",
@@ -38,28 +36,58 @@ UNSUPPORTED = {
 }
 # The settings the gateway samples with, by their names in the file → SGLang's.
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_response_len": "max_new_tokens",
-            "stop": "stop", "stop_token_ids": "stop_token_ids", "min_new_tokens": "min_new_tokens"}  # fmt: skip
+            "stop": "stop", "stop_token_ids": "stop_token_ids", "min_new_tokens": "min_new_tokens",
+            "repetition_penalty": "repetition_penalty", "skip_special_tokens": "skip_special_tokens",
+            "no_stop_trim": "no_stop_trim"}  # fmt: skip
 
 
 class EvalSet(StrictModel):
+    """One eval set, by slime's names; unset settings take the --eval-* flags', then the training ones."""
+
     name: str = Field(pattern=r"^[^:]+$")
+    """The set's name in results (`eval/<name>`) and in the buffer."""
     path: str
+    """A .jsonl or .parquet file, optionally sliced by rows as path@[a:b]."""
     input_key: str | None = None
+    """Row field of the prompt (buffer)."""
     label_key: str | None = None
+    """Row field of the label (buffer)."""
     tool_key: str | None = None
+    """Row field of the tool specs (buffer)."""
     metadata_key: str | None = None
+    """Row field of the metadata (buffer)."""
     apply_chat_template: bool | None = None
+    """Format prompts with the tokenizer's chat template (buffer)."""
     apply_chat_template_kwargs: dict | None = None
+    """Arguments of the chat template (buffer)."""
     rm_type: str | None = None
+    """Reward type of the set: put in every prompt's metadata, where the reward service looks first."""
     metadata_overrides: dict[str, Any] = {}
+    """Added to every prompt's metadata (buffer)."""
     n_samples_per_eval_prompt: int | None = Field(None, ge=1)
+    """Responses per prompt (buffer)."""
     temperature: float | None = Field(None, ge=0)
+    """Sampling temperature (gateway)."""
     top_p: float | None = Field(None, gt=0, le=1)
+    """Top-p (gateway)."""
     top_k: int | None = Field(None, ge=-1)
+    """Top-k, -1 off (gateway)."""
     max_response_len: int | None = Field(None, ge=1)
+    """Most new tokens of a response (gateway)."""
     stop: list[str] | None = None
+    """Stop strings (gateway)."""
     stop_token_ids: list[int] | None = None
+    """Stop token ids (gateway)."""
     min_new_tokens: int | None = Field(None, ge=0)
+    """Fewest new tokens of a response (gateway)."""
+    repetition_penalty: float | None = Field(None, ge=0, le=2)
+    """SGLang's repetition_penalty (gateway)."""
+    skip_special_tokens: bool | None = None
+    """SGLang's skip_special_tokens for the response text (gateway)."""
+    no_stop_trim: bool | None = None
+    """SGLang's no_stop_trim: keep the stop string in the response text (gateway)."""
+    custom_generate_function_path: str | None = None
+    """The set's own generate function, as --custom-generate-function-path (gateway)."""
 
     def metadata(self) -> dict[str, Any]:
         """What every prompt of the set carries in its metadata (the reward service reads `rm_type` there)."""
@@ -87,9 +115,9 @@ def load(path: Path) -> list[EvalSet]:
     _check_keys(path, "defaults", defaults, allowed=set(EvalSet.model_fields) - {"name", "path"})
     sets = []
     for entry in entries:
-        where = f"set {entry.get('name')!r}" if isinstance(entry, dict) else "a set"
-        if not isinstance(entry, dict):
-            raise ValueError(f"--eval-config {path}: {where} is not a mapping")
+        if not isinstance(entry, dict) or not entry.get("name"):
+            raise ValueError(f"--eval-config {path}: every entry of `datasets` needs a name, got {entry!r}")
+        where = f"set {entry['name']!r}"
         _check_keys(path, where, entry, allowed=set(EvalSet.model_fields))
         try:
             sets.append(EvalSet(**{**defaults, **entry}))
@@ -107,5 +135,6 @@ def _check_keys(path: Path, where: str, mapping: dict, allowed: set[str]) -> Non
         if key in UNSUPPORTED:
             raise ValueError(f"--eval-config {path}: {where}: {key} is not supported here ({UNSUPPORTED[key]})")
         if key not in allowed:
-            raise ValueError(f"--eval-config {path}: {where}: unknown key {key!r}; the keys are "
-                             f"{', '.join(sorted(allowed))}")  # fmt: skip
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the keys are {', '.join(sorted(allowed))}"
+            raise ValueError(f"--eval-config {path}: {where}: unknown key {key!r}; {hint}")

@@ -1,9 +1,11 @@
 """Configuration of the reward service. Names follow slime's arguments (`--rm-type`, `--custom-rm-path`, …)."""
 
 import os
+from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr, model_validator
 
+from services.common import eval_sets
 from services.common.config import ServiceConfig
 
 
@@ -23,6 +25,9 @@ class RewardConfig(ServiceConfig):
     """--custom-rm-path scores a whole group at once (ScoreGroup)."""
     custom_rm_args: dict = {}
     """Settings for your reward function, as JSON (it reads them as args.custom_rm_args)."""
+    eval_config: Path | None = None
+    """slime's multi-task evaluation file (as the buffer's and the gateway's): each set's rm_type is checked at start
+    (the buffer puts it in every prompt's metadata, which overrides --rm-type)."""
     reward_key: str = "score"
     """When a reward function returns a dict, the key of the trained reward; the other numbers become details."""
     reward_on_error: float = 0.0
@@ -44,3 +49,14 @@ class RewardConfig(ServiceConfig):
     """First retry delay of a remote reward call; it doubles each retry (capped at 30 s)."""
     rm_remote_timeout_s: float = Field(60.0, gt=0)
     """Deadline of one remote reward call."""
+    _eval_rm_types: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def eval_rm_types(self) -> dict[str, str]:
+        """The reward type of each --eval-config set that names one, by set name."""
+        return self._eval_rm_types
+
+    @model_validator(mode="after")
+    def _read_eval_config(self) -> "RewardConfig":
+        if self.eval_config is not None:  # a bad file stops here, naming the set and the key
+            self._eval_rm_types = {s.name: s.rm_type for s in eval_sets.load(self.eval_config) if s.rm_type}
+        return self

@@ -18,9 +18,10 @@ async def build(config: RewardConfig) -> Service:
             load_callable(config.custom_rm_path, "--custom-rm-path")
         except PluginError as e:
             raise StartupError(str(e)) from None
-    elif config.rm_type.removeprefix("boxed_") not in BUILT_IN and config.rm_type not in ("remote_rm", "remote_grpc"):
-        raise StartupError(f"--rm-type {config.rm_type!r} is unknown; use one of {', '.join(BUILT_IN)}, remote_rm, "
-                           "remote_grpc, or pass --custom-rm-path")  # fmt: skip
+    else:
+        _check_rm_type("--rm-type", config.rm_type)
+        for name, rm_type in config.eval_rm_types().items():
+            _check_rm_type(f"--eval-config set {name!r}: rm_type", rm_type)
     backoff = Backoff(config.rm_max_retries, config.rm_retry_backoff_s)
     http = HttpRewardModel(config.rm_url, backoff, config.rm_remote_timeout_s) if config.rm_url else None
     remote = None
@@ -29,3 +30,9 @@ async def build(config: RewardConfig) -> Service:
         remote = GrpcRewardModel(config.rm_grpc_addr, backoff, config.rm_remote_timeout_s, worker)
     scorer = Scorer(config, WorkerPool(config.num_workers, config.reward_worker_memory_mb), http, remote)
     return Service("reward", config, [Servicer.of(RewardServicer(scorer))], on_stop=[scorer.close])
+
+
+def _check_rm_type(what: str, rm_type: str) -> None:
+    if rm_type.removeprefix("boxed_") not in BUILT_IN and rm_type not in ("remote_rm", "remote_grpc"):
+        raise StartupError(f"{what} {rm_type!r} is unknown; use one of {', '.join(BUILT_IN)}, remote_rm, "
+                           "remote_grpc, or pass --custom-rm-path")  # fmt: skip

@@ -103,7 +103,10 @@ class RolloutConfig(ServiceConfig):
     """Fewest new tokens of an evaluation response (SGLang's min_new_tokens)."""
     eval_config: Path | None = None
     """slime's multi-task evaluation file (YAML, as the buffer's): each set's sampling settings override the --eval-*
-    ones for that set (services/common/eval_sets.py)."""
+    ones for that set, and its custom_generate_function_path the gateway's (services/common/eval_sets.py)."""
+    eval_reward_key: str | None = None
+    """Evaluation's reward is this number of a reward function's dict (e.g. `acc` of dapo's {score, acc}), as slime's
+    --eval-reward-key; a reward that is a plain number stays as it is. Unset: the reward service's --reward-key."""
     rollout_num_gpus: int = Field(0, ge=0)
     """GPUs for engines the gateway launches itself (0: none, use --engine-urls). Without GPUs each slot is one
     reference engine on CPU."""
@@ -142,10 +145,9 @@ class RolloutConfig(ServiceConfig):
     passthrough: ClassVar[dict[str, str]] = {"--sglang-": "sglang_args"}
     _eval_sets: dict[str, EvalSet] = PrivateAttr(default_factory=dict)
 
-    def eval_sampling(self, dataset: str) -> dict:
-        """An eval set's own sampling settings (SGLang's names) from --eval-config."""
-        eval_set = self._eval_sets.get(dataset)
-        return eval_set.sampling() if eval_set is not None else {}
+    def eval_sets(self) -> dict[str, EvalSet]:
+        """The sets of --eval-config by name (none without it: --eval-prompt-data's have no settings of their own)."""
+        return self._eval_sets
 
     @model_validator(mode="after")
     def _check_launch(self) -> "RolloutConfig":

@@ -38,7 +38,7 @@ async def evaluate(rollout, datasets: list[str], n: int, overrides: common_pb2.S
     known = list(state.eval_datasets)
     unknown = [d for d in datasets if d not in known]
     if unknown:
-        names = ", ".join(known) or "none (start the buffer with --eval-prompt-data NAME PATH)"
+        names = ", ".join(known) or "none (start the buffer with --eval-prompt-data NAME PATH or --eval-config FILE)"
         raise InvalidArgument("datasets", f"unknown eval set(s) {', '.join(unknown)}; the buffer has {names}")
     if not 0 <= n <= MAX_SAMPLES_PER_PROMPT:
         raise InvalidArgument("n_samples_per_prompt", f"must be 0 (the buffer's) to {MAX_SAMPLES_PER_PROMPT}, got {n}")

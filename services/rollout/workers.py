@@ -46,6 +46,11 @@ class Rollout:
         self.custom = None
         if config.custom_generate_function_path:
             self.custom = load_callable(config.custom_generate_function_path, "--custom-generate-function-path")
+        self.eval_custom = {  # eval sets' own generate functions (--eval-config)
+            s.name: load_callable(s.custom_generate_function_path, f"--eval-config set {s.name!r}: generate function")
+            for s in config.eval_sets().values()
+            if s.custom_generate_function_path
+        }
         self.function = None
         if config.rollout_function_path:
             self.function = load_callable(config.rollout_function_path, "--rollout-function-path")
@@ -172,9 +177,10 @@ class Rollout:
 
     async def _generate(self, group: common_pb2.PromptGroup, sampling: dict) -> list:
         ctx = GenerateContext(self.pool, sampling, self.config, self.tokenizer, self.reward, affinity=group.group_id)
-        if self.custom is None:
+        custom = self.eval_custom.get(group.dataset, self.custom)
+        if custom is None:
             return await generate_group(ctx, group, resume=self.config.partial_rollout)
-        return check_samples(group, await self.custom(ctx, group))
+        return check_samples(group, await custom(ctx, group))
 
     def sampling(self, overrides: common_pb2.SamplingParams | None = None, evaluation: bool = False,
                  dataset: str = "") -> dict:  # fmt: skip
@@ -194,7 +200,8 @@ class Rollout:
         if evaluation:
             if c.eval_min_new_tokens is not None:
                 params["min_new_tokens"] = c.eval_min_new_tokens
-            params.update(c.eval_sampling(dataset))
+            if dataset in c.eval_sets():
+                params.update(c.eval_sets()[dataset].sampling())
         if overrides is not None:
             for descriptor, value in overrides.ListFields():
                 params[descriptor.name] = list(value) if descriptor.is_repeated else value
@@ -218,12 +225,20 @@ class Rollout:
             reply = await self.reward.Score(
                 reward_pb2.ScoreRequest(items=items, rm_type=self.config.rm_type), timeout=600
             )
+        key = self.config.eval_reward_key if group.dataset not in ("", "train") else None
         for sample, result in zip(group.samples, reply.results, strict=True):
             sample.reward = result.reward
             sample.reward_details.clear()
             sample.reward_details.update(result.details)
             if result.error:
                 sample.status, sample.status_message = common_pb2.SAMPLE_STATUS_FAILED, result.error_message
+            elif key and key in result.details:  # a dict's numbers are its details
+                sample.reward = result.details[key]
+            elif key and result.details:  # a dict without it (a plain number has no details: it stays)
+                found = ", ".join(result.details)
+                sample.status = common_pb2.SAMPLE_STATUS_FAILED
+                sample.status_message = f"--eval-reward-key {key}: the reward has no {key!r}, only {found}"
+                log.warning("eval set %s: %s", group.dataset, sample.status_message)
 
     def _count(self, group: common_pb2.PromptGroup) -> None:
         GROUPS.labels("submitted").inc()

@@ -4,7 +4,7 @@ backpressure, filters, and continuing after a restart."""
 import pytest
 
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
-from tests.buffer.conftest import finish
+from tests.buffer.conftest import finish, write_jsonl
 
 
 async def lease_all(buffer, n):
@@ -259,6 +259,28 @@ async def test_eval_sets_are_leased_separately(make_buffer, prompts_file):
     assert await buffer.submit(leases[0].lease_id, finish(leases[0].group, [1.0, 0.0, 1.0])) == (True, False, "")
     state = await buffer.state()
     assert state["num_completed_groups"] == 0 and state["counters"]["eval_completed"] == 1
+
+
+async def test_an_eval_config_set_has_its_own_keys_reward_type_and_samples(make_buffer, prompts_file, tmp_path):
+    """Training reads `prompt`/`label`; the set "qa" of slime's --eval-config reads `question`/`answer`."""
+    rows = [{"question": f"Q{i}?", "answer": f"A{i}", "metadata": {"row": i, "rm_type": "math"}} for i in range(3)]
+    qa = write_jsonl(tmp_path / "qa.jsonl", rows)
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        "eval:\n  defaults: {n_samples_per_eval_prompt: 2}\n  datasets:\n"
+        f"    - {{name: qa, path: '{qa}', input_key: question, label_key: answer, rm_type: f1, "
+        "n_samples_per_eval_prompt: 5, metadata_overrides: {lang: en}}\n"
+        f"    - {{name: same, path: '{prompts_file}@[0:2]'}}\n"
+    )
+    buffer = await make_buffer(eval_config=str(config))
+    qa_groups = [le.group for le in (await buffer.lease(3, 0, "qa")).leases]
+    assert [(g.prompt_text, g.label, g.n_samples) for g in qa_groups] == [(f"Q{i}?", f"A{i}", 5) for i in range(3)]
+    assert dict(qa_groups[0].metadata) == {"row": 0, "rm_type": "f1", "lang": "en"}  # the set's reward type wins
+    same = (await buffer.lease(1, 0, "same")).leases[0].group
+    assert (same.prompt_text, same.label, same.n_samples) == ("What is 0 + 0?", "0", 2)
+    train = (await lease_all(buffer, 1))[0].group
+    assert train.dataset == "train" and train.prompt_text.startswith("What is") and train.n_samples == 2
+    assert (await buffer.state())["eval_datasets"] == ["qa", "same"]
 
 
 async def test_num_rollout_bounds_the_run(make_buffer):

@@ -55,22 +55,37 @@ def test_buffer_keeps_eval_groups_apart_from_training(system):
 
 
 def test_an_eval_config_gives_each_set_its_keys_samples_sampling_and_reward(make_system, tmp_path):
-    """slime's --eval-config, read by the buffer (sets, keys, samples per prompt, reward type) and by the gateway
-    (sampling): the reward service scores with `exact` but the set "short" asks for `random` (some rewards are 1),
-    and "renamed" has its prompts and labels under other keys than the training data's."""
+    """slime's --eval-config, read by the buffer (sets, keys, samples per prompt, reward type), the gateway (sampling,
+    generate functions) and the reward service (it checks the reward types): the reward service scores with `exact`,
+    but "short" asks for `random` (some rewards are 1) and "graded" for dapo's {score: ±1, acc: 0/1}, of which the
+    gateway's --eval-reward-key takes `acc`; "renamed" has its prompts and labels under other keys than training's."""
     renamed = tmp_path / "renamed.jsonl"
     renamed.write_text("".join(f'{{"question": "What is {i} + 2?", "answer": "{i + 2}"}}\n' for i in range(5)))
+    grader = tmp_path / "grader.py"  # answers the even prompts right and the odd ones wrong
+    grader.write_text(
+        "from services.rollout.generate import generate_group\n\n"
+        "async def generate(ctx, group):\n"
+        "    samples = await generate_group(ctx, group, resume=False)\n"
+        "    for sample in samples:\n"
+        "        sample.response_text = 'Answer: ' + (group.label if group.prompt_index % 2 == 0 else 'none')\n"
+        "    return samples\n"
+    )
     config = tmp_path / "eval.yaml"
+    prompts = tmp_path / "prompts.jsonl"
     config.write_text(
         "eval:\n  defaults: {n_samples_per_eval_prompt: 2}\n  datasets:\n"
-        f"    - {{name: short, path: '{tmp_path / 'prompts.jsonl'}@[0:6]', max_response_len: 2, rm_type: random, "
+        f"    - {{name: short, path: '{prompts}@[0:6]', max_response_len: 2, rm_type: random, "
         "n_samples_per_eval_prompt: 4}\n"
         f"    - {{name: renamed, path: '{renamed}', input_key: question, label_key: answer}}\n"
+        f"    - {{name: graded, path: '{prompts}@[0:4]', rm_type: dapo, n_samples_per_eval_prompt: 1, "
+        f"custom_generate_function_path: '{grader}:generate'}}\n"
     )
     system = make_system(num_engines=1, buffer={"eval_prompt_data": [], "eval_config": str(config)},
-                         reward={"rm_type": "exact"}, eval_config=str(config))  # fmt: skip
+                         reward={"rm_type": "exact", "eval_config": str(config)}, eval_config=str(config),
+                         eval_reward_key="acc")  # fmt: skip
     results = {r.dataset: r for r in system.gateway.Evaluate(rollout_pb2.EvaluateRequest(), timeout=120).results}
-    assert set(results) == {"short", "renamed"}
+    assert set(results) == {"short", "renamed", "graded"}
     assert results["short"].num_samples == 6 * 4 and results["short"].metrics["response_length/max"] <= 2
-    assert results["short"].mean_reward > 0  # `random`: 24 draws of 0 or 1
+    assert results["short"].mean_reward > 0  # `random`: 24 draws of 0 or 1 (a plain number: no key to take)
     assert results["renamed"].num_samples == 5 * 2 and results["renamed"].metrics["response_length/max"] <= 8
+    assert results["graded"].num_samples == 4 and results["graded"].mean_reward == 0.5  # score's mean would be 0
