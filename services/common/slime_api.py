@@ -56,13 +56,18 @@ class Sample:
     train_metadata: dict | None = None
 
 
+def metadata_of(message: common_pb2.PromptGroup | common_pb2.Sample) -> dict:
+    """A group's or a sample's metadata as a dict (empty when it has none)."""
+    return json_format.MessageToDict(message.metadata) if message.HasField("metadata") else {}
+
+
 def samples_of(groups: list[common_pb2.PromptGroup]) -> list[Sample]:
     """Every sample of `groups`, in order, with its group's prompt, label and metadata."""
     out = []
     for g, group in enumerate(groups):
-        metadata = json_format.MessageToDict(group.metadata) if group.HasField("metadata") else {}
+        metadata = metadata_of(group)
         for sample in group.samples:
-            extra = json_format.MessageToDict(sample.metadata) if sample.HasField("metadata") else {}
+            extra = metadata_of(sample)
             out.append(Sample(
                 group_index=g, index=len(out), prompt=group.prompt_text,
                 tokens=arrays.decode_tokens(sample.tokens).tolist(), response=sample.response_text,

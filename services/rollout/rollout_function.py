@@ -16,10 +16,9 @@ import time
 
 import grpc
 from aiohttp import web
-from google.protobuf import json_format
 
 from services.common.errors import SlipstreamError
-from services.common.slime_api import TO_PROTO, Sample, Status, args_of
+from services.common.slime_api import TO_PROTO, Sample, Status, args_of, metadata_of
 from services.rollout.generate import check_samples
 from slipstream import samples as arrays
 from slipstream.v1 import buffer_pb2, common_pb2
@@ -130,10 +129,9 @@ class DataSource:
 
     @staticmethod
     def _sample(group: common_pb2.PromptGroup, index: int, j: int) -> Sample:
-        metadata = json_format.MessageToDict(group.metadata) if group.HasField("metadata") else {}
         return Sample(group_index=index, index=index * group.n_samples + j, prompt=group.prompt_text,
                       tokens=arrays.decode_tokens(group.prompt_tokens).tolist(), label=group.label,
-                      metadata=metadata)  # fmt: skip
+                      metadata=metadata_of(group))  # fmt: skip
 
 
 async def run(rollout, function) -> None:

@@ -169,8 +169,7 @@ class Actor:
                     "rewards": rewards_B}  # fmt: skip
         if self.hooks["custom_advantage_function_path"]:
             kl = kl_BR if kl_BR is not None else torch.zeros_like(mask_BR)
-            advantages_BR, returns_BR = self.hooks.advantages(batch, rewards_B, {**per_step, "values": values_BR,
-                                                                                 "kl": kl})  # fmt: skip
+            advantages_BR, returns_BR = self.hooks.advantages(batch, {**per_step, "values": values_BR, "kl": kl})
             if c.normalize_advantages:
                 advantages_BR = whiten(advantages_BR, mask_BR)
         else:

@@ -70,14 +70,14 @@ class Hooks:
 
     # Advantages
 
-    def advantages(self, batch: RolloutBatch, rewards_B: torch.Tensor, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def advantages(self, batch: RolloutBatch, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B, R]` advantages and returns from the custom advantage function; `t` holds the `[B, R]` tensors
         (old, ref, values, rollout log-probs, kl, mask) as the actor has them."""
         lengths = batch.response_lengths()
         data = {name: _rows(t.get(key), lengths) for name, key in (
             ("log_probs", "old"), ("ref_log_probs", "ref"), ("values", "values"), ("rollout_log_probs", "rollout"),
             ("kl", "kl"), ("loss_masks", "mask"))}  # fmt: skip
-        data.update(rewards=rewards_B.tolist(), response_lengths=lengths, total_lengths=batch.lengths())
+        data.update(rewards=t["rewards"].tolist(), response_lengths=lengths, total_lengths=batch.lengths())
         self["custom_advantage_function_path"](self.args, data)
         out = []
         for key in ("advantages", "returns"):
