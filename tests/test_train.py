@@ -80,7 +80,7 @@ def test_train_learns_evaluates_saves_and_leaves_nothing_behind(service_process,
 def test_sigkill_mid_run_then_load_resumes_exactly(service_process, tmp_path):
     """The whole run SIGKILLed, then the same command with --load: the steps after the last checkpoint are trained
     again, and the run goes on in the same W&B run."""
-    steps = 20
+    steps = 14
     args = [*train_args(tmp_path, steps=steps), "--save-interval", "5", "--use-wandb", "--wandb-mode", "offline"]
     run_dir = tmp_path / "demo"
     first = service_process("train", *args)
@@ -170,7 +170,7 @@ def test_a_weight_sync_address_not_of_the_trainer_stops_the_run_at_start_with_on
 def test_a_stalled_run_is_stopped_with_the_last_error_of_the_part_that_stalled(service_process, tmp_path):
     """The engine freezes (SIGSTOP: alive, answering nothing, as a GPU hang leaves it): nothing moves, and the run
     stops after --stall-timeout-s instead of waiting forever, naming the rollout and its last error."""
-    run = service_process("train", *train_args(tmp_path, steps=100), "--stall-timeout-s", "30",
+    run = service_process("train", *train_args(tmp_path, steps=100), "--stall-timeout-s", "20",
                           "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "5")  # fmt: skip
     run_dir = tmp_path / "demo"
     wait_steps(run, run_dir, 2)

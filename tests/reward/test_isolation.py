@@ -3,6 +3,8 @@ saying so): pebble then marks the whole pool broken and fails every later item. 
 an error and the next one is scored by a new pool, as the soak found."""
 
 import asyncio
+import os
+import signal
 import time
 from concurrent.futures.process import BrokenProcessPool
 
@@ -33,5 +35,27 @@ async def test_a_broken_pool_costs_the_item_in_flight_and_the_next_item_gets_a_n
         assert await pool.run(30, _slow, 0.0) == 0.0
         _break(pool._pool)  # broken between items: the next item goes to a new pool
         assert await pool.run(30, _slow, 0.0) == 0.0
+    finally:
+        pool.close()
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+async def test_a_stopped_worker_costs_its_item_and_the_next_item_is_scored():
+    """A worker SIGSTOPped while it holds an item (a hung process, as `make test-faults`' reward-worker-sigstop case
+    does it in a whole run): the item fails on its deadline, the worker is stopped for good, and the next item is
+    scored."""
+    pool = WorkerPool(1)
+    try:
+        worker = await pool.run(30, _pid)
+        in_flight = asyncio.create_task(pool.run(2, _slow, 1.0))
+        await asyncio.sleep(0.3)
+        os.kill(worker, signal.SIGSTOP)
+        failure = await in_flight
+        assert failure.kind == "timeout"
+        assert await pool.run(30, _slow, 0.0) == 0.0
+        assert await pool.run(30, _pid) != worker
     finally:
         pool.close()
