@@ -12,8 +12,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from redis.exceptions import RedisError
+
 from services.buffer.config import BufferConfig
 from services.buffer.filters import read_verdict
+from services.buffer.groups import check_group, group_id_of, min_version, num_tokens
 from services.buffer.prompts import Skipped
 from services.buffer.source import Cursor, PromptStream
 from services.buffer.store import BufferStore, Contended
@@ -192,7 +195,7 @@ class Buffer:
         """Returns a leased group to the pool; its partial samples are kept and come back with the next lease."""
         payload = b""
         if partial_samples:
-            stored = await self.store.leased_group(_group_id(lease_id) or "")
+            stored = await self.store.leased_group(group_id_of(lease_id) or "")
             if stored is None:
                 raise NotFound(f"lease {lease_id!r} is not held (unknown, expired or already submitted)")
             group = common_pb2.PromptGroup.FromString(stored)
@@ -209,13 +212,13 @@ class Buffer:
     ) -> tuple[bool, bool, str]:
         """Stores a finished group; returns (accepted, duplicate, filtered reason). Idempotent per group. With
         `arrays_in_redis` the worker uploaded the samples' arrays (store.upload_key); else they are in `group`."""
-        group_id = _group_id(lease_id)
+        group_id = group_id_of(lease_id)
         if group_id is None:
             raise InvalidArgument("lease_id", f"{lease_id!r} is not a lease id from LeasePrompts")
         dataset = group_id.split(":", 1)[0]
-        self._check_group(group, self._samples_per_group(dataset) if dataset == TRAIN else None, arrays_in_redis)
+        check_group(group, self._samples_per_group(dataset) if dataset == TRAIN else None, arrays_in_redis)
         group.group_id = group_id
-        group.min_weight_version = _min_version(group)
+        group.min_weight_version = min_version(group)
         outcome, reason = "completed", ""
         if dataset != TRAIN:
             outcome = f"eval:{dataset}"
@@ -227,7 +230,7 @@ class Buffer:
         if not arrays_in_redis:  # stored apart from the rest, as a worker would have uploaded them
             group = _copy(group)
             arrays = samples.take_arrays(group)
-        payload, tokens = group.SerializeToString(), _num_tokens(group)
+        payload, tokens = group.SerializeToString(), num_tokens(group)
         result = await self.store.submit(lease_id, outcome, payload, group.min_weight_version, tokens, arrays)
         if result == "unknown":
             raise NotFound(f"lease {lease_id!r} is unknown to this run; submit with a lease id from LeasePrompts")
@@ -246,44 +249,6 @@ class Buffer:
         if dataset == TRAIN:
             return self.config.n_samples_per_prompt
         return self._eval_samples.get(dataset, self.config.n_samples_per_eval_prompt)
-
-    def _check_group(self, group: common_pb2.PromptGroup, expected: int | None, arrays_in_redis: bool) -> None:
-        """`expected` is the training group size; an evaluation may ask for any number of samples (at least one).
-        Uploaded arrays come from a gateway, which checks what it generates; only arrays sent here are checked."""
-        if expected is not None and len(group.samples) != expected:
-            raise InvalidArgument(
-                "group.samples", f"expected {expected} samples (--n-samples-per-prompt), got {len(group.samples)}"
-            )
-        if not group.samples:
-            raise InvalidArgument("group.samples", "a group needs at least one sample")
-        for i, sample in enumerate(group.samples):
-            where = f"group.samples[{i}]"
-            if sample.prompt_length < 0 or sample.response_length < 0:
-                raise InvalidArgument(f"{where}.prompt_length", "prompt_length and response_length must be >= 0")
-            if arrays_in_redis:
-                if any(getattr(sample, name) for name in samples.ARRAYS):
-                    raise InvalidArgument(f"{where}.tokens", "with arrays_in_redis the arrays are uploaded, not sent")
-                continue
-            if len(sample.tokens) % 4 or len(sample.rollout_logprobs) % 4:
-                raise InvalidArgument(
-                    f"{where}.tokens", "tokens and rollout_logprobs hold 4-byte values (int32, float32)"
-                )
-            tokens = samples.num_tokens(sample.tokens)
-            if sample.prompt_length + sample.response_length != tokens:
-                raise InvalidArgument(
-                    f"{where}.tokens",
-                    f"has {tokens} tokens but prompt_length + response_length = "
-                    f"{sample.prompt_length} + {sample.response_length}",
-                )
-            for name, size in (
-                ("loss_mask", len(sample.loss_mask)),
-                ("rollout_logprobs", len(sample.rollout_logprobs) // 4),
-            ):
-                if size not in (0, sample.response_length):
-                    raise InvalidArgument(
-                        f"{where}.{name}",
-                        f"has {size} entries; it needs one per response token ({sample.response_length})",
-                    )
 
     def _run_dynamic_filter(self, group: common_pb2.PromptGroup):
         try:
@@ -476,6 +441,20 @@ class Buffer:
             except Exception:  # Redis may be briefly unreachable; the next round retries
                 log.exception("returning expired leases failed")
 
+    async def follow_submits(self) -> None:
+        """Wakes a GetBatch waiting for groups the moment one is completed: by this process, another buffer process
+        or a worker completing it in Redis itself (the submit script publishes each). While Redis is away, GetBatch
+        still looks every BATCH_POLL_S."""
+        while True:
+            try:
+                async with self.store.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self.store.key("submitted"))
+                    async for _ in pubsub.listen():
+                        self._submitted.set()
+            except RedisError as e:
+                log.debug("following submits: %s; subscribing again", e)
+            await asyncio.sleep(1.0)
+
 
 def partition(tokens: list[int], num_parts: int, balance: bool) -> list[list[int]]:
     """Splits group indices into `num_parts` parts of equal size; with `balance`, the token totals are balanced
@@ -492,22 +471,7 @@ def partition(tokens: list[int], num_parts: int, balance: bool) -> list[list[int
     return [sorted(part) for part in parts]
 
 
-def _group_id(lease_id: str) -> str | None:
-    group_id, sep, attempt = lease_id.rpartition("#")
-    return group_id if sep and group_id and attempt.isdigit() else None
-
-
-def _num_tokens(group: common_pb2.PromptGroup) -> int:
-    return sum(s.prompt_length + s.response_length for s in group.samples)
-
-
 def _copy(group: common_pb2.PromptGroup) -> common_pb2.PromptGroup:
     copy = common_pb2.PromptGroup()
     copy.CopyFrom(group)
     return copy
-
-
-def _min_version(group: common_pb2.PromptGroup) -> int:
-    """The oldest weight version that produced any token of the group (from the samples' spans)."""
-    versions = [int(span.version) for s in group.samples for span in s.weight_versions if span.version.isdigit()]
-    return min(versions) if versions else group.min_weight_version

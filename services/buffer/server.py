@@ -103,13 +103,14 @@ async def build(config: BufferConfig) -> Service:
 
     async def ready() -> None:
         tasks.append(asyncio.create_task(buffer.expire_forever()))
+        tasks.append(asyncio.create_task(buffer.follow_submits()))
         tasks.append(asyncio.create_task(_export_counts(buffer, config.expire_interval_s)))
 
     async def close() -> None:
         for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            while not task.done():  # a cancel can be lost in a Redis call that ends at that moment (Python 3.11)
+                task.cancel()
+                await asyncio.wait([task], timeout=1.0)
         if executor is not None:
             executor.shutdown(cancel_futures=True)
         await client.aclose()
@@ -123,5 +124,6 @@ async def _export_counts(buffer: Buffer, interval_s: float) -> None:
         with contextlib.suppress(Exception):
             state = await buffer.state()
             for name, value in {**state.pop("counters"), **state}.items():
-                BUFFER_COUNTS.labels(name).set(value)
+                if isinstance(value, int | float):  # not eval_datasets, the sets' names
+                    BUFFER_COUNTS.labels(name).set(value)
         await asyncio.sleep(interval_s)

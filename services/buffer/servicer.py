@@ -2,7 +2,7 @@
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from services.buffer.core import Buffer, LeasedGroup
+from services.buffer.core import TRAIN, Buffer, LeasedGroup
 from slipstream.samples import varint
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc
 
@@ -29,9 +29,12 @@ def _timestamp(ms: int) -> Timestamp:
     return stamp
 
 
-def _lease(leased: LeasedGroup, upload_key: str) -> buffer_pb2.Lease:
+def _lease(leased: LeasedGroup, buffer: Buffer) -> buffer_pb2.Lease:
     deadline = _timestamp(leased.deadline_ms)
-    return buffer_pb2.Lease(lease_id=leased.lease_id, group=leased.group, deadline=deadline, upload_key=upload_key)
+    upload_key = buffer.store.upload_key(leased.lease_id)
+    namespace = buffer.store.ns if leased.group.dataset == TRAIN and buffer.dynamic_filter is None else ""
+    return buffer_pb2.Lease(lease_id=leased.lease_id, group=leased.group, deadline=deadline, upload_key=upload_key,
+                            submit_namespace=namespace)  # fmt: skip
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
@@ -41,7 +44,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
     async def LeasePrompts(self, request, context):
         result = await self.buffer.lease(request.max_groups, request.lease_seconds, request.dataset)
         return buffer_pb2.LeasePromptsResponse(
-            leases=[_lease(leased, self.buffer.store.upload_key(leased.lease_id)) for leased in result.leases],
+            leases=[_lease(leased, self.buffer) for leased in result.leases],
             policy_version=result.policy_version,
             blocked=_BLOCKED[result.blocked],
         )

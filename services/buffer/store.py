@@ -16,7 +16,9 @@ trained:<step>; or dropped:<reason> (a filter or the staleness bound); eval for 
 import json
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
+
+UPLOAD_TTL_S = 3600  # an upload not taken over by a submit (its worker died in between) is gone after an hour
 
 # Prepended to every script: a group id starts with its dataset's name; how many more groups the bounds allow (cap:
 # leased plus completed groups, -1 for none; limit: live training groups, started minus dropped, -1 for none).
@@ -174,6 +176,7 @@ if outcome == 'completed' then
   redis.call('ZADD', ns .. ':done', seq, gid)
   redis.call('HSET', ns .. ':done_version', gid, version)
   redis.call('HSET', ns .. ':done_tokens', gid, tokens)
+  redis.call('PUBLISH', ns .. ':submitted', gid)
 else
   redis.call('DEL', upload)
   if string.sub(outcome, 1, 5) == 'eval:' then
@@ -315,9 +318,11 @@ class Contended(Exception):
 class BufferStore:
     """Typed access to one run's keys; every multi-key change is one atomic script."""
 
-    def __init__(self, redis: Redis, prefix: str, run_id: str):
+    def __init__(self, redis: Redis, prefix: str, run_id: str | None = None):
+        """The run's keys are under `<prefix>:{<run_id>}`; without `run_id`, `prefix` is that namespace (a lease's
+        submit_namespace)."""
         self.redis = redis
-        self.ns = f"{prefix}:{{{run_id}}}"
+        self.ns = prefix if run_id is None else f"{prefix}:{{{run_id}}}"
         self._scripts = {
             name: redis.register_script(_PRELUDE + code)
             for name, code in [
@@ -398,6 +403,27 @@ class BufferStore:
         uploaded = arrays is None
         args = [lease_id, outcome, payload, version, num_tokens, b"" if uploaded else arrays, int(uploaded)]
         return (await self._run("submit", *args)).decode()
+
+    async def complete_uploaded(
+        self, lease_id: str, arrays: bytes, payload: bytes, version: int, num_tokens: int
+    ) -> str:
+        """A worker's own submit of a training group (no dynamic-sampling filter): the arrays to the lease's upload
+        key, then `submit` as the buffer runs it, pipelined on one connection (one round trip; Redis runs them in
+        order, so the script finds the arrays). Answers as `submit`."""
+        script = self._scripts["submit"]
+        args = [self.ns, lease_id, "completed", payload, version, num_tokens, b"", 1]
+        for _ in range(2):  # the script is loaded on the first NOSCRIPT (a new or restarted Redis), then sent again
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(self.upload_key(lease_id), arrays, ex=UPLOAD_TTL_S)
+                pipe.evalsha(script.sha, 1, self.key("meta"), *args)
+                uploaded, result = await pipe.execute(raise_on_error=False)
+            if not isinstance(result, NoScriptError):
+                break
+            await self.redis.script_load(script.script)
+        for answer in (uploaded, result):
+            if isinstance(answer, Exception):
+                raise answer
+        return result.decode()
 
     async def leased_group(self, group_id: str) -> bytes | None:
         """The stored prompt group (with its partial samples) of a group that is leased or waiting for a worker."""

@@ -16,6 +16,7 @@ import time
 
 import grpc
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from services.common.errors import SlipstreamError
 from services.common.slime_api import TO_PROTO, Sample, Status, args_of, metadata_of
@@ -73,23 +74,19 @@ class DataSource:
         self.rollout, self.loop, self.args = rollout, loop, args
         self.leases: dict[int, buffer_pb2.Lease] = {}  # by the group_index its samples carry
         self.closed = False  # the call is over (or the rollout stopped): nothing more is leased
-        self._taking: set = set()
+        self._taking: set[asyncio.Task] = set()
         self._next = 0
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
-        future = asyncio.run_coroutine_threadsafe(self._take(num_samples), self.loop)
-        self._taking.add(future)
-        try:
-            return future.result()
-        finally:
-            self._taking.discard(future)
+        return asyncio.run_coroutine_threadsafe(self._take(num_samples), self.loop).result()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """On the gateway's loop: ends the leasing of a call whose thread may still run (a thread cannot be stopped:
-        its get_samples fails from now on)."""
+        its get_samples fails from now on), once what was being leased has gone back to the buffer."""
         self.closed = True
-        for future in list(self._taking):
-            future.cancel()
+        for task in self._taking:
+            task.cancel()
+        await asyncio.gather(*self._taking, return_exceptions=True)
 
     def add_samples(self, samples: list[list[Sample]]) -> None:
         for group in samples:
@@ -102,6 +99,7 @@ class DataSource:
 
     async def _take(self, num_groups: int) -> list[list[Sample]]:
         rollout, taken = self.rollout, []
+        self._taking.add(asyncio.current_task())
         try:
             while len(taken) < num_groups and not self.closed:
                 await rollout.pool.running.wait()
@@ -119,6 +117,8 @@ class DataSource:
             for lease in taken:
                 await rollout._release(lease.lease_id, "rollout stopped")
             raise
+        finally:
+            self._taking.discard(asyncio.current_task())
         groups = []
         self.args.n_samples_per_prompt = taken[0].group.n_samples if taken else self.args.n_samples_per_prompt
         for lease in taken:
@@ -163,7 +163,7 @@ async def run(rollout, function) -> None:
                 log.exception("the rollout function (--rollout-function-path) failed; its groups go back to the buffer")
                 await asyncio.sleep(1.0)
             finally:
-                source.close()
+                await source.close()
                 keepalive.cancel()
                 for lease in source.leases.values():
                     await rollout._release(lease.lease_id, "not returned by the rollout function")
@@ -184,7 +184,8 @@ async def _keep_alive(rollout, source: DataSource) -> None:
 
 async def _finish(rollout, source: DataSource, groups: list[list[Sample]], oldest: str) -> None:
     for samples in groups:
-        lease = source.leases.pop(samples[0].group_index, None) if samples else None
+        index = samples[0].group_index if samples else None
+        lease = source.leases.get(index)
         if lease is None:
             log.warning("the rollout function returned a group its data source did not hand out; it is left out")
             continue
@@ -192,16 +193,17 @@ async def _finish(rollout, source: DataSource, groups: list[list[Sample]], oldes
             group = _group(lease.group, samples, oldest)
             if any(s.status == common_pb2.SAMPLE_STATUS_ABORTED for s in group.samples):
                 await rollout._release(lease.lease_id, "aborted by a pause")
-                continue
-            if any(s.reward is None for s in samples):
-                await rollout._score(group)
-            group.timings["scored"] = time.time()
-            await rollout._submit(lease, group)
-            rollout._count(group)
-        except (SlipstreamError, grpc.aio.AioRpcError, ValueError, TypeError) as e:
+            else:
+                if any(s.reward is None for s in samples):
+                    await rollout._score(group)
+                group.timings["scored"] = time.time()
+                await rollout._submit(lease, group)
+                rollout._count(group)
+        except (SlipstreamError, grpc.aio.AioRpcError, RedisError, ValueError, TypeError) as e:
             reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning("group %s goes back to the buffer: %s", lease.group.group_id, reason)
             await rollout._release(lease.lease_id, reason)
+        del source.leases[index]  # submitted or given back; a stop in between leaves it to run()'s release
 
 
 def _group(leased: common_pb2.PromptGroup, samples: list[Sample], oldest: str) -> common_pb2.PromptGroup:

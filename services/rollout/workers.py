@@ -13,6 +13,8 @@ import grpc
 import prometheus_client
 from redis.exceptions import RedisError
 
+from services.buffer.groups import complete_in_redis
+from services.buffer.store import UPLOAD_TTL_S, BufferStore
 from services.common.errors import SlipstreamError
 from services.common.plugins import load_callable
 from services.rollout.config import RolloutConfig
@@ -36,13 +38,13 @@ RESPONSE_LENGTH = prometheus_client.Histogram(
 THROUGHPUT = prometheus_client.Gauge(
     "slipstream_rollout_throughput", "Over the last minute: samples/s, tokens/s, truncated ratio", ["measure"]
 )
-UPLOAD_TTL_S = 3600  # an upload whose submit never came (the gateway died between the two) is gone after this
 
 
 class Rollout:
     def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, reward, tokenizer=None, redis=None):
         self.config, self.pool, self.buffer, self.reward, self.tokenizer = config, pool, buffer, reward, tokenizer
-        self.redis = redis  # the buffer's Redis (--redis-url): training groups' arrays are uploaded there
+        self.redis = redis  # the buffer's Redis (--redis-url): training groups are completed or uploaded there
+        self._stores: dict[str, BufferStore] = {}  # by the leases' submit_namespace
         self.custom = None
         if config.custom_generate_function_path:
             self.custom = load_callable(config.custom_generate_function_path, "--custom-generate-function-path")
@@ -167,8 +169,17 @@ class Rollout:
         return None
 
     async def _submit(self, lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> None:
-        """With the buffer's Redis at hand, a training group's arrays go there, and the buffer gets the rest: the
-        bulk crosses to Redis once and from there to the trainer (buffer.proto, SubmitGroupRequest)."""
+        """With the buffer's Redis at hand, a training group is completed there, in one round trip (the lease names
+        the run's namespace unless the buffer has a dynamic-sampling filter to run on it); or its arrays go there
+        and the buffer gets the rest. Either way the bulk crosses to Redis once and from there to the trainer
+        (docs/buffer.md, the data plane)."""
+        if self.redis is not None and lease.submit_namespace:
+            namespace = lease.submit_namespace
+            store = self._stores.get(namespace) or self._stores.setdefault(
+                namespace, BufferStore(self.redis, namespace)
+            )
+            await complete_in_redis(store, lease, group)
+            return
         request = buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=group)
         if self.redis is not None and lease.upload_key and group.dataset == "train":
             await self.redis.set(lease.upload_key, samples.take_arrays(request.group), ex=UPLOAD_TTL_S)

@@ -23,16 +23,18 @@ LEASE_BLOCK_STALENESS: LeaseBlock
 LEASE_BLOCK_EXHAUSTED: LeaseBlock
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "group", "deadline", "upload_key")
+    __slots__ = ("lease_id", "group", "deadline", "upload_key", "submit_namespace")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_KEY_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     group: _common_pb2.PromptGroup
     deadline: _timestamp_pb2.Timestamp
     upload_key: str
-    def __init__(self, lease_id: _Optional[str] = ..., group: _Optional[_Union[_common_pb2.PromptGroup, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., upload_key: _Optional[str] = ...) -> None: ...
+    submit_namespace: str
+    def __init__(self, lease_id: _Optional[str] = ..., group: _Optional[_Union[_common_pb2.PromptGroup, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., upload_key: _Optional[str] = ..., submit_namespace: _Optional[str] = ...) -> None: ...
 
 class LeasePromptsRequest(_message.Message):
     __slots__ = ("worker_id", "max_groups", "lease_seconds", "dataset")
