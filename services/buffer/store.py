@@ -151,9 +151,11 @@ local ns, lease_id, outcome, payload, version, tokens = ARGV[1], ARGV[2], ARGV[3
 local arrays, uploaded = ARGV[7], ARGV[8] == '1'
 local upload = ns .. ':upload:' .. lease_id
 local gid = string.match(lease_id, '^(.*)#%d+$')
-if not gid then return 'unknown' end
-local status = redis.call('HGET', ns .. ':status', gid)
-if not status then return 'unknown' end
+local status = gid and redis.call('HGET', ns .. ':status', gid)
+if not status then
+  redis.call('DEL', upload)
+  return 'unknown'
+end
 if status ~= 'leased' and status ~= 'pending' then
   redis.call('DEL', upload)
   redis.call('HINCRBY', ns .. ':counters', 'duplicate_submits', 1)

@@ -58,7 +58,7 @@ def test_round_trip_over_grpc(stub, redis_client):
     trainer gets them back with the arrays in the reply, or reads them from Redis itself; a commit deletes them."""
     leases = stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=2), timeout=10).leases
     assert len(leases) == 2 and leases[0].deadline.seconds > 0
-    assert leases[1].upload_key.startswith("svc:{default}:upload:")
+    assert leases[1].upload_key.startswith("svc:{default}:upload:") and leases[1].submit_namespace == "svc:{default}"
     sent = [finish(lease.group, [0, 1]) for lease in leases]
     assert stub.SubmitGroup(buffer_pb2.SubmitGroupRequest(lease_id=leases[0].lease_id, group=sent[0])).accepted
     request = buffer_pb2.SubmitGroupRequest(lease_id=leases[1].lease_id, group=sent[1], arrays_in_redis=True)

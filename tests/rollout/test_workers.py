@@ -10,6 +10,7 @@ import pytest
 
 from services.buffer.config import BufferConfig
 from services.buffer.server import build as build_buffer
+from services.common.metrics import RPC_REQUESTS
 from services.reward.config import RewardConfig
 from services.reward.server import build as build_reward
 from slipstream import samples
@@ -62,22 +63,34 @@ def test_group_rm_scores_each_group_in_one_call(make_system, tmp_path):
     assert [[s.reward for s in g.samples] for g in batch.groups] == [[0.0, 1.0]] * 4  # the group function's ranks
 
 
-def test_a_gateway_on_the_buffers_redis_uploads_the_arrays_and_the_trainer_reads_them_there(
-    make_system, redis_url, redis_client
+@pytest.mark.parametrize("dynamic_filter", [None, "services.buffer.filters:check_reward_nonzero_std"])
+def test_a_gateway_on_the_buffers_redis_moves_the_arrays_there_and_the_trainer_reads_them_there(
+    make_system, redis_url, redis_client, dynamic_filter
 ):
-    """The data plane: the gateway writes each group's arrays to Redis and submits the rest; the buffer renames the
-    upload in its submit script; GetBatch hands out keys; nothing is left behind."""
+    """The data plane: without a dynamic-sampling filter in the buffer, the gateway completes each training group in
+    Redis itself (the arrays and the submit script in one round trip, no SubmitGroup); with one, it uploads the arrays
+    and submits the rest, and the buffer's filter sees the group. Either way the submit script takes the upload over,
+    GetBatch hands out keys, and nothing is left behind."""
     renames = redis_client.info("commandstats").get("cmdstat_rename", {}).get("calls", 0)
-    system = make_system(num_engines=1, redis={"url": redis_url, "prefix": "dataplane"}, advertise_addr="127.0.0.1:9")
+    submits = RPC_REQUESTS.labels("buffer", "SubmitGroup", "OK")._value.get()
+    system = make_system(num_engines=1, buffer={"dynamic_sampling_filter_path": dynamic_filter},
+                         redis={"url": redis_url, "prefix": "dataplane"}, advertise_addr="127.0.0.1:9")  # fmt: skip
     system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
     wait_completed(system.buffer, 4)
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
     uploaded = redis_client.info("commandstats")["cmdstat_rename"]["calls"] - renames
+    submits = RPC_REQUESTS.labels("buffer", "SubmitGroup", "OK")._value.get() - submits
+    state = system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
+    if dynamic_filter is None:
+        assert submits == 0 and "dropped" not in state.counters
+    else:
+        assert submits == state.counters["completed"] + state.counters.get("dropped", 0) >= 4
     ask = buffer_pb2.GetBatchRequest(step=0, dp_size=1, timeout_seconds=5, arrays_from_redis=True)
     batch = system.buffer.GetBatch(ask, timeout=30)
     assert uploaded >= 4 and len(batch.arrays_keys) == 4 and not batch.arrays
     samples.put_batch_arrays(batch.groups, redis_client.mget(batch.arrays_keys))
     for group in batch.groups:
+        assert len({s.reward for s in group.samples}) == 2 or dynamic_filter is None
         for sample in group.samples:
             tokens = samples.decode_tokens(sample.tokens)
             assert tokens[: sample.prompt_length].tolist() == samples.decode_tokens(group.prompt_tokens).tolist()

@@ -1,0 +1,98 @@
+"""A worker completing its training groups in the buffer's Redis itself (services.buffer.groups.complete_in_redis),
+against a real Redis and a real buffer: the same transition as SubmitGroup, once per group, with the buffer told."""
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+
+from services.buffer.groups import complete_in_redis
+from services.buffer.store import BufferStore
+from services.common.errors import InvalidArgument, NotFound
+from slipstream import samples
+from slipstream.v1 import buffer_pb2
+from tests.buffer.conftest import finish
+
+
+def as_lease(buffer, leased) -> buffer_pb2.Lease:
+    """What LeasePrompts hands a worker (services/buffer/servicer.py)."""
+    return buffer_pb2.Lease(lease_id=leased.lease_id, group=leased.group, submit_namespace=buffer.store.ns)
+
+
+@pytest.fixture
+async def worker_store(redis_url):
+    """`worker_store(buffer)`: the worker's own client, on the namespace its leases name."""
+    clients = []
+
+    def make(buffer) -> BufferStore:
+        clients.append(client := Redis.from_url(redis_url))
+        return BufferStore(client, buffer.store.ns)
+
+    yield make
+    for client in clients:
+        await client.aclose()
+
+
+async def test_completed_groups_are_batched_with_their_arrays_once(make_buffer, worker_store):
+    buffer = await make_buffer()
+    store = worker_store(buffer)
+    leases = (await buffer.lease(4, 0, "")).leases
+    sent = [finish(leased.group, [0.0, 1.0], version=3) for leased in leases]
+    expected = {g.group_id: [s.tokens for s in g.samples] for g in sent}
+    for leased, group in zip(leases, sent, strict=True):
+        assert await complete_in_redis(store, as_lease(buffer, leased), group)
+        assert not any(s.tokens for s in group.samples)  # the arrays went to Redis
+    retry = finish(leases[0].group, [0.0, 1.0])
+    assert not await complete_in_redis(store, as_lease(buffer, leases[0]), retry)  # counted once
+    assert not await store.redis.keys(f"{store.ns}:upload:*")  # the retry's upload went with it
+    part = await buffer.get_batch(0, 0, 1, 5, arrays_from_redis=True)
+    groups = part.groups
+    samples.put_batch_arrays(groups, [await store.redis.get(key) for key in part.arrays_keys])
+    assert {g.group_id: [s.tokens for s in g.samples] for g in groups} == expected
+    assert {g.min_weight_version for g in groups} == {3}
+    assert part.num_tokens == sum(len(t) // 4 for tokens in expected.values() for t in tokens)
+    state = await buffer.state()
+    assert state["counters"]["completed"] == 4 and state["counters"]["duplicate_submits"] == 1
+    assert await buffer.commit(0) == 4
+    assert await store.redis.exists(*part.arrays_keys) == 0
+
+
+async def test_bad_groups_and_unknown_leases_are_refused_and_nothing_is_written(make_buffer, worker_store):
+    buffer = await make_buffer()
+    store = worker_store(buffer)
+    (leased,) = (await buffer.lease(1, 0, "")).leases
+    with pytest.raises(InvalidArgument, match=r"group.samples: expected 2 samples"):
+        await complete_in_redis(store, as_lease(buffer, leased), finish(leased.group, [1.0]))
+    unknown = buffer_pb2.Lease(lease_id="train:e9:b9:r9#1", group=leased.group)  # of no group of this run
+    with pytest.raises(NotFound, match="is unknown to the run"):
+        await complete_in_redis(store, unknown, finish(leased.group, [0.0, 1.0]))
+    assert (await buffer.state())["num_leased_groups"] == 1
+    assert not await store.redis.keys(f"{store.ns}:upload:*") and not await store.redis.keys(f"{store.ns}:arrays:*")
+
+
+async def test_a_waiting_batch_is_told_of_each_group(make_buffer, worker_store):
+    """The submit script publishes each completed group; the buffer, following them, wakes a waiting GetBatch at
+    once rather than at its next look (BATCH_POLL_S), whichever process completed the group."""
+    buffer = await make_buffer(rollout_batch_size=1)
+    store = worker_store(buffer)
+    following = asyncio.create_task(buffer.follow_submits())
+    try:
+        (leased,) = (await buffer.lease(1, 0, "")).leases
+        channel = buffer.store.key("submitted")
+        while (await store.redis.pubsub_numsub(channel))[0][1] < 1:  # a message sent before would not be seen
+            await asyncio.sleep(0.05)
+        buffer._submitted.clear()
+        await complete_in_redis(store, as_lease(buffer, leased), finish(leased.group, [0.0, 1.0]))
+        await asyncio.wait_for(buffer._submitted.wait(), 30)  # set by the message: nothing else sets it here
+    finally:
+        following.cancel()
+    assert [g.group_id for g in (await buffer.get_batch(0, 0, 1, 5)).groups] == [leased.group.group_id]
+
+
+async def test_a_redis_that_lost_its_scripts_is_given_them_again(make_buffer, worker_store):
+    buffer = await make_buffer()
+    store = worker_store(buffer)
+    (leased,) = (await buffer.lease(1, 0, "")).leases
+    await store.redis.script_flush()  # as after a restart of Redis
+    assert await complete_in_redis(store, as_lease(buffer, leased), finish(leased.group, [0.0, 1.0]))
+    assert (await buffer.state())["num_completed_groups"] == 1
