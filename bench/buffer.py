@@ -1,11 +1,14 @@
 """Submit + batch throughput of the buffer service against raw Redis moving the same bytes.
 
-For groups of 8 samples of 1k and 8k tokens: rollout workers submit every group to a real `slipstream buffer`
-process, then the trainer takes them back in batches (GetBatch + CommitBatch) and puts each group together. Two
-paths: the data plane (`buffer`), as a gateway and a trainer with --redis-url run it: the worker uploads the samples'
-arrays to Redis and submits the rest over gRPC, the trainer gets the rest and the arrays' keys over gRPC and reads the
-arrays from Redis; and `inline`, everything through the buffer. The baseline is redis-py storing and reading the same
-serialized groups with pipelined SET and GET on the same Redis.
+For groups of 8 samples of 1k and 8k tokens: rollout workers hand in every group as a gateway does, then the trainer
+takes them back in batches (GetBatch + CommitBatch) from a real `slipstream buffer` process and puts each group
+together. Three paths: `buffer`, the data plane of a gateway and a trainer with --redis-url when the buffer runs no
+dynamic-sampling filter: the worker completes each group in Redis itself (its arrays and the buffer's submit script,
+pipelined), the trainer gets the groups without their arrays and the arrays' keys over gRPC and reads the arrays from
+Redis; `upload`, the same with a dynamic-sampling filter in the buffer: the worker uploads the arrays and sends the
+rest in SubmitGroup; and `inline`, everything through the buffer. The worker's clients are connected before the
+clock starts, as a running gateway's are. The baseline is redis-py storing and reading the same serialized groups
+with pipelined SET and GET on the same Redis.
 
 Run: .venv/bin/python bench/buffer.py [--groups 64] [--batch 16] [--tokens 1024 8192]
 """
@@ -26,6 +29,8 @@ import redis
 import redis.asyncio
 from redis.connection import Encoder, PythonRespSerializer
 
+from services.buffer.groups import complete_in_redis
+from services.buffer.store import UPLOAD_TTL_S, BufferStore
 from services.common.clients import channel_options, wait_until_serving
 from services.common.redis_connection import EmbeddedRedis
 from services.common.tiny_checkpoint import write_tokenizer
@@ -33,6 +38,7 @@ from slipstream.samples import decode_tokens, encode_logprobs, encode_mask, enco
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 
 SUBMITTING = 8  # groups a gateway submits at once
+PATHS = ("buffer", "upload", "inline")
 READ_SIZE = 1 << 20  # the trainer reads values of megabytes (services/trainer/loop.py)
 
 
@@ -67,23 +73,34 @@ def redis_client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, command_packer=packer, socket_read_size=READ_SIZE)
 
 
-async def submit_all(address: str, url: str, requests: list, upload_keys: dict[str, str], plane: bool) -> None:
-    """Rollout workers submitting as the gateway does (services/rollout/workers.py, Rollout._submit): asyncio, several
-    groups finishing at once; on the data plane each group's arrays go to Redis first."""
+async def submit_all(address: str, url: str, leases: list, groups: list, path: str) -> float:
+    """Rollout workers handing in every group as the gateway does (services/rollout/workers.py, Rollout._submit):
+    asyncio, several groups finishing at once. Returns the seconds taken, clients connected beforehand."""
     client = redis.asyncio.Redis.from_url(url)
+    await asyncio.gather(*(client.ping() for _ in range(SUBMITTING)))  # a running gateway's pool is connected
+    store = BufferStore(client, leases[0].submit_namespace)
+    requests = [
+        buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=g) for lease, g in zip(leases, groups, strict=True)
+    ]
     slots = asyncio.Semaphore(SUBMITTING)
 
-    async def submit(request: buffer_pb2.SubmitGroupRequest) -> bool:
+    async def submit(lease: buffer_pb2.Lease, group, request: buffer_pb2.SubmitGroupRequest) -> bool:
         async with slots:
-            if plane:
-                await client.set(upload_keys[request.lease_id], take_arrays(request.group), ex=3600)
+            if path == "buffer":
+                return await complete_in_redis(store, lease, group)
+            if path == "upload":
+                await client.set(lease.upload_key, take_arrays(request.group), ex=UPLOAD_TTL_S)
                 request.arrays_in_redis = True
             return (await stub.SubmitGroup(request, timeout=60)).accepted
 
     async with grpc.aio.insecure_channel(address, options=channel_options(timeout_s=120)) as channel:
         stub = buffer_pb2_grpc.BufferServiceStub(channel)
-        assert all(await asyncio.gather(*map(submit, requests)))
+        await stub.GetState(buffer_pb2.GetStateRequest(), timeout=60)  # connected
+        start = time.perf_counter()
+        assert all(await asyncio.gather(*map(submit, leases, groups, requests)))
+        elapsed = time.perf_counter() - start
     await client.aclose()
+    return elapsed
 
 
 def raw_redis(url: str, payloads: list[bytes], batch: int) -> float:
@@ -107,7 +124,7 @@ def raw_redis(url: str, payloads: list[bytes], batch: int) -> float:
 
 
 def buffer_service(
-    url: str, folder: Path, run: str, groups: int, batch: int, samples: int, tokens: int, plane: bool
+    url: str, folder: Path, run: str, groups: int, batch: int, samples: int, tokens: int, path: str
 ) -> tuple[float, list]:
     data = folder / f"prompts-{tokens}.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?"}) + "\n" for i in range(groups)))
@@ -116,32 +133,33 @@ def buffer_service(
     args += ["--redis-url", url, "--run-id", run, "--prompt-data", str(data)]
     args += ["--hf-checkpoint", str(folder / "tokenizer"), "--num-data-workers", "0", "--metrics-port", "null"]
     args += ["--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(samples), "--max-staleness", "1000"]
+    if path == "upload":  # a filter that keeps every group: the buffer must see each group, so it is submitted to it
+        args += ["--dynamic-sampling-filter-path", "services.buffer.filters:check_reward_nonzero_std"]
     server = subprocess.Popen(args, stderr=subprocess.DEVNULL)
     reader = redis.Redis.from_url(url, socket_read_size=READ_SIZE)  # the trainer's client
+    reader.ping()
     try:
         address = f"127.0.0.1:{port}"
         wait_until_serving(address, 60)
         with grpc.insecure_channel(address, options=channel_options(timeout_s=120)) as channel:
             stub = buffer_pb2_grpc.BufferServiceStub(channel)
             leases = stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=groups), timeout=60).leases
-            assert len(leases) == groups
+            assert len(leases) == groups and all(bool(lease.submit_namespace) == (path != "upload") for lease in leases)
             rng = np.random.default_rng(0)
-            requests = [
-                buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=make_group(lease, samples, tokens, rng))
-                for lease in leases
-            ]
-            payloads = [r.group.SerializeToString() for r in requests]
-            upload_keys = {lease.lease_id: lease.upload_key for lease in leases}
+            made = [make_group(lease, samples, tokens, rng) for lease in leases]
+            payloads = [group.SerializeToString() for group in made]
 
+            elapsed = asyncio.run(submit_all(address, url, leases, made, path))
             start = time.perf_counter()
-            asyncio.run(submit_all(address, url, requests, upload_keys, plane))
             for step in range(groups // batch):  # as the trainer does it (services/trainer/loop.py, _get_batch)
-                ask = buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=30, arrays_from_redis=plane)
+                ask = buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=30,
+                                                 arrays_from_redis=path != "inline")  # fmt: skip
                 got = stub.GetBatch(ask, timeout=60)
-                put_batch_arrays(got.groups, [reader.get(key) for key in got.arrays_keys] if plane else got.arrays)
+                arrays = [reader.get(key) for key in got.arrays_keys] if got.arrays_keys else got.arrays
+                put_batch_arrays(got.groups, arrays)
                 assert len(got.groups) == batch and all(s.tokens for g in got.groups for s in g.samples)
                 stub.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=60)
-            elapsed = time.perf_counter() - start
+            elapsed += time.perf_counter() - start
         return elapsed, payloads
     finally:
         reader.close()
@@ -165,31 +183,32 @@ def main() -> None:
         try:
             for tokens in args.tokens:
                 shape = (args.groups, args.batch, args.samples, tokens)
-                times: dict[str, list[float]] = {"buffer": [], "inline": [], "raw": []}
+                times: dict[str, list[float]] = {path: [] for path in (*PATHS, "raw")}
                 for i in range(args.repeat):
-                    for plane in (True, False):
-                        elapsed, payloads = buffer_service(redis_server.url, folder, f"b{tokens}-{i}-{plane}", *shape,
-                                                           plane=plane)  # fmt: skip
-                        times["buffer" if plane else "inline"].append(elapsed)
+                    for path in PATHS:
+                        elapsed, payloads = buffer_service(redis_server.url, folder, f"b{tokens}-{i}-{path}", *shape,
+                                                           path=path)  # fmt: skip
+                        times[path].append(elapsed)
                     times["raw"].append(raw_redis(redis_server.url, payloads, args.batch))
                 median = {name: statistics.median(t) for name, t in times.items()}
                 ratios = [raw / buf for raw, buf in zip(times["raw"], times["buffer"], strict=True)]
                 mb, n = sum(map(len, payloads)) / 2**20, args.groups
-                rows.append((tokens, mb / n, n / median["buffer"], mb / median["buffer"], n / median["inline"],
-                             n / median["raw"], mb / median["raw"], statistics.median(ratios), ratios))  # fmt: skip
+                rows.append((tokens, mb / n, n / median["buffer"], mb / median["buffer"], n / median["upload"],
+                             n / median["inline"], n / median["raw"], mb / median["raw"], statistics.median(ratios),
+                             ratios))  # fmt: skip
         finally:
             redis_server.stop()
     print(
         f"groups of {args.samples} samples, {args.groups} groups, batches of {args.batch}, median of {args.repeat} runs"
     )
-    header = ["tokens/sample", "MiB/group", "buffer groups/s", "buffer MiB/s", "inline groups/s", "raw groups/s"]
-    header += ["raw MiB/s", "buffer/raw (median)", "buffer/raw per run"]
+    header = ["tokens/sample", "MiB/group", "buffer groups/s", "buffer MiB/s", "upload groups/s", "inline groups/s"]
+    header += ["raw groups/s", "raw MiB/s", "buffer/raw (median)", "buffer/raw per run"]
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
-    for tokens, size, g_buf, mb_buf, g_inline, g_raw, mb_raw, ratio, ratios in rows:
+    for tokens, size, g_buf, mb_buf, g_upload, g_inline, g_raw, mb_raw, ratio, ratios in rows:
         runs = " ".join(f"{r:.0%}" for r in ratios)
-        print(f"{tokens} | {size:.2f} | {g_buf:.1f} | {mb_buf:.1f} | {g_inline:.1f} | {g_raw:.1f} | {mb_raw:.1f} | "
-              f"{ratio:.0%} | {runs}")  # fmt: skip
+        print(f"{tokens} | {size:.2f} | {g_buf:.1f} | {mb_buf:.1f} | {g_upload:.1f} | {g_inline:.1f} | {g_raw:.1f} | "
+              f"{mb_raw:.1f} | {ratio:.0%} | {runs}")  # fmt: skip
     tokens = " ".join(map(str, args.tokens))
     command = f".venv/bin/python bench/buffer.py --groups {args.groups} --batch {args.batch} --tokens {tokens}"
     command += f" --repeat {args.repeat}"
