@@ -170,7 +170,7 @@ def test_a_weight_sync_address_not_of_the_trainer_stops_the_run_at_start_with_on
 def test_a_stalled_run_is_stopped_with_the_last_error_of_the_part_that_stalled(service_process, tmp_path):
     """The engine freezes (SIGSTOP: alive, answering nothing, as a GPU hang leaves it): nothing moves, and the run
     stops after --stall-timeout-s instead of waiting forever, naming the rollout and its last error."""
-    run = service_process("train", *train_args(tmp_path, steps=100), "--stall-timeout-s", "20",
+    run = service_process("train", *train_args(tmp_path, steps=100), "--stall-timeout-s", "30",
                           "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "5")  # fmt: skip
     run_dir = tmp_path / "demo"
     wait_steps(run, run_dir, 2)
