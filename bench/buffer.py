@@ -7,14 +7,16 @@ dynamic-sampling filter: the worker completes each group in Redis itself (its ar
 pipelined), the trainer gets the groups without their arrays and the arrays' keys over gRPC and reads the arrays from
 Redis; `upload`, the same with a dynamic-sampling filter in the buffer: the worker uploads the arrays and sends the
 rest in SubmitGroup; and `inline`, everything through the buffer. The worker's clients are connected before the
-clock starts, as a running gateway's are. The baseline is redis-py storing and reading the same serialized groups
-with pipelined SET and GET on the same Redis.
+clock starts, as a running gateway's are, and what setup made is out of the garbage collector's reach (gc.freeze), as
+a started service's is; each group is checked whole after the clock stops. The baseline is redis-py storing and
+reading the same serialized groups with pipelined SET and GET on the same Redis.
 
 Run: .venv/bin/python bench/buffer.py [--groups 64] [--batch 16] [--tokens 1024 8192]
 """
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import subprocess
@@ -79,15 +81,13 @@ async def submit_all(address: str, url: str, leases: list, groups: list, path: s
     client = redis.asyncio.Redis.from_url(url)
     await asyncio.gather(*(client.ping() for _ in range(SUBMITTING)))  # a running gateway's pool is connected
     store = BufferStore(client, leases[0].submit_namespace)
-    requests = [
-        buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=g) for lease, g in zip(leases, groups, strict=True)
-    ]
     slots = asyncio.Semaphore(SUBMITTING)
 
-    async def submit(lease: buffer_pb2.Lease, group, request: buffer_pb2.SubmitGroupRequest) -> bool:
+    async def submit(lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> bool:
         async with slots:
             if path == "buffer":
                 return await complete_in_redis(store, lease, group)
+            request = buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=group)
             if path == "upload":
                 await client.set(lease.upload_key, take_arrays(request.group), ex=UPLOAD_TTL_S)
                 request.arrays_in_redis = True
@@ -97,7 +97,7 @@ async def submit_all(address: str, url: str, leases: list, groups: list, path: s
         stub = buffer_pb2_grpc.BufferServiceStub(channel)
         await stub.GetState(buffer_pb2.GetStateRequest(), timeout=60)  # connected
         start = time.perf_counter()
-        assert all(await asyncio.gather(*map(submit, leases, groups, requests)))
+        assert all(await asyncio.gather(*map(submit, leases, groups)))
         elapsed = time.perf_counter() - start
     await client.aclose()
     return elapsed
@@ -150,16 +150,21 @@ def buffer_service(
             payloads = [group.SerializeToString() for group in made]
 
             elapsed = asyncio.run(submit_all(address, url, leases, made, path))
-            start = time.perf_counter()
+            start, batches = time.perf_counter(), []
             for step in range(groups // batch):  # as the trainer does it (services/trainer/loop.py, _get_batch)
                 ask = buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=30,
                                                  arrays_from_redis=path != "inline")  # fmt: skip
                 got = stub.GetBatch(ask, timeout=60)
                 arrays = [reader.get(key) for key in got.arrays_keys] if got.arrays_keys else got.arrays
                 put_batch_arrays(got.groups, arrays)
-                assert len(got.groups) == batch and all(s.tokens for g in got.groups for s in g.samples)
+                batches.append(got.groups)
                 stub.CommitBatch(buffer_pb2.CommitBatchRequest(step=step), timeout=60)
             elapsed += time.perf_counter() - start
+            trained = {g.group_id: g for groups in batches for g in groups}
+            for sent in map(common_pb2.PromptGroup.FromString, payloads):  # every group trained, with its arrays
+                assert [s.SerializeToString() for s in trained[sent.group_id].samples] == [
+                    s.SerializeToString() for s in sent.samples
+                ]
         return elapsed, payloads
     finally:
         reader.close()
@@ -180,6 +185,7 @@ def main() -> None:
         folder = Path(tmp)
         write_tokenizer(folder / "tokenizer")
         redis_server = EmbeddedRedis(folder / "redis").start()
+        gc.freeze()  # as a started service does (services/common/server.py)
         try:
             for tokens in args.tokens:
                 shape = (args.groups, args.batch, args.samples, tokens)

@@ -39,19 +39,18 @@ def check_group(group: common_pb2.PromptGroup, expected: int | None, arrays_in_r
             if any(getattr(sample, name) for name in samples.ARRAYS):
                 raise InvalidArgument(f"{where}.tokens", "with arrays_in_redis the arrays are uploaded, not sent")
             continue
-        if len(sample.tokens) % 4 or len(sample.rollout_logprobs) % 4:
+        # Each read of a bytes field copies it out of the message: read each once.
+        token_bytes, logprob_bytes = len(sample.tokens), len(sample.rollout_logprobs)
+        if token_bytes % 4 or logprob_bytes % 4:
             raise InvalidArgument(f"{where}.tokens", "tokens and rollout_logprobs hold 4-byte values (int32, float32)")
-        tokens = samples.num_tokens(sample.tokens)
+        tokens = token_bytes // 4
         if sample.prompt_length + sample.response_length != tokens:
             raise InvalidArgument(
                 f"{where}.tokens",
                 f"has {tokens} tokens but prompt_length + response_length = "
                 f"{sample.prompt_length} + {sample.response_length}",
             )
-        for name, size in (
-            ("loss_mask", len(sample.loss_mask)),
-            ("rollout_logprobs", len(sample.rollout_logprobs) // 4),
-        ):
+        for name, size in (("loss_mask", len(sample.loss_mask)), ("rollout_logprobs", logprob_bytes // 4)):
             if size not in (0, sample.response_length):
                 raise InvalidArgument(
                     f"{where}.{name}", f"has {size} entries; it needs one per response token ({sample.response_length})"

@@ -6,6 +6,7 @@ exits 0. A service module only says which servicers to add and what to close (`S
 """
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -121,6 +122,9 @@ class GrpcServer:
             self.metrics_port, self._metrics_server = serve_metrics(cfg.host, cfg.metrics_port)
         if self.service.ready is not None:
             await self.service.ready()
+        # What start made (modules, configuration, clients, a model) lives as long as the process: out of the
+        # collector's reach, a full collection no longer walks it (tens of ms with 10^5 objects, an RPC's wait).
+        gc.freeze()
         for name in ["", *names]:
             await self.health.set(name, SERVING)
         security = ("mutual TLS" if cfg.tls.ca_file else "TLS") if cfg.tls.enabled else "plaintext"
