@@ -6,10 +6,11 @@ together. Three paths: `buffer`, the data plane of a gateway and a trainer with 
 dynamic-sampling filter: the worker completes each group in Redis itself (its arrays and the buffer's submit script,
 pipelined), the trainer gets the groups without their arrays and the arrays' keys over gRPC and reads the arrays from
 Redis; `upload`, the same with a dynamic-sampling filter in the buffer: the worker uploads the arrays and sends the
-rest in SubmitGroup; and `inline`, everything through the buffer. The worker's clients are connected before the
-clock starts, as a running gateway's are, and what setup made is out of the garbage collector's reach (gc.freeze), as
-a started service's is; each group is checked whole after the clock stops. The baseline is redis-py storing and
-reading the same serialized groups with pipelined SET and GET on the same Redis.
+rest in SubmitGroup; and `inline`, everything through the buffer. The worker runs on the gateway's event loop
+(uvloop) with its clients connected before the clock starts, as a running gateway's are, and what setup made is out
+of the garbage collector's reach (gc.freeze), as a started service's is; each group is checked whole after the clock
+stops. The baseline is redis-py storing and reading the same serialized groups with pipelined SET and GET on the same
+Redis.
 
 Run: .venv/bin/python bench/buffer.py [--groups 64] [--batch 16] [--tokens 1024 8192]
 """
@@ -29,6 +30,7 @@ import grpc
 import numpy as np
 import redis
 import redis.asyncio
+import uvloop
 from redis.connection import Encoder, PythonRespSerializer
 
 from services.buffer.groups import complete_in_redis
@@ -149,7 +151,7 @@ def buffer_service(
             made = [make_group(lease, samples, tokens, rng) for lease in leases]
             payloads = [group.SerializeToString() for group in made]
 
-            elapsed = asyncio.run(submit_all(address, url, leases, made, path))
+            elapsed = uvloop.run(submit_all(address, url, leases, made, path))  # the gateway's loop
             start, batches = time.perf_counter(), []
             for step in range(groups // batch):  # as the trainer does it (services/trainer/loop.py, _get_batch)
                 ask = buffer_pb2.GetBatchRequest(step=step, dp_size=1, timeout_seconds=30,

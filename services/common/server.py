@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -179,7 +180,7 @@ def run_service(build: Build, config: ServiceConfig) -> int:
     """Builds and serves the service until SIGTERM/SIGINT; a startup problem is logged as one sentence, exit 1."""
     setup_logging(config.log_level, config.log_format)
     try:
-        return asyncio.run(_serve(build, config))
+        return uvloop.run(_serve(build, config))
     except (StartupError, ConfigError) as e:
         log.error("%s", e)
         return 1
