@@ -1,6 +1,7 @@
 """The shared server lifecycle: health, reflection, status-code mapping, metrics, and a busy port."""
 
 import asyncio
+import gc
 import time
 import urllib.request
 
@@ -11,7 +12,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from services.common.clients import health_status
 from services.common.config import ServiceConfig
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, StartupError
-from services.common.server import GrpcServer, Service, Servicer
+from services.common.server import GrpcServer, Service, Servicer, run_service
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 
@@ -161,3 +162,22 @@ def test_stop_lets_in_flight_rpcs_finish(grpc_service, channel_to):
     time.sleep(0.3)
     running.stop()
     assert in_flight.result().step == 7
+
+
+def test_a_service_runs_on_uvloop_with_what_start_made_frozen(monkeypatch):
+    seen = {}
+
+    async def build(cfg):
+        finished = asyncio.get_running_loop().create_future()
+
+        async def ready():
+            seen["loop"] = type(asyncio.get_running_loop()).__module__
+            finished.set_result(None)  # the service ends once serving, as a trainer does at its last step
+
+        return Service("loop", cfg, [], ready=ready, finished=finished)
+
+    monkeypatch.setattr("services.common.server.setup_logging", lambda *args: None)  # the tests' logging stays
+    assert run_service(build, config()) == 0
+    assert seen["loop"].startswith("uvloop")
+    assert gc.get_freeze_count() > 0
+    gc.unfreeze()
