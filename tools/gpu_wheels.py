@@ -19,9 +19,11 @@ IN_IMAGE = {
     "pillow", "certifi", "idna", "click", "typer", "shellingham", "annotated-doc", "httpx2", "httpcore2",
     "setuptools", "pip", "psutil",
 }  # fmt: skip
-# Not needed to run the GPU tests: tools of development here, Parquet data (imported only for .parquet prompts).
+# Not needed to run the GPU tests: tools of development here, Parquet data (imported only for .parquet prompts), the
+# TLS tests' certificates and the container tests' clients (both skip there).
 NOT_NEEDED = {"ruff", "grpcio-tools", "hypothesis", "sortedcontainers", "sglang-router", "pyarrow", "truststore",
-              "fastapi", "slipstream"}  # fmt: skip
+              "fastapi", "slipstream", "cryptography", "cffi", "pycparser", "docker", "testcontainers",
+              "podman-compose"}  # fmt: skip
 GLIBC = (17, 24, 27, 28, 31, 34)
 PLATFORMS = ["manylinux1_x86_64", "manylinux2014_x86_64", *(f"manylinux_2_{n}_x86_64" for n in GLIBC)]
 
