@@ -17,6 +17,7 @@ import statistics
 import time
 
 import aiohttp
+import uvloop
 
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
@@ -135,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     urls, engines = start_instant_engines(args.engines)
     try:
-        rows = asyncio.run(run(urls, args.concurrency, args.requests))
+        rows = uvloop.run(run(urls, args.concurrency, args.requests))  # the gateway's loop
     finally:
         engines[0].terminate()
     direct_p50 = statistics.median(rows[0][2])
