@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from services.buffer.config import BufferConfig
 from services.buffer.filters import read_verdict
-from services.buffer.groups import check_group, group_id_of, min_version, num_tokens
+from services.buffer.groups import check_group, group_id_of, leased_group_id, min_version, num_tokens
 from services.buffer.prompts import Skipped
 from services.buffer.source import Cursor, PromptStream
 from services.buffer.store import BufferStore, Contended
@@ -212,9 +212,7 @@ class Buffer:
     ) -> tuple[bool, bool, str]:
         """Stores a finished group; returns (accepted, duplicate, filtered reason). Idempotent per group. With
         `arrays_in_redis` the worker uploaded the samples' arrays (store.upload_key); else they are in `group`."""
-        group_id = group_id_of(lease_id)
-        if group_id is None:
-            raise InvalidArgument("lease_id", f"{lease_id!r} is not a lease id from LeasePrompts")
+        group_id = leased_group_id(lease_id)
         dataset = group_id.split(":", 1)[0]
         check_group(group, self._samples_per_group(dataset) if dataset == TRAIN else None, arrays_in_redis)
         group.group_id = group_id

@@ -12,6 +12,13 @@ def group_id_of(lease_id: str) -> str | None:
     return group_id if sep and group_id and attempt.isdigit() else None
 
 
+def leased_group_id(lease_id: str) -> str:
+    """The group of a lease id a submit names; a clear error when it is not one LeasePrompts gave."""
+    if (group_id := group_id_of(lease_id)) is None:
+        raise InvalidArgument("lease_id", f"{lease_id!r} is not a lease id from LeasePrompts")
+    return group_id
+
+
 def num_tokens(group: common_pb2.PromptGroup) -> int:
     return sum(s.prompt_length + s.response_length for s in group.samples)
 
@@ -62,9 +69,7 @@ async def complete_in_redis(store: BufferStore, lease: buffer_pb2.Lease, group: 
     it, then its arrays and the buffer's submit transition in one round trip to Redis (store.complete_uploaded).
     The lease must have a `submit_namespace` (the buffer runs no dynamic-sampling filter, which needs the group).
     Takes the arrays out of `group`. True when the group was completed now, False when it had been already."""
-    group_id = group_id_of(lease.lease_id)
-    if group_id is None:
-        raise InvalidArgument("lease_id", f"{lease.lease_id!r} is not a lease id from LeasePrompts")
+    group_id = leased_group_id(lease.lease_id)
     check_group(group, group.n_samples or None, arrays_in_redis=False)
     group.group_id, group.min_weight_version = group_id, min_version(group)
     arrays = samples.take_arrays(group)

@@ -414,7 +414,9 @@ class BufferStore:
         order, so the script finds the arrays). Answers as `submit`."""
         script = self._scripts["submit"]
         args = [self.ns, lease_id, "completed", payload, version, num_tokens, b"", 1]
-        for _ in range(2):  # the script is loaded on the first NOSCRIPT (a new or restarted Redis), then sent again
+        # The script is loaded on the first NOSCRIPT (a new or restarted Redis), then sent again: redis-py's Script in
+        # a pipeline would ask SCRIPT EXISTS first, a round trip more on every submit.
+        for _ in range(2):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.set(self.upload_key(lease_id), arrays, ex=UPLOAD_TTL_S)
                 pipe.evalsha(script.sha, 1, self.key("meta"), *args)

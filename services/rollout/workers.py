@@ -174,11 +174,9 @@ class Rollout:
         and the buffer gets the rest. Either way the bulk crosses to Redis once and from there to the trainer
         (docs/buffer.md, the data plane)."""
         if self.redis is not None and lease.submit_namespace:
-            namespace = lease.submit_namespace
-            store = self._stores.get(namespace) or self._stores.setdefault(
-                namespace, BufferStore(self.redis, namespace)
-            )
-            await complete_in_redis(store, lease, group)
+            if lease.submit_namespace not in self._stores:
+                self._stores[lease.submit_namespace] = BufferStore(self.redis, lease.submit_namespace)
+            await complete_in_redis(self._stores[lease.submit_namespace], lease, group)
             return
         request = buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=group)
         if self.redis is not None and lease.upload_key and group.dataset == "train":
