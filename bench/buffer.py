@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -105,9 +106,24 @@ async def submit_all(address: str, url: str, leases: list, groups: list, path: s
     return elapsed
 
 
+def fresh_aof(url: str) -> None:
+    """Rewrites the AOF now and waits for it: Redis rewrites it on its own each time it has grown by 64 MB (a fork
+    of redis-server, then copy-on-write while the child writes), which would fall in a timed run at random (either
+    path, both write the same bytes). Each run starts on a rewritten AOF and writes less than 64 MB in it."""
+    client = redis.Redis.from_url(url)
+    while client.info("persistence")["aof_rewrite_in_progress"]:
+        time.sleep(0.01)
+    client.bgrewriteaof()
+    while (info := client.info("persistence"))["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]:
+        time.sleep(0.01)
+    client.close()
+    os.sync()
+
+
 def raw_redis(url: str, payloads: list[bytes], batch: int) -> float:
     client = redis_client(url)
     client.flushdb()
+    fresh_aof(url)
     start = time.perf_counter()
     for i in range(0, len(payloads), batch):
         pipe = client.pipeline(transaction=False)
@@ -150,7 +166,7 @@ def buffer_service(
             rng = np.random.default_rng(0)
             made = [make_group(lease, samples, tokens, rng) for lease in leases]
             payloads = [group.SerializeToString() for group in made]
-
+            fresh_aof(url)
             elapsed = uvloop.run(submit_all(address, url, leases, made, path))  # the gateway's loop
             start, batches = time.perf_counter(), []
             for step in range(groups // batch):  # as the trainer does it (services/trainer/loop.py, _get_batch)
@@ -181,6 +197,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--repeat", type=int, default=3, help="runs per size; the table shows the medians")
+    parser.add_argument("--warmup", type=int, default=1, help="runs per size before those, not counted: the first "
+                        "run of a process pays for growing its heap and its clients' first use")  # fmt: skip
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,12 +210,13 @@ def main() -> None:
             for tokens in args.tokens:
                 shape = (args.groups, args.batch, args.samples, tokens)
                 times: dict[str, list[float]] = {path: [] for path in (*PATHS, "raw")}
-                for i in range(args.repeat):
+                for i in range(-args.warmup, args.repeat):  # the warm-up runs are not counted
                     for path in PATHS:
                         elapsed, payloads = buffer_service(redis_server.url, folder, f"b{tokens}-{i}-{path}", *shape,
                                                            path=path)  # fmt: skip
                         times[path].append(elapsed)
                     times["raw"].append(raw_redis(redis_server.url, payloads, args.batch))
+                times = {name: t[args.warmup :] for name, t in times.items()}
                 median = {name: statistics.median(t) for name, t in times.items()}
                 ratios = [raw / buf for raw, buf in zip(times["raw"], times["buffer"], strict=True)]
                 mb, n = sum(map(len, payloads)) / 2**20, args.groups

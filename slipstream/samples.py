@@ -74,17 +74,25 @@ def _read_varint(data: memoryview, at: int) -> tuple[int, int]:
 def take_arrays(group: common_pb2.PromptGroup) -> bytes:
     """Moves the samples' arrays out of `group`; returns them as a serialized PromptGroup whose samples hold only
     those fields, in order."""
-    pieces = []
+    return take_sized_arrays(group)[0]
+
+
+def take_sized_arrays(group: common_pb2.PromptGroup) -> tuple[bytes, list[dict[str, int]]]:
+    """`take_arrays`, with the byte length of each sample's arrays (by field name): a check of the lengths after
+    the arrays are taken out copies none of them again."""
+    pieces, sizes = [], []
     for sample in group.samples:
-        fields, size = [], 0
+        fields, size, lengths = [], 0, {}
         for number, name in zip(_NUMBERS, ARRAYS, strict=True):
             if data := getattr(sample, name):
                 head = varint(number << 3 | 2) + varint(len(data))
                 fields += [head, data]
                 size += len(head) + len(data)
+                lengths[name] = len(data)
                 sample.ClearField(name)
         pieces += [varint(_SAMPLES << 3 | 2) + varint(size), *fields]
-    return b"".join(pieces)
+        sizes.append(lengths)
+    return b"".join(pieces), sizes
 
 
 def put_arrays(group: common_pb2.PromptGroup, data: bytes) -> None:

@@ -270,38 +270,35 @@ class Buffer:
         if not 0 <= timeout_s <= MAX_LEASE_S:  # also refuses NaN, which would never time out
             raise InvalidArgument("timeout_seconds", f"must be 0 (the buffer's --batch-timeout-s) to {MAX_LEASE_S}, "
                                                      f"got {timeout_s}")  # fmt: skip
-        gids = await self.store.batch(step)
-        if gids is None:
-            gids = await self._make_batch(step, timeout_s or self.config.batch_timeout_s)
-        tokens = await self.store.num_tokens(gids)
+        gids = await self._make_batch(step, timeout_s or self.config.batch_timeout_s)
+        tokens, payloads, version = await self.store.batch_contents(gids)
         mine = partition(tokens, dp_size, self.config.balance_data)[dp_rank]
-        chosen = [gids[i] for i in mine]
-        payloads = await self.store.completed_groups(chosen)
+        chosen, payloads = [gids[i] for i in mine], [payloads[i] for i in mine]
         arrays = [] if arrays_from_redis else await self.store.arrays(chosen)
         if None in payloads or None in arrays:
             raise FailedPrecondition(f"step {step}: its groups are gone; was the step committed meanwhile?")
-        version = await self.policy_version()
         return BatchPart(
             payloads, arrays, self.store.arrays_keys(chosen), sum(tokens[i] for i in mine), len(gids), version
         )
 
     async def _make_batch(self, step: int, timeout_s: float) -> list[str]:
-        last = await self.store.meta_int("last_committed_step", -1)
-        top = await self.store.meta_int("top_step", -1)
+        """Step `step`'s groups: its batch, made now if it has none yet (by this or another request or buffer
+        process)."""
         num_rollout = self.config.num_rollout
-        if num_rollout is not None and step >= num_rollout:
-            raise FailedPrecondition(f"the run has --num-rollout {num_rollout} steps (0 to {num_rollout - 1})")
-        if step <= last:
-            raise FailedPrecondition(f"step {step} was already committed; ask for step {max(last, top) + 1}")
-        if step > top + 1:
-            raise FailedPrecondition(f"steps are handed out in order; ask for step {top + 1} before step {step}")
         deadline = time.monotonic() + timeout_s
         batch_size = self.config.rollout_batch_size
         while True:
             self._submitted.clear()
-            if (made := await self.store.batch(step)) is not None:  # by another request or buffer process
+            made, last, top, completed = await self.store.batching(step)
+            if made is not None:
                 return made
-            eligible, stale = self._split_stale(step, await self.store.completed())
+            if num_rollout is not None and step >= num_rollout:
+                raise FailedPrecondition(f"the run has --num-rollout {num_rollout} steps (0 to {num_rollout - 1})")
+            if step <= last:
+                raise FailedPrecondition(f"step {step} was already committed; ask for step {max(last, top) + 1}")
+            if step > top + 1:
+                raise FailedPrecondition(f"steps are handed out in order; ask for step {top + 1} before step {step}")
+            eligible, stale = self._split_stale(step, completed)
             # A group too old for this step is too old for every later one.
             if await self.store.drop_completed(stale, "stale"):
                 log.info(

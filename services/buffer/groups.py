@@ -29,9 +29,12 @@ def min_version(group: common_pb2.PromptGroup) -> int:
     return min(versions) if versions else group.min_weight_version
 
 
-def check_group(group: common_pb2.PromptGroup, expected: int | None, arrays_in_redis: bool) -> None:
+def check_group(
+    group: common_pb2.PromptGroup, expected: int | None, arrays_in_redis: bool, sizes: list[dict] | None = None
+) -> None:
     """`expected` is the training group size; an evaluation may ask for any number of samples (at least one).
-    Uploaded arrays come from a gateway, which checks what it generates; only arrays sent here are checked."""
+    Uploaded arrays come from a gateway, which checks what it generates; only arrays sent here are checked: in the
+    group, or taken out of it already, given by their `sizes` (samples.take_sized_arrays)."""
     if expected is not None and len(group.samples) != expected:
         raise InvalidArgument(
             "group.samples", f"expected {expected} samples (--n-samples-per-prompt), got {len(group.samples)}"
@@ -47,7 +50,9 @@ def check_group(group: common_pb2.PromptGroup, expected: int | None, arrays_in_r
                 raise InvalidArgument(f"{where}.tokens", "with arrays_in_redis the arrays are uploaded, not sent")
             continue
         # Each read of a bytes field copies it out of the message: read each once.
-        token_bytes, logprob_bytes = len(sample.tokens), len(sample.rollout_logprobs)
+        checked = ("tokens", "loss_mask", "rollout_logprobs")
+        lengths = sizes[i] if sizes is not None else {name: len(getattr(sample, name)) for name in checked}
+        token_bytes, logprob_bytes = lengths.get("tokens", 0), lengths.get("rollout_logprobs", 0)
         if token_bytes % 4 or logprob_bytes % 4:
             raise InvalidArgument(f"{where}.tokens", "tokens and rollout_logprobs hold 4-byte values (int32, float32)")
         tokens = token_bytes // 4
@@ -57,7 +62,7 @@ def check_group(group: common_pb2.PromptGroup, expected: int | None, arrays_in_r
                 f"has {tokens} tokens but prompt_length + response_length = "
                 f"{sample.prompt_length} + {sample.response_length}",
             )
-        for name, size in (("loss_mask", len(sample.loss_mask)), ("rollout_logprobs", logprob_bytes // 4)):
+        for name, size in (("loss_mask", lengths.get("loss_mask", 0)), ("rollout_logprobs", logprob_bytes // 4)):
             if size not in (0, sample.response_length):
                 raise InvalidArgument(
                     f"{where}.{name}", f"has {size} entries; it needs one per response token ({sample.response_length})"
@@ -70,9 +75,9 @@ async def complete_in_redis(store: BufferStore, lease: buffer_pb2.Lease, group: 
     The lease must have a `submit_namespace` (the buffer runs no dynamic-sampling filter, which needs the group).
     Takes the arrays out of `group`. True when the group was completed now, False when it had been already."""
     group_id = leased_group_id(lease.lease_id)
-    check_group(group, group.n_samples or None, arrays_in_redis=False)
+    arrays, sizes = samples.take_sized_arrays(group)  # checked once taken out: each array is copied once
+    check_group(group, group.n_samples or None, arrays_in_redis=False, sizes=sizes)
     group.group_id, group.min_weight_version = group_id, min_version(group)
-    arrays = samples.take_arrays(group)
     result = await store.complete_uploaded(lease.lease_id, arrays, group.SerializeToString(), group.min_weight_version,
                                            num_tokens(group))  # fmt: skip
     if result == "unknown":

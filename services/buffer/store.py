@@ -445,9 +445,24 @@ class BufferStore:
         versions = await self.redis.hmget(self.key("done_version"), gids)
         return [(gid, int(v or 0)) for gid, v in zip(gids, versions, strict=True)]
 
-    async def num_tokens(self, gids: list[str]) -> list[int]:
-        """Token counts of completed groups (stored at submit, so batches are balanced without reading groups)."""
-        return [int(n or 0) for n in await self.redis.hmget(self.key("done_tokens"), gids)] if gids else []
+    async def batching(self, step: int) -> tuple[list[str] | None, int, int, list[tuple[str, int]]]:
+        """What a batch for `step` is made from, in one round trip: the step's batch if it has one already, the last
+        committed step and the top step handed out (-1: none), and the completed groups (as `completed`)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self.key(f"batch:{step}")).hmget(self.key("meta"), "last_committed_step", "top_step")
+            pipe.zrange(self.key("done"), 0, -1).hgetall(self.key("done_version"))
+            record, (last, top), gids, versions = await pipe.execute()
+        completed = [(gid.decode(), int(versions.get(gid) or 0)) for gid in gids]
+        made = json.loads(record) if record is not None else None
+        return made, int(last if last is not None else -1), int(top if top is not None else -1), completed
+
+    async def batch_contents(self, gids: list[str]) -> tuple[list[int], list[bytes | None], int]:
+        """A batch's groups' token counts (stored at submit, so batches are balanced without reading groups) and
+        payloads, and the policy version, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(self.key("done_tokens"), gids).mget([self.key(f"done:{gid}") for gid in gids])
+            tokens, payloads, version = await pipe.hget(self.key("meta"), "policy_version").execute()
+        return [int(n or 0) for n in tokens], payloads, int(version or 0)
 
     async def completed_groups(self, gids: list[str]) -> list[bytes]:
         if not gids:

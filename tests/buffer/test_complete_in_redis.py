@@ -63,6 +63,16 @@ async def test_bad_groups_and_unknown_leases_are_refused_and_nothing_is_written(
     (leased,) = (await buffer.lease(1, 0, "")).leases
     with pytest.raises(InvalidArgument, match=r"group.samples: expected 2 samples"):
         await complete_in_redis(store, as_lease(buffer, leased), finish(leased.group, [1.0]))
+    # The arrays are checked as they are taken out of the group (samples.take_sized_arrays), as SubmitGroup checks them.
+    cut, short_mask, odd = (finish(leased.group, [0.0, 1.0]) for _ in range(3))
+    cut.samples[1].tokens = cut.samples[1].tokens[:-4]
+    short_mask.samples[0].loss_mask = short_mask.samples[0].loss_mask[:-1]
+    odd.samples[0].rollout_logprobs += b"\0"
+    for group, error in ((cut, r"samples\[1\].tokens: has \d+ tokens but prompt_length"),
+                         (short_mask, r"samples\[0\].loss_mask: has 2 entries; it needs one per response token \(3\)"),
+                         (odd, r"samples\[0\].tokens: tokens and rollout_logprobs hold 4-byte values")):  # fmt: skip
+        with pytest.raises(InvalidArgument, match=error):
+            await complete_in_redis(store, as_lease(buffer, leased), group)
     unknown = buffer_pb2.Lease(lease_id="train:e9:b9:r9#1", group=leased.group)  # of no group of this run
     with pytest.raises(NotFound, match="is unknown to the run"):
         await complete_in_redis(store, unknown, finish(leased.group, [0.0, 1.0]))
