@@ -10,7 +10,8 @@ rest in SubmitGroup; and `inline`, everything through the buffer. The worker run
 (uvloop) with its clients connected before the clock starts, as a running gateway's are, and what setup made is out
 of the garbage collector's reach (gc.freeze), as a started service's is; each group is checked whole after the clock
 stops. The baseline is redis-py storing and reading the same serialized groups with pipelined SET and GET on the same
-Redis.
+Redis. Each run starts on a freshly rewritten AOF (so that none of Redis's own rewrites, a fork each, falls in a timed
+run at random), and a warm-up run of each path comes before the counted ones.
 
 Run: .venv/bin/python bench/buffer.py [--groups 64] [--batch 16] [--tokens 1024 8192]
 """
