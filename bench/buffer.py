@@ -112,9 +112,7 @@ def fresh_aof(url: str) -> None:
     of redis-server, then copy-on-write while the child writes), which would fall in a timed run at random (either
     path, both write the same bytes). Each run starts on a rewritten AOF and writes less than 64 MB in it."""
     client = redis.Redis.from_url(url)
-    while client.info("persistence")["aof_rewrite_in_progress"]:
-        time.sleep(0.01)
-    client.bgrewriteaof()
+    client.bgrewriteaof()  # scheduled after one in progress
     while (info := client.info("persistence"))["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]:
         time.sleep(0.01)
     client.close()
@@ -239,7 +237,7 @@ def main() -> None:
               f"{mb_raw:.1f} | {ratio:.0%} | {runs}")  # fmt: skip
     tokens = " ".join(map(str, args.tokens))
     command = f".venv/bin/python bench/buffer.py --groups {args.groups} --batch {args.batch} --tokens {tokens}"
-    command += f" --repeat {args.repeat}"
+    command += f" --repeat {args.repeat}" + (f" --warmup {args.warmup}" if args.warmup != 1 else "")
     print(f"\nReproduce: {command}")
 
 

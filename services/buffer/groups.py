@@ -29,6 +29,9 @@ def min_version(group: common_pb2.PromptGroup) -> int:
     return min(versions) if versions else group.min_weight_version
 
 
+CHECKED_ARRAYS = ("tokens", "loss_mask", "rollout_logprobs")
+
+
 def check_group(
     group: common_pb2.PromptGroup, expected: int | None, arrays_in_redis: bool, sizes: list[dict] | None = None
 ) -> None:
@@ -50,8 +53,7 @@ def check_group(
                 raise InvalidArgument(f"{where}.tokens", "with arrays_in_redis the arrays are uploaded, not sent")
             continue
         # Each read of a bytes field copies it out of the message: read each once.
-        checked = ("tokens", "loss_mask", "rollout_logprobs")
-        lengths = sizes[i] if sizes is not None else {name: len(getattr(sample, name)) for name in checked}
+        lengths = sizes[i] if sizes is not None else {name: len(getattr(sample, name)) for name in CHECKED_ARRAYS}
         token_bytes, logprob_bytes = lengths.get("tokens", 0), lengths.get("rollout_logprobs", 0)
         if token_bytes % 4 or logprob_bytes % 4:
             raise InvalidArgument(f"{where}.tokens", "tokens and rollout_logprobs hold 4-byte values (int32, float32)")
