@@ -2,9 +2,11 @@
 ports they are given."""
 
 import ctypes
+import random
 import signal
 import socket
 import sys
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -18,7 +20,33 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now ("" for every interface)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port free on `host` now ("" for every interface), never one handed out before in this process.
+
+    It is drawn from below the kernel's ephemeral range: a port from that range, once freed here, can be taken by any
+    outgoing connection or port-0 listener on the machine before the child binds it."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _RANDOM.randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free TCP port on {host or 'any interface'} below {low}")
+
+
+_LOWEST_PORT = 10_000
+_RANDOM = random.SystemRandom()
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where it cannot be read: then any free port is drawn)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
