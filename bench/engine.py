@@ -10,7 +10,6 @@ Run (GPU, a ~0.5B Qwen3-shaped random model): python bench/engine.py --device cu
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from services.common.processes import free_port
 from services.common.tiny_checkpoint import write_tiny_model
 
 # "0.5b" has Qwen3-0.6B's layers (the vocabulary is the test tokenizer's, so the embeddings are small).
@@ -30,9 +30,7 @@ SIZES = {
 
 
 def start_engine(model: Path, device: str, max_batch: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "slipstream", "engine", "--model-path", str(model), "--port", str(port)]
     cmd += ["--device", device, "--max-running-requests", str(max_batch)]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)

@@ -10,7 +10,6 @@ Run: .venv/bin/python bench/reward.py [--batch 256] [--batches 4]
 import argparse
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import time
 import grpc
 
 from services.common.clients import channel_options, wait_until_serving
+from services.common.processes import free_port
 from slipstream.v1 import reward_pb2, reward_pb2_grpc
 
 
@@ -53,9 +53,7 @@ def in_process(pairs: list[tuple[str, str]]) -> tuple[float, list[float]]:
 
 
 def through_service(pairs: list[tuple[str, str]], batch: int) -> tuple[float, list[float]]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "slipstream", "reward", "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen([*cmd, "--metrics-port", "null", "--rm-type", "math"], stderr=subprocess.DEVNULL)
     try:

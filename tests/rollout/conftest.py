@@ -3,7 +3,6 @@
 import asyncio
 import json
 import re
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ import pytest
 
 from services.buffer.config import BufferConfig
 from services.buffer.server import build as build_buffer
+from services.common.processes import free_port
 from services.common.tiny_checkpoint import write_tiny_model
 from services.reward.config import RewardConfig
 from services.reward.server import build as build_reward
@@ -47,9 +47,7 @@ def engine_url(tiny_model, tmp_path_factory):
     """One real engine process shared by a test module (starting one costs seconds)."""
     from tests.conftest import ServiceProcess
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     proc = ServiceProcess(["engine", "--model-path", str(tiny_model), "--port", str(port)], log, log.parent)
     try:

@@ -7,7 +7,6 @@ Run on a machine with 2 GPUs: `python -m pytest tests/trainer/test_gpu.py -m gpu
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.processes import free_port
+
 REPO = Path(__file__).parents[2]
 
 
 def _run(model: Path, out: Path, layout: str) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = "1" if layout == "single" else "2"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", procs, "--master-addr", "127.0.0.1",
                "--master-port", str(port), "-m", "tests.trainer.test_gpu", str(model), str(out), layout]  # fmt: skip

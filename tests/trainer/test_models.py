@@ -7,7 +7,6 @@ Run as a module (`python -m tests.trainer.test_models OUT DIR...` under torchrun
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.processes import free_port
 from services.common.tiny_checkpoint import write_tiny_model
 from services.rollout.engine.checkpoint_names import parameter_view
 from services.trainer.hf_names import hf_to_megatron, megatron_to_hf, merge_tp_shards
@@ -215,9 +215,7 @@ def test_two_ranks_over_gloo_equal_one(checkpoints: dict[str, Path], megatron_tp
     to them by all-gather): the log-probs of one rank, the weights gathered back, an HF export."""
     names = LAYOUTS[layout][0]
     dirs = [str(checkpoints[name]) for name in names]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
     command += ["--master-port", str(port), "-m", "tests.trainer.test_models", str(tmp_path), layout, *dirs]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
