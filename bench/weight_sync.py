@@ -157,7 +157,7 @@ def sync() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=SHAPES, default="qwen3-4b")
-    parser.add_argument("--bucket-mib", type=int, nargs="+", default=[512, 2048, 16384])
+    parser.add_argument("--bucket-mib", type=float, nargs="+", default=[512, 2048, 16384])
     parser.add_argument("--syncs", type=int, default=5, help="timed syncs per bucket size (after one warm-up)")
     parser.add_argument("--colocate", action="store_true", help="the engine on GPU 0 with the trainer: CUDA IPC")
     args = parser.parse_args()

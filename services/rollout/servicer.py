@@ -154,23 +154,39 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             async for result in coordinator.SyncWeightBuckets(request_iterator, timeout=context.time_remaining()):
                 yield result
             return
-        requests = aiter(request_iterator)
+        # Delivery runs apart from the answers: the next bucket goes to the engines while this one's answer is written.
+        answers: asyncio.Queue = asyncio.Queue()
+        delivery = asyncio.create_task(self._deliver(aiter(request_iterator), context, answers))
         try:
-            while (bucket := await self._next_bucket(requests, context)) is not None:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            await delivery  # its error, if it ended on one
+        finally:  # a trainer that died mid-stream ends it like one that is done: it must commit or prepare soon
+            delivery.cancel()
+            self.sync.stream_ended()
+
+    async def _deliver(self, requests, context, answers: asyncio.Queue) -> None:
+        """Each bucket the trainer sends, to the engines in turn; the next one is read while one loads."""
+        following = asyncio.ensure_future(anext(requests, None))
+        try:
+            while (bucket := await self._next_bucket(following, context)) is not None:
+                following = asyncio.ensure_future(anext(requests, None))
                 names = [t.name for t in bucket.tensors]
                 dtypes, shapes = [t.dtype for t in bucket.tensors], [list(t.shape) for t in bucket.tensors]
                 results = await self.sync.bucket(bucket.bucket_index, names, dtypes, shapes, bucket.load_format,
                                                   list(bucket.serialized_named_tensors), bucket.group_name)  # fmt: skip
-                yield rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index, engines=_results(results))
-        finally:  # a trainer that died mid-stream ends it like one that is done: it must commit or prepare soon
-            self.sync.stream_ended()
+                answers.put_nowait(rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index,
+                                                                  engines=_results(results)))  # fmt: skip
+        finally:
+            answers.put_nowait(None)
+            if not following.cancel() and not following.cancelled():
+                following.exception()  # read: a stream that broke while a bucket loaded is no unread error
 
-    async def _next_bucket(self, requests, context):
-        """The trainer's next bucket (None at the end); a sync the gateway aborts meanwhile ends the stream with
-        ABORTED, so that a trainer waiting on it hears at once."""
-        following = asyncio.ensure_future(anext(requests, None))
+    async def _next_bucket(self, following: asyncio.Future, context):
+        """The trainer's next bucket (None at the end), being read by `following`; a sync the gateway aborts
+        meanwhile ends the stream with ABORTED, so that a trainer waiting on it hears at once."""
         aborted = self.sync.aborted if self.sync.version is not None else None
-        if aborted is not None:
+        if aborted is not None and not following.done():  # a bucket already read goes on at once
             await asyncio.wait({following, aborted}, return_when=asyncio.FIRST_COMPLETED)
             if not following.done():
                 following.cancel()

@@ -217,6 +217,7 @@ class EngineAPI:
 
         def release() -> None:
             self.engine.model.to("cpu")
+            self.weights.tensors = None  # moved: buffers are new tensors
             if self.engine.device.type == "cuda":
                 torch.cuda.empty_cache()  # back to the device, for the trainer on the same GPU
 
@@ -224,7 +225,11 @@ class EngineAPI:
         return json_response(None)
 
     async def resume_memory(self, request: Request) -> Response:
-        await asyncio.wrap_future(self.engine.call(lambda: self.engine.model.to(self.engine.device)))
+        def resume() -> None:
+            self.engine.model.to(self.engine.device)
+            self.weights.tensors = None
+
+        await asyncio.wrap_future(self.engine.call(resume))
         return json_response(None)
 
     def routes(self) -> list[Route]:
