@@ -188,9 +188,13 @@ class WeightSync:
             await self._break("commit", failed)
             raise FailedPrecondition(f"engines left the weight sync of version {version}; prepare it again")
         body = {"new_version": str(version), "abort_all_requests": False}
-        ended, results = await asyncio.gather(  # independent calls: at once
+        # Independent calls, at once. A buffer that is restarting (its state is in Redis) is waited for: it must
+        # learn the version before generation goes on under it, or synchronous training would wait forever.
+        request = buffer_pb2.SetPolicyVersionRequest(version=version)
+        ended, results, _ = await asyncio.gather(
             self._each(_sessions(self.engines), "/end_weight_update", {}),
             self._each(self.engines, "/update_weight_version", body),
+            self.buffer.SetPolicyVersion(request, timeout=self.config.weight_sync_timeout_s, wait_for_ready=True),
         )
         for result in (r for r in ended + results if not r.success):  # its state is unknown: a full sync re-admits it
             reason = f"commit of weight version {version} failed: {result.message}"
@@ -199,13 +203,7 @@ class WeightSync:
             engine.weight_version = str(version)
         self._end()
         await self._reclaim()
-        # A buffer that is restarting (its state is in Redis) is waited for: it must learn the version, or generation
-        # would go on under a policy the buffer does not know, and synchronous training would wait forever.
-        request = buffer_pb2.SetPolicyVersionRequest(version=version)
-        await asyncio.gather(
-            self.pool.resume(),
-            self.buffer.SetPolicyVersion(request, timeout=self.config.weight_sync_timeout_s, wait_for_ready=True),
-        )
+        await self.pool.resume()
         self.pool.committed.set()
         await self._mark_syncing(False)
         log.info("weights of version %d are live on %d engine(s)", version, sum(r.success for r in results))
