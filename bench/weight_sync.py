@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=float, nargs="+", default=[512, 2048, 16384])
     parser.add_argument("--syncs", type=int, default=5, help="timed syncs per bucket size (after one warm-up)")
     parser.add_argument("--colocate", action="store_true", help="the engine on GPU 0 with the trainer: CUDA IPC")
+    parser.add_argument("--load-formats", nargs="+", choices=["per-tensor", "flattened"], default=["per-tensor"],
+                        help="each bucket size with each: a broadcast per tensor, or one flattened_bucket")  # fmt: skip
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < 2 and not args.colocate:
@@ -187,9 +189,9 @@ def main() -> None:
         print(f"raw: {[round(t * 1e3, 1) for t in raw]} ms", flush=True)
         del tensors
         rows, version = [], 0
-        for mib in args.bucket_mib:
+        for mib, load_format in [(mib, form) for mib in args.bucket_mib for form in args.load_formats]:
             config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=int(mib * 2**20),
-                                     colocate=args.colocate, update_weight_flattened_bucket=False,
+                                     colocate=args.colocate, update_weight_flattened_bucket=load_format == "flattened",
                                      weight_sync_address="127.0.0.1", weight_sync_timeout_s=300, tls=TlsConfig(),
                                      auth=AuthConfig())  # fmt: skip
             sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True)
@@ -207,11 +209,11 @@ def main() -> None:
                     times.append(time.perf_counter() - started)
                     phases.append(sender.timings)
             sender.close()
-            print(f"{mib} MiB buckets: {[round(t * 1e3, 1) for t in times]} ms", flush=True)
+            print(f"{mib:g} MiB buckets, {load_format}: {[round(t * 1e3, 1) for t in times]} ms", flush=True)
             if args.colocate:
                 print(f"engine GPU memory before and after ReleaseEngineMemory: {released} MiB", flush=True)
             check(url, model, gpt, version)
-            rows.append((mib, times, phases))
+            rows.append((mib, load_format, sender.layout, times, phases))
         report(args, size, len(list(hf_weights_of(model, gpt))), raw, rows)
     finally:
         for proc in procs:
@@ -239,17 +241,22 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
     best_raw = min(raw)
     print(f"\nWeight sync, {args.shape}: {gb:.2f} GB in {count} tensors; trainer GPU 0 → engine GPU 1; {device}; "
           f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
+    formats = f" --load-formats {' '.join(args.load_formats)}" if args.load_formats != ["per-tensor"] else ""
     print(f"command: python bench/weight_sync.py --shape {args.shape} --bucket-mib "
-          f"{' '.join(map(str, args.bucket_mib))} --syncs {args.syncs}\n")  # fmt: skip
-    print("| path | bucket | time (median, min) | GB/s (best) | share of raw | prepare / send / commit (median) |")
-    print("|---|---|---|---|---|---|")
-    print(f"| raw NCCL broadcast | - | {statistics.median(raw) * 1e3:.1f} ms, {best_raw * 1e3:.1f} ms | "
+          f"{' '.join(f'{mib:g}' for mib in args.bucket_mib)} --syncs {args.syncs}{formats}\n")  # fmt: skip
+    print("| path | bucket | buckets | time (median, min) | GB/s (best) | share of raw (median, best) | "
+          "prepare / send / commit (median) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    raw_median = statistics.median(raw)
+    print(f"| raw NCCL broadcast | - | - | {raw_median * 1e3:.1f} ms, {best_raw * 1e3:.1f} ms | "
           f"{gb / best_raw:.1f} | 100% | - |")  # fmt: skip
-    for mib, times, phases in rows:
+    for mib, load_format, layout, times, phases in rows:
         parts = " / ".join(f"{statistics.median(p[k] for p in phases) * 1e3:.1f}"
                            for k in ("prepare_s", "send_s", "commit_s"))  # fmt: skip
-        print(f"| end to end | {mib} MiB | {statistics.median(times) * 1e3:.1f} ms, {min(times) * 1e3:.1f} ms | "
-              f"{gb / min(times):.1f} | {best_raw / min(times):.0%} | {parts} ms |")  # fmt: skip
+        median = statistics.median(times)
+        print(f"| end to end, {load_format} | {mib:g} MiB | {len(layout)} | {median * 1e3:.1f} ms, "
+              f"{min(times) * 1e3:.1f} ms | {gb / min(times):.1f} | {raw_median / median:.0%}, "
+              f"{best_raw / min(times):.0%} | {parts} ms |")  # fmt: skip
 
 
 if __name__ == "__main__":
