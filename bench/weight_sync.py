@@ -162,6 +162,7 @@ def main() -> None:
     parser.add_argument("--colocate", action="store_true", help="the engine on GPU 0 with the trainer: CUDA IPC")
     parser.add_argument("--load-formats", nargs="+", choices=["per-tensor", "flattened"], default=["per-tensor"],
                         help="each bucket size with each: a broadcast per tensor, or one flattened_bucket")  # fmt: skip
+    parser.add_argument("--buckets-in-flight", type=int, default=2, help="--update-weight-buckets-in-flight")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < 2 and not args.colocate:
@@ -192,6 +193,7 @@ def main() -> None:
         for mib, load_format in [(mib, form) for mib in args.bucket_mib for form in args.load_formats]:
             config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=int(mib * 2**20),
                                      colocate=args.colocate, update_weight_flattened_bucket=load_format == "flattened",
+                                     update_weight_buckets_in_flight=args.buckets_in_flight,
                                      weight_sync_address="127.0.0.1", weight_sync_timeout_s=300, tls=TlsConfig(),
                                      auth=AuthConfig())  # fmt: skip
             sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True)
@@ -242,6 +244,7 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
     print(f"\nWeight sync, {args.shape}: {gb:.2f} GB in {count} tensors; trainer GPU 0 → engine GPU 1; {device}; "
           f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
     formats = f" --load-formats {' '.join(args.load_formats)}" if args.load_formats != ["per-tensor"] else ""
+    formats += f" --buckets-in-flight {args.buckets_in_flight}" if args.buckets_in_flight != 2 else ""
     print(f"command: python bench/weight_sync.py --shape {args.shape} --bucket-mib "
           f"{' '.join(f'{mib:g}' for mib in args.bucket_mib)} --syncs {args.syncs}{formats}\n")  # fmt: skip
     print("| path | bucket | buckets | time (median, min) | GB/s (best) | share of raw (median, best) | "

@@ -33,6 +33,7 @@ class Engine:
     url: str
     state: str = STARTING
     tp_size: int = 1
+    ordered_buckets: bool = False  # takes several weight buckets in flight, in `sequence` order (the reference engine)
     weight_version: str = ""
     model_path: str = ""
     outstanding: int = 0
@@ -112,6 +113,7 @@ class EnginePool:
         base, step = int(info.get("base_gpu_id") or 0), int(info.get("gpu_id_step") or 1)
         engine.gpus = tuple(base + rank * step for rank in range(engine.tp_size))
         engine.version = str(info.get("version", ""))
+        engine.ordered_buckets = bool(info.get("ordered_weight_buckets"))
         engine.weight_version = str(model.get("weight_version", ""))
         engine.model_path = str(model.get("model_path", ""))
         engine.state, engine.failures, engine.last_error = HEALTHY, 0, ""

@@ -154,12 +154,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             async for result in coordinator.SyncWeightBuckets(request_iterator, timeout=context.time_remaining()):
                 yield result
             return
-        # Delivery runs apart from the answers: the next bucket goes to the engines while this one's answer is written.
+        # Delivery runs apart from the answers, which go back in the buckets' order: the next bucket goes to the
+        # engines while this one loads and its answer is written.
         answers: asyncio.Queue = asyncio.Queue()
         delivery = asyncio.create_task(self._deliver(aiter(request_iterator), context, answers))
         try:
             while (answer := await answers.get()) is not None:
-                yield answer
+                index, loading = answer
+                yield rollout_pb2.WeightBucketResult(bucket_index=index, engines=_results(await loading))
             await delivery  # its error, if it ended on one
         finally:  # a trainer that died mid-stream ends it like one that is done: it must commit or prepare soon
             delivery.cancel()
@@ -173,10 +175,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 following = asyncio.ensure_future(anext(requests, None))
                 names = [t.name for t in bucket.tensors]
                 dtypes, shapes = [t.dtype for t in bucket.tensors], [list(t.shape) for t in bucket.tensors]
-                results = await self.sync.bucket(bucket.bucket_index, names, dtypes, shapes, bucket.load_format,
+                loading = await self.sync.bucket(bucket.bucket_index, names, dtypes, shapes, bucket.load_format,
                                                   list(bucket.serialized_named_tensors), bucket.group_name)  # fmt: skip
-                answers.put_nowait(rollout_pb2.WeightBucketResult(bucket_index=bucket.bucket_index,
-                                                                  engines=_results(results)))  # fmt: skip
+                answers.put_nowait((bucket.bucket_index, loading))
         finally:
             answers.put_nowait(None)
             if not following.cancel() and not following.cancelled():

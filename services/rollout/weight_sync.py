@@ -59,7 +59,9 @@ class WeightSync:
         self._joining: asyncio.Task | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self.aborted: asyncio.Future | None = None  # of the open sync: resolves with the reason when it is aborted
-        self.delivering = asyncio.Lock()  # one bucket at a time reaches the engines, whichever sender sent it
+        self.delivering = asyncio.Lock()  # buckets reach the engines in turn, whichever sender sent them
+        self.ordered = False  # every engine of the sync takes ordered buckets (several in flight)
+        self.sequence = 0  # the next ordered bucket's place in the sync
 
     async def prepare(self, version: int, sources: list[tuple[str, str, int]], backend: str):
         """`sources`: (group name, master address, port) of each sender. Returns (world size, [(url, rank offset,
@@ -106,6 +108,8 @@ class WeightSync:
         self.engines, self.version = engines, version
         if self.aborted is None or self.aborted.done():
             self.aborted = asyncio.get_running_loop().create_future()
+        self.ordered = backend != "ipc" and all(e.ordered_buckets for e in engines)
+        self.sequence = 0  # each engine's session (begun below) counts its buckets from 0
         if self.released:  # the weights come back first, to be overwritten in place
             await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
         await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
@@ -129,38 +133,43 @@ class WeightSync:
         )
 
     async def bucket(self, index: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                     load_format: str, payloads: list[bytes], group_name: str = "") -> list[Result]:  # fmt: skip
-        """Posts one bucket of the sender of `group_name` ("": the first) to every engine at once; answers once each
-        has loaded it or failed. After a failure the groups are gone (a collective needs all its members): the
-        senders prepare again and send from the start. Colocated, the bucket is `payloads` (tensor handles, one per
-        TP rank), posted to /update_weights_from_tensor."""
+                     load_format: str, payloads: list[bytes], group_name: str = "") -> asyncio.Future:  # fmt: skip
+        """Posts one bucket of the sender of `group_name` ("": the first) to every engine at once, and returns once
+        it is on its way: a future of the results, once each engine has loaded it or failed. Engines that take
+        ordered buckets (`sequence`: the reference engine) are posted the next bucket at once, while they still
+        receive or load this one; others (SGLang) only once every engine answered this one. After a failure the groups
+        are gone (a collective needs all its members): the senders prepare again and send from the start. Colocated,
+        the bucket is `payloads` (tensor handles, one per TP rank), posted to /update_weights_from_tensor."""
         async with self.delivering:
             self._check_open()
             self._watch(0)
             await self._mark_syncing(True)
-            return await self._deliver(index, names, dtypes, shapes, load_format, payloads, group_name)
+            group_name = group_name or self.group.names[0]
+            if group_name not in self.group.names:
+                raise InvalidArgument(f"group_name: {group_name!r} is none of this sync's groups {self.group.names}")
+            body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                    "load_format": load_format or None, "flush_cache": False}  # fmt: skip
+            if self.ordered:
+                body["sequence"], self.sequence = self.sequence, self.sequence + 1
+            path, bodies = "/update_weights_from_distributed", {e.url: body for e in self.engines}
+            if payloads:
+                encoded = [base64.b64encode(p).decode() for p in payloads]
+                path, bodies = "/update_weights_from_tensor", {e.url: _handed_over(encoded, e) for e in self.engines}
+            not_joined = await self._joined()
+            loading = asyncio.ensure_future(self._deliver(index, self.group, path, bodies, not_joined))
+            if not self.ordered:
+                await asyncio.wait({loading})
+            return loading
 
-    async def _deliver(self, index, names, dtypes, shapes, load_format, payloads, group_name) -> list[Result]:
-        group_name = group_name or self.group.names[0]
-        if group_name not in self.group.names:
-            raise InvalidArgument(f"group_name: {group_name!r} is none of this sync's groups {self.group.names}")
-        results = await self._joined()
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "load_format": load_format or None, "flush_cache": False}  # fmt: skip
-        path, bodies = "/update_weights_from_distributed", {e.url: body for e in self.engines}
-        if payloads:
-            encoded = [base64.b64encode(p).decode() for p in payloads]
-            path, bodies = "/update_weights_from_tensor", {e.url: _handed_over(encoded, e) for e in self.engines}
-        blamed = None
-        if not results:
-            results, blamed = await self._load_everywhere(path, bodies)
+    async def _deliver(self, index: int, group: Group, path: str, bodies: dict, not_joined: list) -> list[Result]:
+        results, blamed = (not_joined, None) if not_joined else await self._load_everywhere(path, bodies, group)
         self.partial = self.partial or any(r.success for r in results)
-        if not all(r.success for r in results):
+        if not all(r.success for r in results) and self.group is group:  # not broken yet at an earlier bucket
             await self._break(f"bucket {index}", results, blamed)
         self._watch()
         return results
 
-    async def _load_everywhere(self, path: str, bodies: dict) -> tuple[list[Result], set[str] | None]:
+    async def _load_everywhere(self, path: str, bodies: dict, group: Group) -> tuple[list[Result], set[str] | None]:
         """Posts a bucket to every engine (its body in `bodies`, or why it cannot take the bucket). Once one fails,
         the others' receives are cancelled at once (destroying the group): a broadcast needs every member, so theirs
         may never arrive. Returns the results and, when that happened, the engines that failed first (the others
@@ -175,9 +184,9 @@ class WeightSync:
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             failed = {t.result().url for t in done if not t.result().success}
-            if failed and first is None and pending and self.group.backend != "ipc":
+            if failed and first is None and pending and group.backend != "ipc":
                 first = failed
-                await self._destroy([tasks[t] for t in pending])
+                await self._destroy([tasks[t] for t in pending], group)
         return [t.result() for t in tasks], first
 
     async def commit(self, version: int) -> list[Result]:
@@ -220,8 +229,8 @@ class WeightSync:
         if self._joining is not None:
             self._joining.cancel()
         if self.group is not None:
-            await self._leave(self.engines)
-            self.group = None
+            group, self.group = self.group, None
+            await self._leave(self.engines, group)
         partial = self.partial
         self._end()
         if partial:
@@ -290,6 +299,7 @@ class WeightSync:
         """An engine failed: evict the engines at fault and take the group down on the others. When an engine died
         or every engine failed at once, the live ones that failed only lost their peer (or the trainer): they stay.
         `first`: the engines that failed before the others' receives were cancelled (only they can be at fault)."""
+        group, self.group = self.group, None  # once: a bucket still in flight fails too, and finds it gone
         failed = [self.pool.engines[r.url] for r in results if not r.success and r.url in self.pool.engines]
         alive = await asyncio.gather(*(self.pool.alive(e) for e in failed))
         dead = [e for e, ok in zip(failed, alive, strict=True) if not ok]
@@ -300,13 +310,12 @@ class WeightSync:
             self.pool.evict(engine, f"weight sync of version {self.version} failed at {where}: {messages[engine.url]}")
         on = ", ".join(f"{e.url} ({messages[e.url]})" for e in failed) or "the trainer's side (it prepares again)"
         log.warning("weight sync of version %d: %s failed on %s; the trainer starts over", self.version, where, on)
-        await self._leave([e for e in self.engines if e not in at_fault])
-        self.group = None
+        await self._leave([e for e in self.engines if e not in at_fault], group)
 
-    async def _leave(self, engines: list[Engine]) -> None:
+    async def _leave(self, engines: list[Engine], group: Group) -> None:
         await self._each(_sessions(engines), "/end_weight_update", {})
-        if self.group.backend != "ipc":
-            await self._destroy(engines)
+        if group.backend != "ipc":
+            await self._destroy(engines, group)
 
     async def _join(self, engines: list[Engine], offsets: list[int], world_size: int) -> list[Result]:
         """Each engine joins every sender's group, in the sources' order (as each sender waits in its own)."""
@@ -322,8 +331,8 @@ class WeightSync:
 
         return list(await asyncio.gather(*(join(e, o) for e, o in zip(engines, offsets, strict=True))))
 
-    async def _destroy(self, engines: list[Engine]) -> None:
-        for name in self.group.names:
+    async def _destroy(self, engines: list[Engine], group: Group | None = None) -> None:
+        for name in (group or self.group).names:
             await self._each(engines, "/destroy_weights_update_group", {"group_name": name})
 
     def _members(self) -> list[Engine]:

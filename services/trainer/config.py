@@ -29,6 +29,10 @@ class TrainerConfig(ServiceConfig):
     """Bytes of weights per bucket of a weight sync (slime's unit)."""
     update_weight_flattened_bucket: bool = False
     """Send each bucket as one flattened uint8 tensor (SGLang's flattened_bucket) instead of tensor by tensor."""
+    update_weight_buckets_in_flight: int = Field(2, ge=1)
+    """Weight buckets sent before the first of them is answered. Engines that take ordered buckets (the reference
+    engine) receive the next while they load one; SGLang engines take one at a time. Each costs a bucket of memory on
+    the trainer, and on those engines."""
     weight_sync_address: str = "127.0.0.1"
     """Address at which the engines reach this trainer's rank 0 to join the weight group."""
     colocate: bool = False

@@ -6,6 +6,7 @@ With pipeline stages, each stage sends its own layers over its own weight group 
 No sync can hang the trainer: broadcasts are asynchronous, every wait has a deadline, a broken group is aborted (NCCL
 ends its kernels) rather than destroyed, and a watchdog ends a sync that stops making progress."""
 
+import collections
 import contextlib
 import logging
 import os
@@ -174,8 +175,9 @@ class WeightSender:
         flat = self.config.update_weight_flattened_bucket
         requests: queue.Queue = queue.Queue()
         responses = self.stream = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
+        window = self.config.update_weight_buckets_in_flight
         try:
-            sent: list = []  # the broadcasts of the bucket the engines load now
+            in_flight: collections.deque = collections.deque()  # the broadcasts of each bucket not answered yet
             for index, bucket in enumerate(buckets):
                 if colocated:
                     self._hand_over(version, index, *bucket, requests, responses)
@@ -191,15 +193,15 @@ class WeightSender:
                              for t in ([flatten(list(tensors))] if flat else tensors)]  # fmt: skip
                 except RuntimeError as e:  # a member is gone: free the others' receives, then hear which one
                     self._drop_group()
-                    for _ in range(2 if sent else 1):  # this bucket's answer and the one before
+                    for _ in range(len(in_flight) + 1):  # the answers of this bucket and those before
                         self._check(next(responses))
                     raise EnginesLeft(f"at bucket {index}: {e}") from None
                 watchdog.progress(f"broadcasting bucket {index}")
-                if sent:  # one bucket ahead: the next is converted while the engines load this one
-                    self._answered(next(responses), sent, watchdog)
-                sent = works
-            if sent:
-                self._answered(next(responses), sent, watchdog)
+                in_flight.append(works)
+                if len(in_flight) >= window:  # ahead of the engines: the next is converted while they load these
+                    self._answered(next(responses), in_flight.popleft(), watchdog)
+            while in_flight:
+                self._answered(next(responses), in_flight.popleft(), watchdog)
             self.in_flight = False  # every broadcast of the attempt has completed
             self.peers_waiting = False  # past the last bucket, as the colocated peers are
         finally:

@@ -232,7 +232,8 @@ def _usage(pid: int) -> dict:
 
 def _sender(system, bucket_mib: float = 0.1, colocate: bool = False, timeout_s: float = 60) -> WeightSender:
     config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=int(bucket_mib * 2**20),
-                             update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1", colocate=colocate,
+                             update_weight_flattened_bucket=False,
+                             update_weight_buckets_in_flight=2, weight_sync_address="127.0.0.1", colocate=colocate,
                              weight_sync_timeout_s=timeout_s, tls=TlsConfig(), auth=AuthConfig())  # fmt: skip
     return WeightSender(config, weights=None, sender=True)
 
@@ -313,6 +314,35 @@ def test_a_hung_engine_is_evicted_and_the_others_get_the_weights(make_system, st
     for name in sent:
         assert torch.equal(_weights_of(survivor, name), sent[name])
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
+
+
+@pytest.mark.parametrize("second", ["reference", "one-at-a-time"])
+def test_buckets_in_flight_reach_every_engine_in_the_senders_order(make_system, start_engine, tiny_model, second):
+    """Three buckets in flight, of shapes that differ, to two engines. Reference engines take each bucket while they
+    load the ones before, in the order the gateway numbered them, whatever order the requests arrive in. With an
+    engine that takes one at a time (as SGLang's do), the gateway sends no `sequence` and the next bucket only once
+    every engine answered. Either way every engine loads every weight, two syncs in a row."""
+    system = make_system(num_engines=1)
+    if second == "reference":
+        other = start_engine()
+    else:
+        other = start_engine("--fault", second, module="tests.rollout.faulty_engine")
+    system.gateway.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=other), timeout=30)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sender = _sender(system, bucket_mib=0.005)
+    sender.config.update_weight_buckets_in_flight = 3
+    try:
+        for version in (1, 2):
+            sent = {n: t - 0.5 * version for n, t in hf.items()}
+            sender.weights = lambda sent=sent: iter(sent.items())
+            assert sender.sync(version)
+    finally:
+        sender.close()
+    assert len(sender.layout) >= 6
+    for url in (system.engines[0], other):
+        assert _engines(system)[url].weight_version == "2"
+        for name in sent:
+            assert torch.equal(_weights_of(url, name), sent[name]), (url, name)
 
 
 def test_an_engine_whose_nccl_receive_fails_is_left_out_and_the_others_get_the_weights(make_system, start_engine,
@@ -458,7 +488,8 @@ from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 
 hf = sorted(load_file(sys.argv[2]).items())
 config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=int(0.1 * 2**20),
-                         update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
+                         update_weight_flattened_bucket=False,
+                         update_weight_buckets_in_flight=2, weight_sync_address="127.0.0.1",
                          weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 syncs = []
 
@@ -512,7 +543,8 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 mine = [(name, (tensor + 0.25).contiguous()) for name, tensor in sorted(load_file(model).items())[rank::2]]
 config = SimpleNamespace(rollout_addr=address, update_weight_buffer_size=int(0.05 * 2**20),
-                         update_weight_flattened_bucket=False, weight_sync_address="127.0.0.1",
+                         update_weight_flattened_bucket=False,
+                         update_weight_buckets_in_flight=2, weight_sync_address="127.0.0.1",
                          weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 passes = []
 

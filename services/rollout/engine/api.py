@@ -176,6 +176,7 @@ class EngineAPI:
             "max_total_num_tokens": self.engine.max_context * self.engine.max_batch_size,
             "max_req_input_len": self.engine.max_context - 1, "startup_time": self.started,
             "status": "ready", "internal_states": [states], "version": "0.5.23", "engine": "slipstream-reference",
+            "ordered_weight_buckets": True,  # update_weights_from_distributed takes `sequence`: docs/engine.md
         })  # fmt: skip
 
     async def flush_cache(self, request: Request) -> Response:

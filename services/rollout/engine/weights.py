@@ -34,6 +34,10 @@ class WeightReceiver:
         # (which moves them), and building the map costs a model walk (~1 ms for 36 layers) per bucket otherwise.
         self.tensors: dict[str, torch.Tensor] | None = None
         self.receiving = asyncio.Lock()  # a group is destroyed only between receives
+        # Ordered buckets (a slipstream extension, `sequence` in the body): each is posted in its turn, in the
+        # sender's order on every engine alike, while those before it are still arriving or loading.
+        self.turn, self.turns = 0, asyncio.Condition()
+        self.waiting: dict[asyncio.Future, threading.Event] = {}  # ordered receives posted, by their group's flag
 
     async def init_group(self, request: Request) -> Response:
         body = await request.json()
@@ -55,14 +59,19 @@ class WeightReceiver:
         name = (await request.json()).get("group_name", "weight_update_group")
         if name not in self.groups:
             return control(False, "The group to be destroyed does not exist.")
-        self.groups[name][1].set()  # a receive in progress gives up: its broadcast may never come
+        cancelled = self.groups[name][1]
+        cancelled.set()  # a receive in progress gives up: its broadcast may never come
+        async with self.turns:
+            self.turns.notify_all()  # and so does one waiting for its turn
         async with self.receiving:
+            await asyncio.gather(*(w for w, flag in self.waiting.items() if flag is cancelled), return_exceptions=True)
             joined = self.groups.pop(name, None)  # a receive that gave up has already let it go
             if joined is not None:  # no receive in flight: they hold `receiving`
                 end_group(joined[0], in_flight=False)
         return control(True, "Succeeded to destroy custom process group.")
 
     async def begin(self, request: Request) -> Response:
+        self.turn = 0  # ordered buckets count from here, even in a session a gateway that died left open
         if self.session_open:
             return control(False, "A weight update session is already open; call end_weight_update() first.")
         self.session_open, self.tensors = True, None
@@ -92,16 +101,46 @@ class WeightReceiver:
             return control(False, f"Failed to update weights: unknown dtype ({e}).")
         flat = body.get("load_format") == "flattened_bucket"
         device = self.engine.device
+        sequence = body.get("sequence")
+        deadline = time.monotonic() + self.timeout_s
         # Receive first, whatever happens next: the sender's broadcasts must always be matched.
         try:
-            async with self.receiving:
-                deadline = time.monotonic() + self.timeout_s
-                tensors = await asyncio.to_thread(_receive, *joined, torch_dtypes, shapes, flat, device, deadline)
+            if sequence is None:  # SGLang's way: one bucket at a time
+                async with self.receiving:
+                    tensors = await asyncio.to_thread(_receive, *joined, torch_dtypes, shapes, flat, device, deadline)
+            else:
+                tensors = await self._receive_in_turn(int(sequence), joined, torch_dtypes, shapes, flat, deadline)
         except Exception as e:  # the trainer or another member is gone: so is the group
             if self.groups.get(name) is joined:
                 abort_group(self.groups.pop(name)[0])
             return control(False, f"Failed to update weights: the weight update group broke: {e}.")
         return await self._load(names, tensors, body)
+
+    async def _receive_in_turn(self, sequence: int, joined: tuple, dtypes, shapes, flat: bool, deadline: float):
+        """An ordered bucket: its receives are posted once those of every bucket before it are (they complete in that
+        order), and it is loaded as soon as it arrived, while the next ones arrive."""
+        group, cancelled = joined
+        async with self.turns:
+            in_turn = self.turns.wait_for(lambda: self.turn == sequence or cancelled.is_set())
+            try:
+                await asyncio.wait_for(in_turn, max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise RuntimeError(f"bucket {sequence} never came in turn (the engine is at {self.turn})") from None
+            if cancelled.is_set():
+                raise RuntimeError("the weight update group was destroyed while receiving")
+            try:
+                async with self.receiving:
+                    tensors, handles = await asyncio.to_thread(_post, group, dtypes, shapes, flat, self.engine.device)
+            finally:
+                self.turn += 1
+                self.turns.notify_all()
+        waited = asyncio.ensure_future(asyncio.to_thread(_wait, handles, cancelled, deadline))
+        self.waiting[waited] = cancelled
+        try:
+            await waited
+        finally:
+            self.waiting.pop(waited)
+        return unflatten(tensors[0], dtypes, shapes) if flat else tensors
 
     async def update_from_tensor(self, request: Request) -> Response:
         """Colocated updates: the tensors themselves, pickled by torch.multiprocessing (CUDA ones as IPC handles into
@@ -191,16 +230,21 @@ class WeightReceiver:
 
 
 def _receive(group, cancelled: threading.Event, dtypes, shapes, flat: bool, device, deadline: float) -> list:
+    tensors, handles = _post(group, dtypes, shapes, flat, device)
+    _wait(handles, cancelled, deadline)
+    return unflatten(tensors[0], dtypes, shapes) if flat else tensors
+
+
+def _post(group, dtypes, shapes, flat: bool, device) -> tuple[list, list]:
+    """The bucket's receives, posted: its tensors (a flattened bucket: one uint8 buffer) and their broadcasts."""
     if flat:
         sizes = [
             torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for d, s in zip(dtypes, shapes, strict=True)
         ]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        _wait([torch.distributed.broadcast(buffer, src=0, group=group, async_op=True)], cancelled, deadline)
-        return unflatten(buffer, dtypes, shapes)
-    tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in zip(dtypes, shapes, strict=True)]
-    _wait([torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors], cancelled, deadline)
-    return tensors
+        tensors = [torch.empty(sum(sizes), dtype=torch.uint8, device=device)]
+    else:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in zip(dtypes, shapes, strict=True)]
+    return tensors, [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
 
 
 def _wait(handles: list, cancelled: threading.Event, deadline: float) -> None:

@@ -2,6 +2,7 @@
 and as one flattened bucket. The engine loads them bit-identical, its outputs change, its version changes."""
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -77,6 +78,39 @@ def test_weights_over_gloo_are_loaded_bit_identical(start_engine, free_port, hf_
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
     spans = httpx.post(f"{url}/generate", json=body).json()["meta_info"]["weight_versions"]
     assert spans == [{"version": "v1", "start": 0, "end": 3}]
+
+
+def test_ordered_buckets_are_received_in_turn_whatever_order_they_arrive_in(start_engine, free_port, hf_model):
+    """Several buckets in flight (`sequence`, offered in /server_info as ordered_weight_buckets): the engine posts
+    each bucket's receives in its turn, so the last bucket, posted first, waits for the ones before it. The pauses
+    only make the arrival order likely; the weights must be right in any order."""
+    model, _ = hf_model
+    url = start_engine()
+    assert httpx.get(f"{url}/server_info").json()["ordered_weight_buckets"] is True
+    group = join_group(url, free_port, "ordered")
+    torch.manual_seed(3)
+    params = [(name, torch.randn_like(p)) for name, p in model.named_parameters() if "layers.0." in name]
+    buckets = [dict(params[i::3]) for i in range(3)]
+    assert len({sum(t.numel() for t in b.values()) for b in buckets}) == 3  # a bucket out of turn cannot fit
+    assert post(url, "/begin_weight_update", {"selector": "all"}).json()["success"]
+    calls = []
+    for sequence in (2, 1, 0):
+        named = buckets[sequence]
+        body = {"names": list(named), "dtypes": [str(t.dtype).removeprefix("torch.") for t in named.values()],
+                "shapes": [list(t.shape) for t in named.values()], "group_name": "ordered",
+                "sequence": sequence}  # fmt: skip
+        calls.append(in_background(post, url, "/update_weights_from_distributed", body))
+        time.sleep(0.2)
+    for named in buckets:  # in the sender's order
+        for tensor in named.values():
+            torch.distributed.broadcast(tensor, src=0, group=group)
+    for thread, result in calls:
+        thread.join(60)
+        assert result["response"].json()["success"], result["response"].text
+    assert post(url, "/end_weight_update", {}).json()["success"]
+    for name, tensor in params:
+        got = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}).json()
+        assert torch.equal(torch.tensor(got, dtype=tensor.dtype), tensor), name
 
 
 def test_bad_updates_fail_in_sglang_shape_and_the_engine_keeps_serving(start_engine, free_port):
