@@ -14,7 +14,7 @@ kept across syncs and rebuilt only when the engines taking part change.
 import asyncio
 import base64
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.rollout.config import RolloutConfig
@@ -34,6 +34,8 @@ class Group:
     sources: tuple  # ((group name, master address, port), ...): one group per sender
     backend: str
     admissions: tuple = ()  # each member's admission count: a re-admitted engine needs a new group
+    # The bucket whose failure took the group down; the others in flight failed because of it, not of their engines.
+    broken_by: int | None = field(default=None, compare=False)
 
     @property
     def names(self) -> list[str]:
@@ -162,14 +164,15 @@ class WeightSync:
             return loading
 
     async def _deliver(self, index: int, group: Group, path: str, bodies: dict, not_joined: list) -> list[Result]:
-        results, blamed = (not_joined, None) if not_joined else await self._load_everywhere(path, bodies, group)
+        results, blamed = (not_joined, None) if not_joined else await self._load_everywhere(index, path, bodies, group)
         self.partial = self.partial or any(r.success for r in results)
-        if not all(r.success for r in results) and self.group is group:  # not broken yet at an earlier bucket
+        if not all(r.success for r in results) and self.group is group and group.broken_by in (None, index):
+            group.broken_by = index
             await self._break(f"bucket {index}", results, blamed)
         self._watch()
         return results
 
-    async def _load_everywhere(self, path: str, bodies: dict, group: Group) -> tuple[list[Result], set[str] | None]:
+    async def _load_everywhere(self, index: int, path: str, bodies: dict, group: Group) -> tuple[list, set | None]:
         """Posts a bucket to every engine (its body in `bodies`, or why it cannot take the bucket). Once one fails,
         the others' receives are cancelled at once (destroying the group): a broadcast needs every member, so theirs
         may never arrive. Returns the results and, when that happened, the engines that failed first (the others
@@ -186,6 +189,8 @@ class WeightSync:
             failed = {t.result().url for t in done if not t.result().success}
             if failed and first is None and pending and group.backend != "ipc":
                 first = failed
+                if group.broken_by is None:
+                    group.broken_by = index
                 await self._destroy([tasks[t] for t in pending], group)
         return [t.result() for t in tasks], first
 
