@@ -2,6 +2,7 @@
 ports they are given."""
 
 import ctypes
+import functools
 import random
 import signal
 import socket
@@ -44,6 +45,7 @@ _RANDOM = random.SystemRandom()
 _HANDED_OUT: set[int] = set()
 
 
+@functools.cache
 def _ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (0 where it cannot be read: then any free port is drawn)."""
     try:
