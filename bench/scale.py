@@ -4,12 +4,17 @@ its own process, as deployed; the instant engines (bench/gateway.py: a benchmark
 SGLang route at once, with no model) make the figures the services' own. No trainer: the buffer lets groups
 accumulate (no staleness bound), so that generation never waits for training.
 
-For each G of --gateways it starts the services, lets them warm up, then counts completed groups over --seconds.
-Latency is each group's time from its lease to its score (what a gateway, the buffer and the reward service add
-with instant engines), p50 and p99 over the groups completed in the window. Redis's load is its commands and bytes
-(in plus out) per second over the window, from INFO.
+For each K of --engines, B of --buffers, R of --rewards and G of --gateways it starts the services, lets them warm
+up, then counts completed groups over --seconds. Latency is each group's time from its lease to its score (what a
+gateway, the buffer and the reward service add with instant engines), p50 and p99 over the groups completed in the
+window. Redis's load is its commands and bytes (in plus out) per group, from INFO; CPU is each kind of process's CPU
+time per group in the window, and "busiest" the one process that used the most cores (the bottleneck when near 1).
 
-Run: .venv/bin/python bench/scale.py --engines 64 --gateways 1 2 4 --buffers 2 --rewards 2 [--seconds 20]
+It fails, printing every service's log tail, when a row collapses: no group completed, a p50 over a second (the
+engines answer at once: such a group waited on a timer), a p99 over 100 x p50, or groups/s per gateway under a tenth
+of the best row's.
+
+Run: .venv/bin/python bench/scale.py --engines 64 --gateways 1 2 4 --buffers 3 --rewards 2 [--seconds 20]
 """
 
 import argparse
@@ -23,6 +28,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,58 +41,97 @@ from services.common.tiny_checkpoint import write_tiny_model
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 RUN = "scale"
+KINDS = ("rollout", "buffer", "reward", "redis", "engines")
 
 
-def start(module: str, *args: str, folder: Path) -> tuple[str, subprocess.Popen]:
+def start(module: str, *args: str, folder: Path, log_level: str) -> tuple[str, subprocess.Popen]:
     port = free_port()
     log = open(folder / f"{module.rsplit('.', 1)[-1]}-{port}.log", "wb")  # noqa: SIM115 - lives as long as the process
     command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "null",
-               "--log-level", "warning", *args]  # fmt: skip
+               "--log-level", log_level, *args]  # fmt: skip
     path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder)
     return f"127.0.0.1:{port}", proc
 
 
-def measure(args, gateways: int, folder: Path, model: Path, data: Path, engine_urls: list[str]) -> dict:
-    server = EmbeddedRedis(folder / f"redis-{gateways}").start()
+def cpu_seconds(pids: dict[str, list[int]]) -> dict[int, float]:
+    """CPU seconds used so far by each process, its children included (the reward's workers)."""
+    used = {}
+    for pid in (pid for found in pids.values() for pid in found):
+        try:
+            proc = psutil.Process(pid)
+            times = [proc.cpu_times()] + [child.cpu_times() for child in proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+        used[pid] = sum(t.user + t.system for t in times)
+    return used
+
+
+def profile(pids: dict[str, list[int]], folder: Path, py_spy: str, seconds: float) -> None:
+    """py-spy's samples of every service process over `seconds` (where their time goes, idle waits included), as
+    collapsed stacks beside their logs."""
+    runs = []
+    for kind, found in pids.items():
+        for pid in found:
+            out = folder / f"pyspy-{kind}-{pid}.txt"
+            command = [py_spy, "record", "--pid", str(pid), "--idle", "--nonblocking", "--format", "raw",
+                       "--rate", "200", "--duration", str(max(1, round(seconds))), "--output", str(out)]  # fmt: skip
+            runs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for run in runs:
+        run.wait()
+
+
+def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folder: Path, model: Path, data: Path,
+            engine_urls: list[str], engine_pids: list[int]) -> dict:  # fmt: skip
+    folder.mkdir(parents=True)
+    server = EmbeddedRedis(folder / "redis").start()
     client = redis.Redis.from_url(server.url)
-    procs: list[subprocess.Popen] = []
+    procs: dict[str, list[subprocess.Popen]] = {"buffer": [], "reward": [], "rollout": []}
+    addresses: dict[str, list[str]] = {"buffer": [], "reward": [], "rollout": []}
+
+    def add(kind: str, *flags: str) -> None:
+        address, proc = start(f"services.{kind}", *flags, folder=folder, log_level=args.log_level)
+        addresses[kind].append(address)
+        procs[kind].append(proc)
+
     try:
-        addresses = {"buffer": [], "reward": [], "rollout": []}
         common = ["--run-id", RUN, "--redis-url", server.url]
-        for _ in range(args.buffers):
-            address, proc = start("services.buffer", *common, "--prompt-data", str(data), "--hf-checkpoint",
-                                  str(model), "--num-data-workers", "0", "--max-staleness", "1000000",
-                                  "--rollout-batch-size", "64", folder=folder)  # fmt: skip
-            addresses["buffer"].append(address)
-            procs.append(proc)
-        for _ in range(args.rewards):
-            address, proc = start("services.reward", "--rm-type", "random", "--num-workers", "1", folder=folder)
-            addresses["reward"].append(address)
-            procs.append(proc)
+        for _ in range(buffers):
+            add("buffer", *common, "--prompt-data", str(data), "--hf-checkpoint", str(model), "--num-data-workers",
+                "0", "--max-staleness", "1000000", "--rollout-batch-size", "64")  # fmt: skip
+        for _ in range(rewards):
+            add("reward", "--rm-type", "random", "--num-workers", "1")
         for address in addresses["buffer"] + addresses["reward"]:
             wait_until_serving(address, timeout_s=120)
-        target = {name: "ipv4:" + ",".join(found) for name, found in addresses.items() if found}
+        target = {kind: "ipv4:" + ",".join(found) for kind, found in addresses.items() if found}
         for _ in range(gateways):
-            address, proc = start("services.rollout", *common, "--buffer-addr", target["buffer"], "--reward-addr",
-                                  target["reward"], "--rollout-concurrency", str(args.concurrency),
-                                  "--engine-urls", *engine_urls, folder=folder)  # fmt: skip
-            addresses["rollout"].append(address)
-            procs.append(proc)
+            add("rollout", *common, "--buffer-addr", target["buffer"], "--reward-addr", target["reward"],
+                "--rollout-concurrency", str(args.concurrency), "--engine-urls", *engine_urls)  # fmt: skip
         for address in addresses["rollout"]:
             wait_until_serving(address, timeout_s=120)
         with grpc.insecure_channel(addresses["rollout"][0]) as channel:
             rollout_pb2_grpc.RolloutServiceStub(channel).StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
         time.sleep(args.warm_up)
+        pids = {kind: [p.pid for p in found] for kind, found in procs.items()}
+        pids |= {"redis": [server.pid], "engines": engine_pids}
         counters, done = f"slipstream:{{{RUN}}}:counters", f"slipstream:{{{RUN}}}:done"
-        before, info0, t0 = int(client.hget(counters, "completed") or 0), client.info(), time.monotonic()
-        time.sleep(args.seconds)
-        after, info1, t1 = int(client.hget(counters, "completed") or 0), client.info(), time.monotonic()
-        elapsed = t1 - t0
-        if after == before:
-            logs = "".join(log.read_text()[-2000:] for log in folder.glob("rollout-*.log"))
-            raise RuntimeError(f"no group completed with G={gateways}; the gateways' logs end:\n{logs}")
+        before, info0, cpu0, t0 = (
+            int(client.hget(counters, "completed") or 0),
+            client.info(),
+            cpu_seconds(pids),
+            time.monotonic(),
+        )
+        if args.profile:
+            profile({k: v for k, v in pids.items() if k != "redis"}, folder, args.profile, args.seconds / 2)
+        time.sleep(max(0.0, args.seconds - (time.monotonic() - t0)))
+        after, info1, cpu1, t1 = (
+            int(client.hget(counters, "completed") or 0),
+            client.info(),
+            cpu_seconds(pids),
+            time.monotonic(),
+        )
+        elapsed, completed = t1 - t0, after - before
         window = [gid.decode() for gid in client.zrangebyscore(done, before + 1, after)]  # completed in the window
         latencies = []
         for gid in window[:: max(1, len(window) // 2000)]:
@@ -94,18 +139,29 @@ def measure(args, gateways: int, folder: Path, model: Path, data: Path, engine_u
             if "scored" in group.timings and "leased" in group.timings:
                 latencies.append(group.timings["scored"] - group.timings["leased"])
         latencies.sort()
+        used = {pid: cpu1.get(pid, 0.0) - cpu0.get(pid, 0.0) for pid in cpu1}
+        cpu = {kind: sum(used.get(pid, 0.0) for pid in found) for kind, found in pids.items()}
+        busiest_pid = max(used, key=used.get)
         moved = sum(info1[k] - info0[k] for k in ("total_net_input_bytes", "total_net_output_bytes"))
+        ops = info1["total_commands_processed"] - info0["total_commands_processed"]
+        per_group = max(completed, 1)
         return {
-            "groups_s": (after - before) / elapsed,
+            "engines": engines, "buffers": buffers, "rewards": rewards, "gateways": gateways,
+            "completed": completed,
+            "groups_s": completed / elapsed,
             "p50_ms": 1000 * statistics.median(latencies) if latencies else float("nan"),
             "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))] if latencies else float("nan"),
-            "redis_ops_s": (info1["total_commands_processed"] - info0["total_commands_processed"]) / elapsed,
-            "redis_mb_s": moved / elapsed / 2**20,
-        }
+            "redis_ops_s": ops / elapsed,
+            "redis_ops_group": ops / per_group,
+            "redis_kb_group": moved / per_group / 1024,
+            "cpu_ms_group": {kind: 1000 * seconds / per_group for kind, seconds in cpu.items()},
+            "busiest": (next(k for k, found in pids.items() if busiest_pid in found), used[busiest_pid] / elapsed),
+            "folder": str(folder),
+        }  # fmt: skip
     finally:
-        for proc in procs:
+        for proc in (p for found in procs.values() for p in found):
             proc.terminate()
-        for proc in procs:
+        for proc in (p for found in procs.values() for p in found):
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -114,48 +170,101 @@ def measure(args, gateways: int, folder: Path, model: Path, data: Path, engine_u
         server.stop()
 
 
-def main() -> None:
+def problems(rows: list[dict]) -> list[str]:
+    """Why the run failed, row by row: a collapse of throughput or a tail that waits on a timer."""
+    best = max(row["groups_s"] / row["gateways"] for row in rows)
+    found = []
+    for row in rows:
+        name = f"K={row['engines']} G={row['gateways']} B={row['buffers']} R={row['rewards']}"
+        if not row["completed"]:
+            found.append(f"{name}: no group completed in the window")
+        elif row["p50_ms"] > 1000:
+            found.append(f"{name}: p50 {row['p50_ms']:.0f} ms: with instant engines, a group waited on a timer")
+        elif row["p99_ms"] > 100 * row["p50_ms"]:
+            found.append(f"{name}: p99 {row['p99_ms']:.0f} ms is over 100 x p50 ({row['p50_ms']:.1f} ms)")
+        if row["groups_s"] / row["gateways"] < best / 10:
+            found.append(f"{name}: {row['groups_s']:.1f} groups/s, under a tenth of the best row's per gateway")
+    return found
+
+
+def log_tails(folder: Path, lines: int = 30) -> str:
+    tails = []
+    for log in sorted(folder.glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        tails.append(f"--- {log.name}\n" + "\n".join(tail))
+    return "\n".join(tails)
+
+
+def table(rows: list[dict]) -> None:
+    print("| K | G | B | R | groups/s | of linear | p50 ms | p99 ms | Redis ops/s | Redis ops / KB a group "
+          "| CPU ms a group: gateways / buffers / rewards / Redis / engines | busiest process (cores) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        same = [r for r in rows if (r["engines"], r["buffers"], r["rewards"]) == (row["engines"], row["buffers"],
+                                                                                    row["rewards"])]  # fmt: skip
+        base = min(same, key=lambda r: r["gateways"])
+        share = row["groups_s"] / (base["groups_s"] / base["gateways"] * row["gateways"]) if base["groups_s"] else 0
+        cpu = " / ".join(f"{row['cpu_ms_group'][kind]:.2f}" for kind in KINDS)
+        kind, cores = row["busiest"]
+        print(f"| {row['engines']} | {row['gateways']} | {row['buffers']} | {row['rewards']} | {row['groups_s']:.0f} "
+              f"| {share:.0%} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['redis_ops_s']:.0f} "
+              f"| {row['redis_ops_group']:.0f} / {row['redis_kb_group']:.1f} | {cpu} "
+              f"| {kind} ({cores:.2f}) |")  # fmt: skip
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", type=int, default=64)
+    parser.add_argument("--engines", type=int, nargs="+", default=[64])
     parser.add_argument("--gateways", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--buffers", type=int, default=2)
-    parser.add_argument("--rewards", type=int, default=2)
+    parser.add_argument("--buffers", type=int, nargs="+", default=[2])
+    parser.add_argument("--rewards", type=int, nargs="+", default=[2])
     parser.add_argument("--concurrency", type=int, default=64, help="groups in flight per gateway")
     parser.add_argument("--prompts", type=int, default=200_000)
     parser.add_argument("--warm-up", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--engine-processes", type=int, default=max(1, (os.cpu_count() or 1) // 8),
                         help="processes serving the instant engines (one would be the bottleneck)")  # fmt: skip
+    parser.add_argument("--log-level", default="info", help="the services' (their logs are in --folder)")
+    parser.add_argument("--folder", type=Path, help="where the services' logs go (default: a new temporary folder)")
+    parser.add_argument("--profile", metavar="PATH", nargs="?", const="py-spy",
+                        help="sample every service with py-spy (at PATH) over half the window")  # fmt: skip
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="slipstream-scale-"))
+    folder = args.folder or Path(tempfile.mkdtemp(prefix="slipstream-scale-"))
+    folder.mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(folder / "model")
     data = folder / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(args.prompts)))
-    urls, engines = start_instant_engines(args.engines, args.engine_processes)
     rows = []
-    try:
-        for gateways in args.gateways:
-            rows.append((gateways, measure(args, gateways, folder, model, data, urls)))
-            print(f"G={gateways}: {rows[-1][1]}", file=sys.stderr)
-    finally:
-        for process in engines:
-            process.terminate()
-    base = rows[0][1]["groups_s"] / rows[0][0]
-    print(f"\n{args.engines} instant engines (benchmark-only fixture, {args.engine_processes} processes), "
-          f"{args.buffers} buffer and {args.rewards} reward "
-          f"replicas on one Redis, {args.concurrency} groups in flight per gateway, 1 sample a group; "
-          f"{os.cpu_count()} CPU cores; {time.strftime('%Y-%m-%d')}")  # fmt: skip
-    print("| gateways | groups/s | of linear | lease→score p50 ms | p99 ms | Redis ops/s | Redis MB/s |")
-    print("|---|---|---|---|---|---|---|")
-    for gateways, row in rows:
-        share = row["groups_s"] / (base * gateways)
-        print(f"| {gateways} | {row['groups_s']:.0f} | {share:.0%} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
-              f"{row['redis_ops_s']:.0f} | {row['redis_mb_s']:.2f} |")  # fmt: skip
-    gateways = " ".join(str(g) for g in args.gateways)
-    print(f"\nReproduce: .venv/bin/python bench/scale.py --engines {args.engines} --gateways {gateways} "
-          f"--buffers {args.buffers} --rewards {args.rewards} --concurrency {args.concurrency} "
-          f"--engine-processes {args.engine_processes} --seconds {args.seconds:g}")  # fmt: skip
+    for engines in args.engines:
+        urls, processes = start_instant_engines(engines, args.engine_processes)
+        try:
+            for buffers in args.buffers:
+                for rewards in args.rewards:
+                    for gateways in args.gateways:
+                        where = folder / f"K{engines}-B{buffers}-R{rewards}-G{gateways}"
+                        rows.append(measure(args, engines, buffers, rewards, gateways, where, model, data, urls,
+                                            [p.pid for p in processes]))  # fmt: skip
+                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        finally:
+            for process in processes:
+                process.terminate()
+    print(f"\nInstant engines (benchmark-only fixture, {args.engine_processes} processes), every replica on one "
+          f"Redis, {args.concurrency} groups in flight per gateway, 1 sample a group; {os.cpu_count()} CPU cores; "
+          f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
+    table(rows)
+    join = lambda values: " ".join(map(str, values))  # noqa: E731
+    print(f"\nReproduce: .venv/bin/python bench/scale.py --engines {join(args.engines)} --gateways "
+          f"{join(args.gateways)} --buffers {join(args.buffers)} --rewards {join(args.rewards)} --concurrency "
+          f"{args.concurrency} --engine-processes {args.engine_processes} --warm-up {args.warm_up:g} "
+          f"--seconds {args.seconds:g}")  # fmt: skip
+    found = problems(rows)
+    if found:
+        print("\nFAILED:\n" + "\n".join(found), file=sys.stderr)
+        for row in rows:
+            print(f"\nLogs of {row['folder']}:\n{log_tails(Path(row['folder']))}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

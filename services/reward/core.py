@@ -11,6 +11,7 @@ import prometheus_client
 from google.protobuf.json_format import MessageToDict
 
 from services.common.errors import InvalidArgument
+from services.common.waits import logged_wait
 from services.reward.config import RewardConfig
 from services.reward.isolation import Failure, RewardSample, WorkerPool, run_builtin, run_custom, run_custom_group
 from services.reward.remote import GrpcRewardModel, HttpRewardModel
@@ -64,7 +65,8 @@ class Scorer:
             for k, i in enumerate(remote_grpc):
                 outcomes[i] = answered if isinstance(answered, Failure) else answered[k]
         others = [i for i in range(len(samples)) if outcomes[i] is None]
-        scored = await asyncio.gather(*(self._one(samples[i], timeout_s) for i in others))
+        with logged_wait(log, "%d items to be scored by the workers", len(others)):
+            scored = await asyncio.gather(*(self._one(samples[i], timeout_s) for i in others))
         for i, outcome in zip(others, scored, strict=True):
             outcomes[i] = outcome
         return [self._result(sample, outcome) for sample, outcome in zip(samples, outcomes, strict=True)]

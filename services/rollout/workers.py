@@ -17,6 +17,7 @@ from services.buffer.groups import complete_in_redis
 from services.buffer.store import UPLOAD_TTL_S, BufferStore
 from services.common.errors import SlipstreamError
 from services.common.plugins import load_callable
+from services.common.waits import logged_wait
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, check_samples, generate_group
@@ -90,30 +91,41 @@ class Rollout:
         slots = asyncio.Semaphore(self.config.rollout_concurrency)
         while True:
             await slots.acquire()
-            await self.pool.running.wait()  # no new groups while the engines are paused for a weight sync
+            with logged_wait(log, "a prompt group to lease") as notes:
+                lease = await self._next_lease(notes)
+            task = asyncio.create_task(self.run_group(lease, self.sampling()))
+            self._groups.add(task)
+            task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
+
+    async def _next_lease(self, notes: list[str]) -> buffer_pb2.Lease:
+        """The next leased group, once the engines run and the buffer has one; `notes` say why it waited."""
+        while True:
+            if not self.pool.running.is_set():
+                notes.append("engines paused for a weight sync")
+                await self.pool.running.wait()  # no new groups while the engines are paused
             if not self.pool.generating() and self.pool.router is None:  # none to generate on (yet)
-                slots.release()
+                notes.append("no healthy engine")
                 await asyncio.sleep(0.5)
                 continue
             self.pool.committed.clear()
             try:
                 reply = await self._lease()
             except grpc.aio.AioRpcError as e:
-                slots.release()
+                notes.append(f"leasing failed: {e.details()}")
                 log.warning("leasing from the buffer failed: %s", e.details())
                 await asyncio.sleep(1.0)
                 continue
-            if not reply.leases:
-                slots.release()
-                if reply.blocked == buffer_pb2.LEASE_BLOCK_EXHAUSTED:
-                    await asyncio.sleep(1.0)
-                else:  # synchronous training: leases resume the moment this gateway's weight sync is committed
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.pool.committed.wait(), 0.2)
-                continue
-            task = asyncio.create_task(self.run_group(reply.leases[0], self.sampling()))
-            self._groups.add(task)
-            task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
+            if reply.leases:
+                return reply.leases[0]
+            blocked = buffer_pb2.LeaseBlock.Name(reply.blocked).removeprefix("LEASE_BLOCK_").lower()
+            note = f"the buffer gave none: {blocked.replace('unspecified', 'no reason given')}"
+            if note not in notes:
+                notes.append(note)
+            if reply.blocked == buffer_pb2.LEASE_BLOCK_EXHAUSTED:
+                await asyncio.sleep(1.0)
+            else:  # synchronous training: leases resume the moment this gateway's weight sync is committed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.pool.committed.wait(), 0.2)
 
     async def _lease(self, max_groups: int = 1) -> buffer_pb2.LeasePromptsResponse:
         """One LeasePrompts call that a stop cannot cut in half: if the rollout stops while the call is out, what it
@@ -139,15 +151,18 @@ class Rollout:
             done.CopyFrom(group)
             del done.samples[:]
             done.timings["leased"] = time.time()
-            done.samples.extend(await self._generate(group, sampling))
+            with logged_wait(log, "group %s to generate", group.group_id):
+                done.samples.extend(await self._generate(group, sampling))
             if any(s.status == common_pb2.SAMPLE_STATUS_ABORTED for s in done.samples):
                 GROUPS.labels("partial").inc()  # paused mid-response: the buffer keeps what was generated
                 await self._release(lease.lease_id, "aborted by a pause", list(done.samples))
                 return None
             done.timings["generated"] = time.time()
-            await self._score(done)
+            with logged_wait(log, "group %s to be scored", group.group_id):
+                await self._score(done)
             done.timings["scored"] = time.time()
-            await self._submit(lease, done)
+            with logged_wait(log, "group %s to be submitted", group.group_id):
+                await self._submit(lease, done)
             self._count(done)
             self._failures = 0
             return done
