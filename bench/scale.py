@@ -101,7 +101,8 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
             add("buffer", *common, "--prompt-data", str(data), "--hf-checkpoint", str(model), "--num-data-workers",
                 "0", "--max-staleness", "1000000", "--rollout-batch-size", "64")  # fmt: skip
         for _ in range(rewards):
-            add("reward", "--rm-type", "random", "--num-workers", "1")
+            scoring = ["--custom-rm-path", args.custom_rm_path] if args.custom_rm_path else ["--rm-type", "random"]
+            add("reward", *scoring, "--num-workers", "1")
         for address in addresses["buffer"] + addresses["reward"]:
             wait_until_serving(address, timeout_s=120)
         target = {kind: "ipv4:" + ",".join(found) for kind, found in addresses.items() if found}
@@ -158,14 +159,15 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
             "busiest": (next(k for k, found in pids.items() if busiest_pid in found), used[busiest_pid] / elapsed),
             "folder": str(folder),
         }  # fmt: skip
-    finally:
-        for proc in (p for found in procs.values() for p in found):
-            proc.terminate()
-        for proc in (p for found in procs.values() for p in found):
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    finally:  # the gateways first: with the buffers gone first, their leases in flight would fail over and wait
+        for kind in ("rollout", "buffer", "reward"):
+            for proc in procs[kind]:
+                proc.terminate()
+            for proc in procs[kind]:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         client.close()
         server.stop()
 
@@ -224,6 +226,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--engine-processes", type=int, default=max(1, (os.cpu_count() or 1) // 8),
                         help="processes serving the instant engines (one would be the bottleneck)")  # fmt: skip
+    parser.add_argument("--custom-rm-path", help="score with this reward function (module.function) instead of "
+                        "the built-in random one")  # fmt: skip
     parser.add_argument("--log-level", default="info", help="the services' (their logs are in --folder)")
     parser.add_argument("--folder", type=Path, help="where the services' logs go (default: a new temporary folder)")
     parser.add_argument("--profile", metavar="PATH", nargs="?", const="py-spy",

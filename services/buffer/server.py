@@ -3,7 +3,7 @@
 import asyncio
 import contextlib
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from dataclasses import replace
 
 import prometheus_client
@@ -13,12 +13,11 @@ from services.buffer.core import TRAIN, Buffer
 from services.buffer.datasets import DatasetError, open_blocks
 from services.buffer.prompts import RowSpec, check_rows
 from services.buffer.servicer import BufferServicer
-from services.buffer.source import CustomPromptStream, PromptStream
+from services.buffer.source import CustomPromptStream, PromptStream, start_data_worker, warm
 from services.buffer.store import BufferStore
 from services.common.errors import StartupError
 from services.common.eval_sets import EvalSet
 from services.common.plugins import PluginError, load_callable
-from services.common.processes import die_with_parent
 from services.common.redis_connection import open_redis
 from services.common.server import Service, Servicer
 
@@ -83,12 +82,20 @@ async def build(config: BufferConfig) -> Service:
     redis_handle = open_redis(config.redis, config.run_dir)
     client = redis_handle.async_client()
     executor = None
+    tokenizers = (config.hf_checkpoint,) if config.hf_checkpoint else ()
     if config.num_data_workers and (config.prompt_data or config.eval_sets()):
         # spawn: forking a process that runs gRPC threads is unsafe.
         context = multiprocessing.get_context("spawn")
-        executor = ProcessPoolExecutor(config.num_data_workers, mp_context=context, initializer=die_with_parent)
+        executor = ProcessPoolExecutor(config.num_data_workers, mp_context=context, initializer=start_data_worker,
+                                       initargs=(tokenizers,))  # fmt: skip
     try:
         streams = await asyncio.to_thread(build_streams, config, executor)
+        if streams:
+            try:
+                await warm(executor, config.num_data_workers, tokenizers)
+            except (OSError, ValueError, BrokenExecutor) as e:  # a folder without a tokenizer (in a worker: broken)
+                raise StartupError(f"--hf-checkpoint {config.hf_checkpoint}: its tokenizer does not load ({e}); "
+                                   "pass a Hugging Face model folder with tokenizer files") from None  # fmt: skip
         filters = {}
         for name in ("dynamic_sampling_filter_path", "buffer_filter_path"):
             path = getattr(config, name)

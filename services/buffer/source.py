@@ -13,10 +13,33 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.buffer.datasets import Block, RawRow, epoch_order, read_block
-from services.buffer.prompts import RowSpec, Skipped, prepare_rows
+from services.buffer.prompts import RowSpec, Skipped, load_tokenizer, prepare_rows
+from services.common.processes import die_with_parent
 
 # Without data workers, tokenization runs on one thread: one tokenizer object is not safe to share across threads.
 _TOKENIZE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+
+def load_tokenizers(paths: tuple[str, ...]) -> None:
+    for path in paths:
+        load_tokenizer(path)
+
+
+def start_data_worker(tokenizer_paths: tuple[str, ...]) -> None:
+    """A data worker's initializer: it dies with the service, and has its tokenizers before it takes a chunk."""
+    die_with_parent()
+    load_tokenizers(tokenizer_paths)
+
+
+async def warm(executor: Executor | None, num_workers: int, tokenizer_paths: tuple[str, ...]) -> None:
+    """Starts the data workers (or the tokenizing thread) and loads their tokenizers before the service says it is
+    ready: loading one is seconds on a cold machine (transformers' imports), which the first leases would wait."""
+    loop = asyncio.get_running_loop()
+    if executor is None:
+        await loop.run_in_executor(_TOKENIZE_THREAD, load_tokenizers, tokenizer_paths)
+        return
+    # Submitted together, the calls start every worker; each loads the tokenizers before it takes a call.
+    await asyncio.gather(*(loop.run_in_executor(executor, load_tokenizers, ()) for _ in range(num_workers)))
 
 
 @dataclass(frozen=True, order=True)

@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -50,15 +51,19 @@ class Failure:
 OUT_OF_MEMORY = 75  # the exit code of a worker whose function ran out of its memory limit
 
 
-def _init_worker(memory_mb: int | None) -> None:
+def _init_worker(memory_mb: int | None, custom_path: str | None, started) -> None:
     die_with_parent()
     import math_verify  # noqa: F401 - warm the import so the first item does not pay for it
 
+    if custom_path:  # a user's reward module may load a model at import: before the first item, not during it
+        with contextlib.suppress(Exception):  # it imported in the service; if not here, its items say why
+            _custom(custom_path)
     # After the imports: a limit too low for them fails the first item with a message naming the limit, where a
     # worker that cannot start would only break the pool.
     if memory_mb is not None:
         limit = memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    started.release()
 
 
 def _limited(function, *args) -> Any:
@@ -96,14 +101,26 @@ STUCK_GRACE_S = 10.0  # past an item's deadline by this much, the pool itself is
 
 
 class WorkerPool:
-    def __init__(self, num_workers: int, memory_mb: int | None = None):
-        self.num_workers, self.memory_mb = num_workers, memory_mb
+    def __init__(self, num_workers: int, memory_mb: int | None = None, custom_path: str | None = None):
+        self.num_workers, self.memory_mb, self.custom_path = num_workers, memory_mb, custom_path
+        self._context = multiprocessing.get_context("spawn")  # forking a process that runs gRPC threads is unsafe
+        self._started = self._context.Semaphore(0)  # released by each worker once it can take items
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPool:
-        context = multiprocessing.get_context("spawn")  # forking a process that runs gRPC threads is unsafe
-        return ProcessPool(max_workers=self.num_workers, initializer=_init_worker, initargs=(self.memory_mb,),
-                           context=context)  # fmt: skip
+        initargs = (self.memory_mb, self.custom_path, self._started)
+        return ProcessPool(self.num_workers, initializer=_init_worker, initargs=initargs, context=self._context)
+
+    async def warm(self, timeout_s: float = 600.0) -> None:
+        """Returns once every worker has started and imported what it runs: seconds on a cold machine, which the
+        first items would otherwise wait (the service says it is ready only after this)."""
+        deadline = time.monotonic() + timeout_s
+        self._pool.schedule(os.getpid)  # pebble starts its workers with the first task
+        for started in range(self.num_workers):
+            if not await asyncio.to_thread(self._started.acquire, True, max(0.0, deadline - time.monotonic())):
+                log.warning("%d of %d reward workers started within %.0f s; serving with them", started,
+                            self.num_workers, timeout_s)  # fmt: skip
+                return
 
     async def run(self, timeout_s: float, function, *args) -> Any:
         """`function(*args)` in a worker; a `Failure` instead of raising when it times out, raises, runs out of

@@ -28,7 +28,9 @@ async def build(config: RewardConfig) -> Service:
     if config.rm_grpc_addr:
         worker = Credentials.of(config, "worker")
         remote = GrpcRewardModel(config.rm_grpc_addr, backoff, config.rm_remote_timeout_s, worker)
-    scorer = Scorer(config, WorkerPool(config.num_workers, config.reward_worker_memory_mb), http, remote)
+    pool = WorkerPool(config.num_workers, config.reward_worker_memory_mb, config.custom_rm_path)
+    await pool.warm()
+    scorer = Scorer(config, pool, http, remote)
     return Service("reward", config, [Servicer.of(RewardServicer(scorer))], on_stop=[scorer.close])
 
 

@@ -1,0 +1,35 @@
+"""The whole rollout side with replicas, at full speed (bench/scale.py's harness: three buffer processes, two reward
+processes and a gateway on one Redis, instant engines): a service that says it is ready serves its first request
+without loading anything first, so no group waits a second anywhere on the path.
+
+On a many-core machine, a buffer that loaded its tokenizer on its first lease (seconds there) and reward workers
+that imported their reward module on their first item held each group for seconds; replicas multiplied the stalls,
+since the gateway's leases go round robin over buffers that each pay it once. Here the reward module takes 3 s to
+import (tests/rollout/slow_reward.py, as a reward model's loading would), so that the stall shows on any machine.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.gateway import start_instant_engines
+from bench.scale import measure
+from services.common.tiny_checkpoint import write_tiny_model
+
+
+def test_replicas_serve_at_once_and_no_group_waits_a_second(tmp_path: Path):
+    model = write_tiny_model(tmp_path / "model")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(20_000)))
+    args = argparse.Namespace(concurrency=16, warm_up=0.0, seconds=8.0, log_level="info", profile=None,
+                              custom_rm_path="tests.rollout.slow_reward.reward")  # fmt: skip
+    urls, engines = start_instant_engines(8)
+    try:
+        row = measure(args, 8, 3, 2, 1, tmp_path / "run", model, data, urls, [p.pid for p in engines])
+    finally:
+        for process in engines:
+            process.terminate()
+    logs = {log.name: log.read_text() for log in (tmp_path / "run").glob("*.log")}
+    waits = [f"{name}: {line}" for name, text in logs.items() for line in text.splitlines() if " waited " in line]
+    assert not waits, "waits over a second on the rollout path:\n" + "\n".join(waits[:20])
+    assert row["completed"] >= 100, f"only {row['completed']} groups in {args.seconds} s: {row}"
