@@ -1,6 +1,7 @@
 """The `slipstream` command and the four services as real processes: start, serve, report health, stop on SIGTERM."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.common.clients import health_status
@@ -271,3 +273,39 @@ def test_train_takes_slimes_moe_flags():
                        "--moe-aux-loss-coeff", "0.001", "--moe-router-load-balancing-type", "seq_aux_loss"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"--moe-router-bias-update-rate 0\.001: only 0 is supported"):
         route(["--moe-router-bias-update-rate", "0.001"])
+
+
+def test_print_config_shows_no_password(tmp_path):
+    """`--print-config` of each service, given a password in every setting that names a URL or an address (user:PW@
+    with or without a scheme, in lists, in query parameters, in a reward function's settings) and the engines' API
+    key: the password is nowhere in what it prints, and every such setting shows that it had one. (The W&B run
+    config, which `slipstream train` logs, is the same redaction: tests/common/test_config.py.)"""
+    model = write_tiny_model(tmp_path / "model")
+    pw = "pw-0123456789abcdef"
+    at = f"user:{pw}@"
+    commands = {
+        "buffer": ["--redis-url", f"redis://{at}redis:6379/0", "--output-dir", str(tmp_path / "runs")],
+        "reward": ["--rm-url", f"https://{at}rm.example/score?api_key={pw}", "--rm-grpc-addr", f"{at}rm:50053",
+                   "--custom-rm-args", json.dumps({"judge": f"http://{at}judge:8000", "password": pw})],
+        "rollout": ["--engine-urls", f"http://{at}engine-0:30000", f"http://:{pw}@engine-1:30000",
+                    "--redis-url", f"unix:///run/redis.sock?db=0&password={pw}", "--port", "50052",
+                    "--advertise-addr", f"{at}10.0.0.7:50052", "--sglang-api-key", pw,
+                    "--buffer-addr", f"{at}buffer:50051", "--reward-addr", f"{at}reward:50053"],
+        "trainer": ["--hf-checkpoint", str(model), "--redis-url", f"rediss://:{pw}@redis:6380/0",
+                    "--buffer-addr", f"{at}buffer:50051", "--rollout-addr", f"{at}rollout:50052"],
+        "engine": ["--model-path", str(model), "--api-key", pw],
+    }  # fmt: skip
+    for command, args in commands.items():
+        result = run_cli(command, *args, "--print-config", cwd=tmp_path)
+        assert result.returncode == 0, (command, result.stderr)
+        assert pw not in result.stdout + result.stderr, (command, result.stdout)
+        settings = _flattened(yaml.safe_load(result.stdout))
+        named = {k: v for k, v in settings.items() if re.search(r"(url|urls|addr|api_key)$", k) and v}
+        assert named and all("***" in str(v) for v in named.values()), (command, named)
+
+
+def _flattened(settings: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in settings.items():
+        flat |= _flattened(value, f"{prefix}{key}_") if isinstance(value, dict) else {f"{prefix}{key}": value}
+    return flat

@@ -7,12 +7,12 @@ so a run is one file plus a few flags, and every bad value is reported as one se
 import argparse
 import difflib
 import json
+import re
 import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -118,7 +118,7 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
     for dotted, value in args.items():
         _set_path(flags, dotted.split("."), value)
     config = validate_config(model, _merge(settings, flags), set(args), str(file_path) if file_path else None)
-    if print_config:  # without the passwords of URLs (--redis-url redis://:PASSWORD@host)
+    if print_config:  # without secrets (--redis-url redis://:PASSWORD@host, --api-key KEY)
         print(yaml.safe_dump(printable(config), sort_keys=False), end="")
         raise SystemExit(0)
     if check:
@@ -127,26 +127,64 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
     return config
 
 
+_NETLOC = re.compile(r"([^/?#]*)(.*)", re.DOTALL)  # a URL's authority (what precedes its path), and the rest
+_SECRET_PARAMETER = re.compile(r"pass|pwd|secret|token|api[_-]?key|auth|signature", re.IGNORECASE)
+_SECRET_FIELD = re.compile(r"(password|passwd|secret|token|api_key)$")  # a setting whose value is a secret
+_SECRET_FLAG = re.compile(r"--[\w-]*(password|passwd|secret|token|api-key)")  # another program's (--sglang-api-key)
+
+
 def redacted(url: str) -> str:
-    """`url` without its password (redis://user:PASSWORD@host, or unix://…?password=PASSWORD), for messages."""
-    parts = urlsplit(url)
-    userinfo, _, host = parts.netloc.rpartition("@")
-    netloc = f"{userinfo.split(':')[0]}:***@{host}" if ":" in userinfo else parts.netloc
-    query = "&".join("password=***" if q.startswith("password=") else q for q in parts.query.split("&"))
-    return url.replace(f"//{parts.netloc}", f"//{netloc}", 1).replace(f"?{parts.query}", f"?{query}", 1)
+    """`url` without its password, for messages: redis://user:PASSWORD@host, user:PASSWORD@host (no scheme), and the
+    values of secret query parameters (unix://…?password=PASSWORD, https://…?token=TOKEN)."""
+    scheme, sep, rest = url.partition("://")
+    head, rest = (scheme + sep, rest) if sep else ("", url)
+    netloc, tail = _NETLOC.match(rest).groups()
+    userinfo, _, host = netloc.rpartition("@")
+    if ":" in userinfo:
+        netloc = f"{userinfo.split(':')[0]}:***@{host}"
+    path, question, query = tail.partition("?")
+    if question:
+        query, hash_, fragment = query.partition("#")
+        query = "&".join(_hidden_parameter(p) for p in query.split("&"))
+        tail = f"{path}?{query}{hash_}{fragment}"
+    return head + netloc + tail
+
+
+def _hidden_parameter(parameter: str) -> str:
+    name, equals, _ = parameter.partition("=")
+    return f"{name}=***" if equals and _SECRET_PARAMETER.search(name) else parameter
 
 
 def printable(config: BaseModel, **dump) -> dict:
-    """A config's settings as plain data with no URL's password (for --print-config and the W&B run config)."""
-    return _redact_urls(config.model_dump(mode="json", **dump))
+    """A config's settings as plain data with no secret (for --print-config and the W&B run config): no URL's
+    password, in any setting or list (a value may hold several URLs, separated by commas or spaces), no secret
+    setting's value (the engine's --api-key), and no value of a secret option passed through to another program."""
+    return _redact(config.model_dump(mode="json", **dump))
 
 
-def _redact_urls(value: Any) -> Any:
+def _redact(value: Any, name: str = "") -> Any:
     if isinstance(value, dict):
-        return {k: _redact_urls(v) for k, v in value.items()}
+        return {k: _redact(v, str(k)) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redact_urls(v) for v in value]
-    return redacted(value) if isinstance(value, str) and "://" in value else value
+        return _redact_options([_redact(v) for v in value])
+    if isinstance(value, str):
+        if value and _SECRET_FIELD.search(name.lower()):
+            return "***"
+        return re.sub(r"[^\s,]+", lambda word: redacted(word.group()), value)
+    return value
+
+
+def _redact_options(args: list) -> list:
+    """`--api-key KEY` and `--api-key=KEY` in a list of another program's options, without the key."""
+    shown = []
+    for arg in args:
+        secret_before = bool(shown) and isinstance(shown[-1], str) and _SECRET_FLAG.fullmatch(shown[-1])
+        if secret_before and isinstance(arg, str) and not arg.startswith("--"):
+            arg = "***"
+        elif isinstance(arg, str) and "=" in arg and _SECRET_FLAG.fullmatch(arg.split("=")[0]):
+            arg = arg.split("=")[0] + "=***"
+        shown.append(arg)
+    return shown
 
 
 def _take_passthrough(model: type[StrictModel], unknown: list[str], args: dict) -> list[str]:

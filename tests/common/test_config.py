@@ -3,7 +3,7 @@
 import pytest
 
 from services.buffer.config import BufferConfig
-from services.common.config import ConfigError, load_config
+from services.common.config import ConfigError, StrictModel, load_config, printable
 
 
 def load(argv):
@@ -106,3 +106,48 @@ def test_print_config_shows_no_password_of_a_url(capsys):
         load_config(BufferConfig, ["--print-config", "--redis-url", "redis://:s3cret@redis:6379/0"], prog="buffer")
     out = capsys.readouterr().out
     assert "url: redis://:***@redis:6379/0" in out and "s3cret" not in out
+
+
+@pytest.mark.parametrize(
+    ("shown", "printed"),
+    [
+        ("user:s3cret@buffer:50051", "user:***@buffer:50051"),  # no scheme: a gRPC address
+        ("redis://:s3cret@a:6379/0,redis://:s3cret@b:6379/0", "redis://:***@a:6379/0,redis://:***@b:6379/0"),
+        ("redis://:s3c@ret@host/0", "redis://:***@host/0"),  # an @ in the password: the last one ends it
+        ("https://rm.example/score?api_key=s3cret&n=1#top", "https://rm.example/score?api_key=***&n=1#top"),
+        ("dns:///buffer:50051", "dns:///buffer:50051"),
+        ("pkg.module:function", "pkg.module:function"),
+    ],
+)
+def test_printable_hides_every_password_of_a_url(shown, printed):
+    class Settings(StrictModel):
+        value: str
+        values: list[str] = []
+
+    assert printable(Settings(value=shown, values=[shown])) == {"value": printed, "values": [printed]}
+
+
+def test_printable_hides_secret_settings_and_options():
+    """The engine's --api-key, a reward function's password, and --api-key KEY passed through to SGLang."""
+
+    class Settings(StrictModel):
+        api_key: str | None = None
+        engine_api_key_file: str = "/run/key"  # a path, shown
+        custom_rm_args: dict = {}
+        sglang_args: list[str] = []
+
+    settings = Settings(api_key="k", custom_rm_args={"password": "p"}, sglang_args=["--api-key", "k", "--x=1"])
+    assert printable(settings) == {
+        "api_key": "***",
+        "engine_api_key_file": "/run/key",
+        "custom_rm_args": {"password": "***"},
+        "sglang_args": ["--api-key", "***", "--x=1"],
+    }
+    assert printable(Settings(sglang_args=["--sglang-api-key=k"]))["sglang_args"] == ["--sglang-api-key=***"]
+
+
+def test_the_wandb_run_config_shows_no_password():
+    from services.train.options import TrainOptions
+
+    logged = printable(TrainOptions(wandb_host="https://user:s3cret@wandb.example", wandb_key="s3cret"))
+    assert "s3cret" not in str(logged) and logged["wandb_host"] == "https://user:***@wandb.example"
