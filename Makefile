@@ -15,7 +15,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-install: $(VENV)/.installed
+# checkov (tests/test_k8s_policy.py) in a venv of its own: it pins packaging<24 and networkx<2.7, older than what
+# megatron-core, pytest and torch need. Pinned, so that a release's new checks arrive by choice, with their triage.
+CHECKOV ?= checkov==3.3.30
+CHECKOV_VENV := $(VENV)/checkov
+
+$(CHECKOV_VENV)/.installed: Makefile | $(VENV)/.installed
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CHECKOV_VENV)/bin/python -m pip install -q "$(CHECKOV)"
+	touch $@
+
+install: $(VENV)/.installed $(CHECKOV_VENV)/.installed
 
 # The Redis-backed tests also run on a real redis:7 container (testcontainers) where a container engine runs: here
 # ../shared/containers sets up podman behind DOCKER_HOST; elsewhere the DOCKER_HOST in the environment, if any.

@@ -1,7 +1,8 @@
 """deploy/k8s renders with `kubectl kustomize`, and what it renders holds together: the workloads and their kinds,
-probes and resource requests on every container, GPUs for the engines and the trainer, every address a command names
-served by a Service on that port, network policies opening each port, and every slipstream command line — its run
-file included — accepted by our parsers (`--check`), SGLang's by the pinned release's options."""
+probes and resource requests on every container, GPUs for the engines and the trainer, the Redis pod run for real as
+the kubelet would run it, every address a command names served by a Service on that port, network policies opening
+each port, and every slipstream command line — its run file included — accepted by our parsers (`--check`), SGLang's
+by the pinned release's options. tests/test_k8s_policy.py checks the same objects as a platform team would."""
 
 import re
 import shutil
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from services.common.tiny_checkpoint import write_tiny_model
-from tests.redis_servers import check_redis_password_from_file
+from tests.redis_servers import check_redis_password, skip_without_containers
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
@@ -43,8 +44,9 @@ def container(workload: dict) -> dict:
 
 
 def command_line(workload: dict) -> list[str]:
+    """The container's command and arguments as its process gets them: Kubernetes makes $$ a literal $."""
     c = container(workload)
-    return [*c.get("command", []), *c.get("args", [])]
+    return [part.replace("$$", "$") for part in [*c.get("command", []), *c.get("args", [])]]
 
 
 def test_the_workloads_and_their_kinds(objects):
@@ -77,11 +79,54 @@ def test_services_probe_what_they_serve(objects):
             assert c["readinessProbe"]["grpc"]["port"] == port and c["livenessProbe"]["grpc"]["port"] == port
 
 
-def test_the_redis_takes_its_password_from_the_secret_and_shows_it_nowhere(objects, tmp_path):
-    """The redis pod's command, with Kubernetes' $$ → $, run for real in a redis:7 container with the Secret's file
-    mounted where the pod mounts it."""
-    command = [part.replace("$$", "$") for part in command_line(workloads(objects)["redis"])]
-    check_redis_password_from_file(command, "/etc/slipstream/redis/password", tmp_path)
+def test_the_redis_pod_takes_its_password_from_the_secret_and_shows_it_nowhere(objects, tmp_path):
+    """The redis pod run for real in redis:7 containers as the kubelet runs it: its init container, then Redis, each
+    with the pod's user and group, a read-only root file system, no capabilities and no privilege escalation, on its
+    volumes (host folders; the Secret's file where the pod mounts it). A password with a space, quotes and a backslash
+    works, a client without it is refused, no process has it on its command line, and the probes pass."""
+    skip_without_containers()
+    import docker
+    from testcontainers.core.container import DockerContainer
+
+    pod = workloads(objects)["redis"]["spec"]["template"]["spec"]
+    (init,), (redis,) = pod["initContainers"], pod["containers"]
+    password = 'deploy "secret" pw\\'
+    folders = {volume: tmp_path / volume for volume in ("redis-password", "config", "data")}
+    for folder in folders.values():
+        folder.mkdir()
+        folder.chmod(0o777)  # an emptyDir; the data volume, whose files are the pod's fsGroup's
+    (folders["redis-password"] / "password").write_text(password + "\n")
+    image, options, mounts = as_the_kubelet_runs(pod, init, folders)
+    volumes = {host: {"bind": path, "mode": mode} for host, path, mode in mounts}
+    docker.from_env().containers.run(image, volumes=volumes, remove=True, **options)
+    assert (folders["config"] / "redis.conf").stat().st_mode & 0o777 == 0o600  # only the pod's user reads it
+    image, options, mounts = as_the_kubelet_runs(pod, redis, folders)
+    container = DockerContainer(image, **options).with_exposed_ports(6379)
+    for host, path, mode in mounts:
+        container.with_volume_mapping(host, path, mode)
+    with container:
+        check_redis_password(container, password)
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container.exec(redis[probe]["exec"]["command"]).exit_code == 0, probe
+
+
+def as_the_kubelet_runs(pod: dict, container: dict, folders: dict[str, Path]) -> tuple[str, dict, list]:
+    """`container` of `pod` as docker options: its image, command and arguments, the pod's user and groups, its
+    security context, and its mounts (host folder, path, mode) of `folders` by volume name."""
+    security = pod["securityContext"] | container["securityContext"]
+    options = {
+        "user": f"{security['runAsUser']}:{security['runAsGroup']}",
+        "group_add": [str(security["fsGroup"])],
+        "read_only": security["readOnlyRootFilesystem"],
+        "cap_drop": security["capabilities"]["drop"],
+        "security_opt": ["no-new-privileges"] if security["allowPrivilegeEscalation"] is False else [],
+        "command": [arg.replace("$$", "$") for arg in container.get("args", [])],
+    }
+    if "command" in container:
+        options["entrypoint"] = [arg.replace("$$", "$") for arg in container["command"]]
+    mounts = [(str(folders[m["name"]]), m["mountPath"], "ro" if m.get("readOnly") else "rw")
+              for m in container["volumeMounts"]]  # fmt: skip
+    return container["image"], options, mounts
 
 
 def test_every_address_a_command_names_is_served_on_that_port(objects):
@@ -160,8 +205,9 @@ def sglang_options_are_the_releases(args: list[str], tmp_path: Path) -> None:
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
     fake.chmod(0o755)
-    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "ENGINE_API_KEY": "key"}
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin"}
     argv = subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout.split()
-    assert argv[:2] == ["-m", "sglang.launch_server"] and "--mem-fraction-static" in argv and "--api-key" in argv
+    assert argv[:2] == ["-m", "sglang.launch_server"] and "--mem-fraction-static" in argv
+    assert argv[argv.index("--api-key") + 1] == "engine-key-0123456789"  # the Secret's file, read by the shell
     unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in listed]
     assert not unknown, f"not options of the pinned SGLang: {unknown}"
