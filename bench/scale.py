@@ -69,13 +69,13 @@ def cpu_seconds(pids: dict[str, list[int]]) -> dict[int, float]:
 
 
 def profile(pids: dict[str, list[int]], folder: Path, py_spy: str, seconds: float) -> None:
-    """py-spy's samples of every service process over `seconds` (where their time goes, idle waits included), as
+    """py-spy's samples of every service process over `seconds` (where their CPU time goes), as
     collapsed stacks beside their logs."""
     runs = []
     for kind, found in pids.items():
         for pid in found:
             out = folder / f"pyspy-{kind}-{pid}.txt"
-            command = [py_spy, "record", "--pid", str(pid), "--idle", "--nonblocking", "--format", "raw",
+            command = [py_spy, "record", "--pid", str(pid), "--nonblocking", "--format", "raw",
                        "--rate", "200", "--duration", str(max(1, round(seconds))), "--output", str(out)]  # fmt: skip
             runs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     for run in runs:

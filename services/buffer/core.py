@@ -103,25 +103,20 @@ class Buffer:
         if dataset not in self.streams:
             known = ", ".join(sorted(self.streams)) or "none (pass --prompt-data / --eval-prompt-data)"
             raise InvalidArgument("dataset", f"unknown dataset {dataset!r}; known: {known}")
-        await self.store.expire()
-        version = await self.policy_version()
+        _, version = await self.store.expire()
         bounds, bound = self._bounds(dataset, version)
         leases = await self._lease_pending(dataset, max_groups, lease_ms, bounds) if max_groups else []
         blocked = None
         with logged_wait(log, "%d new %s groups to lease", max_groups - len(leases), dataset) as notes:
             for attempt in range(ATTEMPTS):
-                want = max_groups - len(leases)
-                room, blocked = await self._room(dataset, bounds, bound)
-                if min(want, room) <= 0:
-                    break
                 try:
                     async with self._reading:
-                        new = await self._lease_new(dataset, min(want, room), lease_ms, bounds)
+                        new, blocked = await self._lease_new(dataset, max_groups - len(leases), lease_ms, bounds,
+                                                             bound)  # fmt: skip
                 except Contended as e:  # another buffer process leased new groups meanwhile
                     notes[:] = [f"contended {attempt + 1} times, last: {e}"]
                     continue
                 leases += new
-                blocked = None if new else "exhausted"
                 break
         if leases or max_groups == 0:
             return LeaseResult(leases, version)
@@ -140,12 +135,13 @@ class Buffer:
             limit, bound = self.config.num_rollout * batch, "exhausted"
         return (cap, limit), bound
 
-    async def _room(self, dataset: str, bounds: tuple[int, int], bound: str) -> tuple[int, str | None]:
+    def _room(
+        self, dataset: str, bounds: tuple[int, int], bound: str, counters: dict, sizes: dict
+    ) -> tuple[int, str | None]:
         """How many new groups may start now, and what blocks them when none may."""
         if dataset != TRAIN:
             return 1 << 30, None
         cap, limit = bounds
-        counters, sizes = await self.store.counters(), await self.store.sizes(dataset)
         if cap >= 0 and cap - sizes["leased"] - sizes["completed"] <= 0:
             return 0, "backpressure"
         room = limit - (counters.get("started", 0) - counters.get("dropped", 0))
@@ -157,13 +153,23 @@ class Buffer:
         deadline, leased = await self.store.lease_pending(dataset, want, lease_ms, bounds)
         return [LeasedGroup(lid, common_pb2.PromptGroup.FromString(payload), deadline) for _, lid, payload in leased]
 
-    async def _lease_new(self, dataset: str, want: int, lease_ms: int, bounds) -> list[LeasedGroup]:
+    async def _lease_new(
+        self, dataset: str, want: int, lease_ms: int, bounds, bound: str
+    ) -> tuple[list[LeasedGroup], str | None]:
+        """New groups from the dataset's stream, as many as `want` and the bounds allow, in one round trip to read the
+        state and one to store them; or none, and what blocks them ("exhausted" at the end of the data)."""
+        if want <= 0:
+            return [], None
+        counters, sizes, cursor = await self.store.lease_state(dataset)
+        room, blocked = self._room(dataset, bounds, bound, counters, sizes)
+        if min(want, room) <= 0:
+            return [], blocked
         stream = self.streams[dataset]
-        expected = (await self.store.cursor(dataset) or b"").decode()
+        expected = (cursor or b"").decode()
         await stream.seek(Cursor.decode(expected))  # where this or another buffer process stopped
-        items = await stream.take(want)
+        items = await stream.take(min(want, room))
         if not items:
-            return []
+            return [], "exhausted"
         groups, skipped = [], {}
         for item in items:
             if isinstance(item.payload, Skipped):
@@ -184,7 +190,8 @@ class Buffer:
             count_started=dataset == TRAIN,
             bounds=bounds,
         )
-        return [LeasedGroup(lid, g, deadline) for lid, g in zip(lease_ids, groups, strict=True)]
+        leased = [LeasedGroup(lid, g, deadline) for lid, g in zip(lease_ids, groups, strict=True)]
+        return leased, None if leased else "exhausted"
 
     async def extend(self, lease_ids: list[str], lease_seconds: float) -> tuple[int, list[str], list[str]]:
         lease_ms = self._lease_ms(lease_seconds)
@@ -434,7 +441,7 @@ class Buffer:
         while True:
             await asyncio.sleep(self.config.expire_interval_s)
             try:
-                if expired := await self.store.expire():
+                if expired := (await self.store.expire())[0]:
                     log.info("%d expired leases returned to the pool", expired)
             except Exception:  # Redis may be briefly unreachable; the next round retries
                 log.exception("returning expired leases failed")

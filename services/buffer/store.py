@@ -141,7 +141,7 @@ for _, gid in ipairs(gids) do
   redis.call('LPUSH', ns .. ':pending:' .. dataset_of(gid), gid)
   redis.call('HINCRBY', ns .. ':counters', 'expired', 1)
 end
-return #gids
+return {#gids, tonumber(redis.call('HGET', ns .. ':meta', 'policy_version') or '0')}
 """
 
 # ARGV: ns, lease id, outcome ("completed" | "dropped:<reason>" | "eval:<dataset>"), payload (the group without its
@@ -394,8 +394,10 @@ class BufferStore:
     async def release(self, lease_id: str, payload: bytes) -> bool:
         return bool(await self._run("release", lease_id, payload))
 
-    async def expire(self) -> int:
-        return int(await self._run("expire"))
+    async def expire(self) -> tuple[int, int]:
+        """Returns the expired leases' groups to the pool; (how many, the policy version), in one round trip."""
+        expired, version = await self._run("expire")
+        return int(expired), int(version)
 
     async def submit(
         self, lease_id: str, outcome: str, payload: bytes, version: int, num_tokens: int, arrays: bytes | None
@@ -514,6 +516,15 @@ class BufferStore:
 
     async def counters(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.key("counters"))).items()}
+
+    async def lease_state(self, dataset: str) -> tuple[dict[str, int], dict[str, int], bytes | None]:
+        """What new leases are computed from, in one round trip: the counters, the sizes and the dataset's cursor."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.key("counters")).hget(self.key("meta"), f"cursor:{dataset}")
+            pipe.llen(self.key(f"pending:{dataset}")).zcard(self.key("leases")).zcard(self.key("done"))
+            counters, cursor, pending, leased, completed = await pipe.execute()
+        counters = {k.decode(): int(v) for k, v in counters.items()}
+        return counters, {"pending": pending, "leased": leased, "completed": completed}, cursor
 
     async def sizes(self, dataset: str) -> dict[str, int]:
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -5,6 +5,7 @@ that aborted its requests) is released back to the buffer with what it has, so n
 """
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -36,6 +37,9 @@ GROUPS = prometheus_client.Counter(
 RESPONSE_LENGTH = prometheus_client.Histogram(
     "slipstream_rollout_response_length", "Response length in tokens", buckets=(16, 64, 256, 1024, 4096, 16384, 65536)
 )
+# Groups leased in one call at most: fewer calls to the buffer when groups finish fast, while one gateway cannot take
+# a whole small step's prompts from the others.
+LEASE_BATCH = 8
 THROUGHPUT = prometheus_client.Gauge(
     "slipstream_rollout_throughput", "Over the last minute: samples/s, tokens/s, truncated ratio", ["measure"]
 )
@@ -91,14 +95,21 @@ class Rollout:
         slots = asyncio.Semaphore(self.config.rollout_concurrency)
         while True:
             await slots.acquire()
+            want = 1  # and every other slot free now, up to LEASE_BATCH: one call to the buffer for all of them
+            while want < LEASE_BATCH and not slots.locked():
+                await slots.acquire()  # returns at once: the semaphore is not locked
+                want += 1
             with logged_wait(log, "a prompt group to lease") as notes:
-                lease = await self._next_lease(notes)
-            task = asyncio.create_task(self.run_group(lease, self.sampling()))
-            self._groups.add(task)
-            task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
+                leases = await self._next_leases(want, notes)
+            for _ in range(want - len(leases)):
+                slots.release()
+            for lease in leases:
+                task = asyncio.create_task(self.run_group(lease, self.sampling()))
+                self._groups.add(task)
+                task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
 
-    async def _next_lease(self, notes: list[str]) -> buffer_pb2.Lease:
-        """The next leased group, once the engines run and the buffer has one; `notes` say why it waited."""
+    async def _next_leases(self, want: int, notes: list[str]) -> list[buffer_pb2.Lease]:
+        """Up to `want` leased groups, once the engines run and the buffer has any; `notes` say why it waited."""
         while True:
             if not self.pool.running.is_set():
                 notes.append("engines paused for a weight sync")
@@ -109,18 +120,20 @@ class Rollout:
                 continue
             self.pool.committed.clear()
             try:
-                reply = await self._lease()
+                reply = await self._lease(want)
             except grpc.aio.AioRpcError as e:
                 notes.append(f"leasing failed: {e.details()}")
                 log.warning("leasing from the buffer failed: %s", e.details())
                 await asyncio.sleep(1.0)
                 continue
             if reply.leases:
-                return reply.leases[0]
+                return list(reply.leases)
             blocked = buffer_pb2.LeaseBlock.Name(reply.blocked).removeprefix("LEASE_BLOCK_").lower()
             note = f"the buffer gave none: {blocked.replace('unspecified', 'no reason given')}"
             if note not in notes:
                 notes.append(note)
+            if reply.blocked == buffer_pb2.LEASE_BLOCK_UNSPECIFIED:  # other buffer replicas leased the same prompts
+                continue  # the buffer retried already: ask again at once
             if reply.blocked == buffer_pb2.LEASE_BLOCK_EXHAUSTED:
                 await asyncio.sleep(1.0)
             else:  # synchronous training: leases resume the moment this gateway's weight sync is committed
@@ -288,17 +301,26 @@ class Rollout:
 
 
 class Window:
-    """Samples/s, tokens/s and the truncated ratio over the last minute, for the throughput gauges."""
+    """Samples/s, tokens/s and the truncated ratio over the last minute, for the throughput gauges. Running sums: a
+    gateway adds thousands of samples a second, and summing the whole minute on each would cost it a core."""
 
     def __init__(self, seconds: float = 60.0):
         self.seconds = seconds
-        self.events: list[tuple[float, int, bool]] = []
+        self.events: collections.deque[tuple[float, int, bool]] = collections.deque()
+        self.tokens = self.truncated = 0
 
     def add(self, samples) -> None:
+        if not samples:
+            return
         now = time.monotonic()
-        self.events += [(now, s.response_length, s.status == common_pb2.SAMPLE_STATUS_TRUNCATED) for s in samples]
-        self.events = [e for e in self.events if e[0] > now - self.seconds]
+        for s in samples:
+            event = (now, s.response_length, s.status == common_pb2.SAMPLE_STATUS_TRUNCATED)
+            self.events.append(event)
+            self.tokens, self.truncated = self.tokens + event[1], self.truncated + event[2]
+        while self.events[0][0] <= now - self.seconds:
+            _, tokens, truncated = self.events.popleft()
+            self.tokens, self.truncated = self.tokens - tokens, self.truncated - truncated
         span = max(now - self.events[0][0], 1.0)
         THROUGHPUT.labels("samples_per_s").set(len(self.events) / span)
-        THROUGHPUT.labels("tokens_per_s").set(sum(e[1] for e in self.events) / span)
-        THROUGHPUT.labels("truncated_ratio").set(sum(e[2] for e in self.events) / len(self.events))
+        THROUGHPUT.labels("tokens_per_s").set(self.tokens / span)
+        THROUGHPUT.labels("truncated_ratio").set(self.truncated / len(self.events))
