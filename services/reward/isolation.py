@@ -111,7 +111,7 @@ class WorkerPool:
         initargs = (self.memory_mb, self.custom_path, self._started)
         return ProcessPool(self.num_workers, initializer=_init_worker, initargs=initargs, context=self._context)
 
-    async def warm(self, timeout_s: float = 600.0) -> None:
+    async def warm(self, timeout_s: float = 120.0) -> None:
         """Returns once every worker has started and imported what it runs: seconds on a cold machine, which the
         first items would otherwise wait (the service says it is ready only after this)."""
         deadline = time.monotonic() + timeout_s

@@ -3,11 +3,13 @@
 Engines come from --engine-urls or register at run time; each one's TP size and weight version are read from its
 /server_info and /model_info. A health loop calls /health_generate on every engine; consecutive failures (of health
 checks or of requests) evict an engine, and an evicted engine that answers again is re-admitted. Requests go to the
-least busy healthy engine, except that the samples of one prompt group stay on one engine (prefix affinity) while
-it is not much busier than the others. A failed request is retried on another engine.
+least busy healthy engine, except that the samples of one prompt group stay on one engine (prefix affinity, by
+consistent hashing) while it is not much busier than the others. A failed request is retried on another engine.
 """
 
 import asyncio
+import bisect
+import functools
 import hashlib
 import json
 import logging
@@ -254,8 +256,8 @@ class EnginePool:
         least = min(candidates, key=lambda e: e.outstanding)
         if affinity is None:
             return least
-        ordered = sorted(candidates, key=lambda e: hashlib.blake2b(f"{affinity}|{e.url}".encode()).digest())
-        preferred = ordered[0]  # rendezvous hashing: a group keeps its engine while membership is stable
+        keys, owners = _ring(tuple(e.url for e in candidates))
+        preferred = candidates[owners[bisect.bisect(keys, _hash(affinity)) % len(keys)]]
         return preferred if preferred.outstanding <= least.outstanding + self.config.affinity_slack else least
 
     async def generate(self, payload: dict, affinity: str | None = None) -> tuple[dict | list, Engine]:
@@ -362,6 +364,22 @@ IDEMPOTENT = {
     "/resume_memory_occupation",
     "/flush_cache",
 }
+
+
+RING_POINTS = 16  # each engine's places on the hash ring: shares within a few percent of equal
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@functools.lru_cache(maxsize=8)
+def _ring(urls: tuple[str, ...]) -> tuple[list[int], list[int]]:
+    """The consistent-hashing ring of these engines (a group keeps its engine while they stay; one that leaves or
+    joins moves only its own share): the points in order, and the index of the engine at each. Built once per
+    membership, so that a request costs a lookup, not a hash per engine (thousands of engines a gateway)."""
+    points = sorted((_hash(f"{url}#{k}"), index) for index, url in enumerate(urls) for k in range(RING_POINTS))
+    return [point for point, _ in points], [index for _, index in points]
 
 
 def normalize(url: str) -> str:

@@ -22,6 +22,7 @@ from services.common.waits import logged_wait
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, check_samples, generate_group
+from services.rollout.scoring import ScoreBatcher
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, common_pb2, reward_pb2
 
@@ -49,6 +50,7 @@ class Rollout:
     def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, reward, tokenizer=None, redis=None):
         self.config, self.pool, self.buffer, self.reward, self.tokenizer = config, pool, buffer, reward, tokenizer
         self.redis = redis  # the buffer's Redis (--redis-url): training groups are completed or uploaded there
+        self.scorer = ScoreBatcher(reward)
         self._stores: dict[str, BufferStore] = {}  # by the leases' submit_namespace
         self.custom = None
         if config.custom_generate_function_path:
@@ -257,13 +259,11 @@ class Rollout:
         ]
         if self.config.group_rm:
             request = reward_pb2.ScoreGroupRequest(items=items, rm_type=self.config.rm_type)
-            reply = await self.reward.ScoreGroup(request, timeout=600)
-        else:
-            reply = await self.reward.Score(
-                reward_pb2.ScoreRequest(items=items, rm_type=self.config.rm_type), timeout=600
-            )
+            results = (await self.reward.ScoreGroup(request, timeout=600)).results
+        else:  # with the items of other groups ready now, in one call
+            results = await self.scorer.score(items, self.config.rm_type)
         key = self.config.eval_reward_key if group.dataset not in ("", "train") else None
-        for sample, result in zip(group.samples, reply.results, strict=True):
+        for sample, result in zip(group.samples, results, strict=True):
             sample.reward = result.reward
             sample.reward_details.clear()
             sample.reward_details.update(result.details)
