@@ -48,6 +48,13 @@ class Engine:
     evicting: set = field(default_factory=set)  # those of them cancelled by its eviction (not by their callers)
     generates: bool = True  # False: another gateway of the fleet generates on it, this one only syncs its weights
 
+    changes = 0  # of any engine's state or share, process-wide: the pools' cached choices are rebuilt after one
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("state", "generates"):
+            Engine.changes += 1
+        super().__setattr__(name, value)
+
 
 class EngineFailure(Exception):
     """A request to an engine failed (connection, timeout, 5xx, malformed answer): try another engine."""
@@ -70,6 +77,7 @@ class EnginePool:
         self.router: Engine | None = None  # with --use-router, generation goes through it
         self._router_tasks: set[asyncio.Task] = set()
         self.paused_elsewhere = None  # async () -> bool: another gateway paused the engines (fleet.py)
+        self._choices: tuple[tuple, list[Engine]] = ((), [])  # (membership seen, the engines requests may go to)
 
     # Membership
 
@@ -248,17 +256,30 @@ class EnginePool:
     # Requests
 
     def pick(self, affinity: str | None = None, avoid: set[str] | frozenset = frozenset()) -> Engine:
-        # In a fleet, a coordinator with no engines of its own evaluates on the others' engines.
-        candidates = [e for e in self.generating() if e.url not in avoid]
-        candidates = candidates or [e for e in self.healthy() if e.url not in avoid]
+        candidates = self._candidates()
+        if avoid:
+            candidates = [e for e in candidates if e.url not in avoid] or [
+                e for e in self.healthy() if e.url not in avoid
+            ]
         if not candidates:
             raise Unavailable("no healthy engine; register one (RegisterEngine) or wait for re-admission")
+        if affinity is not None:
+            keys, owners = _ring(tuple(e.url for e in candidates))
+            preferred = candidates[owners[bisect.bisect(keys, _hash(affinity)) % len(keys)]]
+            if preferred.outstanding <= self.config.affinity_slack:  # within the slack of any engine: no search
+                return preferred
         least = min(candidates, key=lambda e: e.outstanding)
         if affinity is None:
             return least
-        keys, owners = _ring(tuple(e.url for e in candidates))
-        preferred = candidates[owners[bisect.bisect(keys, _hash(affinity)) % len(keys)]]
         return preferred if preferred.outstanding <= least.outstanding + self.config.affinity_slack else least
+
+    def _candidates(self) -> list[Engine]:
+        """The engines requests go to (in a fleet, a coordinator with no engines of its own evaluates on the
+        others'), kept until an engine changes: with thousands of engines, listing them is most of a request's cost."""
+        seen = (Engine.changes, len(self.engines))
+        if self._choices[0] != seen:
+            self._choices = (seen, self.generating() or self.healthy())
+        return self._choices[1]
 
     async def generate(self, payload: dict, affinity: str | None = None) -> tuple[dict | list, Engine]:
         """POSTs /generate to an engine, retrying on another one when it fails; returns the answer and the engine."""
