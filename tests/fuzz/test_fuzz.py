@@ -27,6 +27,9 @@ MODULES = {"buffer": buffer_pb2, "reward": reward_pb2, "rollout": rollout_pb2, "
 WELL_FORMED = {c for c in grpc.StatusCode} - {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                                                grpc.StatusCode.UNIMPLEMENTED}  # fmt: skip
 LAST = {"/slipstream.v1.TrainerService/Stop"}  # a valid request ends the trainer: called last, on its own
+# The trainer's own moves of the run (a policy version of 4 billion, a rewind to step 131,623): a live trainer is right
+# to stop on its next step after them, so they are fuzzed once it has stopped.
+TRAINERS_OWN = {"/slipstream.v1.BufferService/SetPolicyVersion", "/slipstream.v1.BufferService/Rewind"}
 EXAMPLES = int(os.environ.get("SLIPSTREAM_FUZZ_EXAMPLES", "12"))
 # Valid requests of these take seconds each (a checkpoint written, a batch waited for): a third of the examples.
 COSTLY = {"/slipstream.v1.TrainerService/SaveCheckpoint", "/slipstream.v1.BufferService/GetBatch"}
@@ -170,14 +173,17 @@ def still_serving(services_, name: str) -> None:
     wait_until_serving(addr[name], timeout_s=30)
 
 
-FUZZED = [(n, full, m) for n, full, m in rpcs() if full not in LAST]
+FUZZED = [(n, full, m) for n, full, m in rpcs() if full not in LAST | TRAINERS_OWN]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name, full_name, method", FUZZED, ids=[f.rsplit("/", 1)[1] for _, f, _ in FUZZED])
 def test_generated_requests_get_success_or_a_well_formed_error(services, name, full_name, method):
-    address = services[0][name]
+    fuzz(services, name, full_name, method)
 
+
+def fuzz(services, name: str, full_name: str, method) -> None:
+    address = services[0][name]
     examples = max(1, EXAMPLES // 3) if full_name in COSTLY else EXAMPLES
 
     @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
@@ -198,7 +204,7 @@ def test_random_and_truncated_bytes_get_success_or_a_well_formed_error(services,
     address = services[0][name]
     # Not a message; a length-delimited field cut short; a varint cut short; random bytes.
     garbage = [b"\xff\xff\xff", b"\x0a\x10short", b"\x08\xff", bytes(range(7, 40))]
-    if full_name in LAST:  # only bytes that do not parse: a valid Stop would end the trainer
+    if full_name in LAST | TRAINERS_OWN:  # only bytes that do not parse: valid ones would end the trainer
         garbage = [b"\xff\xff\xff", b"\x0a\x10short"]
     for payload in garbage:
         if method.client_streaming:
@@ -225,6 +231,9 @@ def test_after_the_fuzzing_the_buffers_state_keeps_its_invariants_and_the_traine
     assert asyncio.run(violations()) == []
     assert call(addr["trainer"], "/slipstream.v1.TrainerService/Stop", b"") == grpc.StatusCode.OK
     assert procs["trainer"].wait(120) == 0, procs["trainer"].log[-3000:]
+    for name, full_name, method in (rpc for rpc in rpcs() if rpc[1] in TRAINERS_OWN):
+        fuzz(services, name, full_name, method)
+    assert asyncio.run(violations()) == []
 
 
 @pytest.mark.timeout(300)
