@@ -77,7 +77,7 @@ class EnginePool:
         self.router: Engine | None = None  # with --use-router, generation goes through it
         self._router_tasks: set[asyncio.Task] = set()
         self.paused_elsewhere = None  # async () -> bool: another gateway paused the engines (fleet.py)
-        self._choices: tuple[tuple, list[Engine]] = ((), [])  # (membership seen, the engines requests may go to)
+        self._choices: tuple = ((), [], None)  # (membership seen, the engines requests may go to, their ring)
 
     # Membership
 
@@ -256,15 +256,16 @@ class EnginePool:
     # Requests
 
     def pick(self, affinity: str | None = None, avoid: set[str] | frozenset = frozenset()) -> Engine:
-        candidates = self._candidates()
+        candidates, ring = self._candidates()
         if avoid:
             candidates = [e for e in candidates if e.url not in avoid] or [
                 e for e in self.healthy() if e.url not in avoid
             ]
+            ring = None
         if not candidates:
             raise Unavailable("no healthy engine; register one (RegisterEngine) or wait for re-admission")
         if affinity is not None:
-            keys, owners = _ring(tuple(e.url for e in candidates))
+            keys, owners = ring or _ring(tuple(e.url for e in candidates))
             preferred = candidates[owners[bisect.bisect(keys, _hash(affinity)) % len(keys)]]
             if preferred.outstanding <= self.config.affinity_slack:  # within the slack of any engine: no search
                 return preferred
@@ -273,13 +274,15 @@ class EnginePool:
             return least
         return preferred if preferred.outstanding <= least.outstanding + self.config.affinity_slack else least
 
-    def _candidates(self) -> list[Engine]:
+    def _candidates(self) -> tuple[list[Engine], tuple[list[int], list[int]] | None]:
         """The engines requests go to (in a fleet, a coordinator with no engines of its own evaluates on the
-        others'), kept until an engine changes: with thousands of engines, listing them is most of a request's cost."""
+        others') and their ring, kept until an engine changes: with thousands of engines, listing them was most of a
+        request's cost."""
         seen = (Engine.changes, len(self.engines))
         if self._choices[0] != seen:
-            self._choices = (seen, self.generating() or self.healthy())
-        return self._choices[1]
+            candidates = self.generating() or self.healthy()
+            self._choices = (seen, candidates, _ring(tuple(e.url for e in candidates)) if candidates else None)
+        return self._choices[1], self._choices[2]
 
     async def generate(self, payload: dict, affinity: str | None = None) -> tuple[dict | list, Engine]:
         """POSTs /generate to an engine, retrying on another one when it fails; returns the answer and the engine."""
