@@ -2,6 +2,8 @@
 and temporary run folders."""
 
 import asyncio
+import contextlib
+import faulthandler
 import os
 import signal
 import subprocess
@@ -22,6 +24,29 @@ from services.common.redis_connection import EmbeddedRedis
 from services.common.server import GrpcServer
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+EXIT_GRACE_S = 60
+
+
+def pytest_unconfigure(config):
+    """A session still alive a minute after its summary waits on something a test left running (a thread that is
+    not a daemon, a child process it joins at exit): it prints what is left and where every thread is, and fails,
+    where it would hang until CI's deadline."""
+
+    def report() -> None:
+        import psutil
+
+        print(f"the test session has not exited {EXIT_GRACE_S} s after its summary; what keeps it:", file=sys.stderr)
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                print(f"left running: pid {child.pid}: {' '.join(child.cmdline())[:300]}", file=sys.stderr)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+    watchdog = threading.Timer(EXIT_GRACE_S, report)
+    watchdog.daemon = True  # a session that ends cleanly does not wait for it
+    watchdog.start()
 
 
 def pytest_collection_modifyitems(config, items):
