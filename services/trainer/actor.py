@@ -38,6 +38,7 @@ class Groups:
     vocab_size: int | None = None  # the real vocabulary: Megatron pads the output layer beyond it
     model_parallel: object = None  # TP x PP: where the gradient norm is summed (defaults to the TP group)
     expert_model_parallel: object = None  # MoE: expert-tensor x expert x pipeline ranks, where experts' norms sum
+    embedding: object = None  # tied embeddings with pipeline stages: the first and last stages, which share a weight
 
 
 class Actor:
@@ -352,9 +353,14 @@ class Actor:
         megatron's DDP (an MoE expert's over the ranks holding that expert), then over tensor-parallel ranks for the
         replicated parameters that only see this rank's part of the activations: Qwen3's per-head QK norms (each rank
         holds some heads) and, with sequence parallelism, the layer norms. (Not MLA's latent norms, which
-        finalize_model_grads also sums: with the local spec each rank's norm sees the whole latent.)"""
+        finalize_model_grads also sums: with the local spec each rank's norm sees the whole latent.) With tied
+        embeddings and pipeline stages, the first stage's embedding and the last stage's output layer are one weight:
+        their gradients are summed over the two."""
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
+        if self.groups.embedding is not None:  # both copies of a tied embedding take the same, whole, update
+            shared = getattr(self.model, "module", self.model).shared_embedding_or_output_weight()
+            dist.all_reduce(shared.main_grad if self.ddp is not None else shared.grad, group=self.groups.embedding)
         tp = self.groups.tp if self.groups.tp is not None and dist.get_world_size(self.groups.tp) > 1 else None
         # Qwen3's and GLM-4.5's QK norms are per head (each TP rank some heads); MLA's see the whole latent.
         per_head = not getattr(getattr(self.model, "config", None), "multi_latent_attention", False)

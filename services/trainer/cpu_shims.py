@@ -40,7 +40,26 @@ def apply_cpu_shims() -> None:
     megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
     schedules.torch = _TorchOnCpu()
     _optimizer_on_cpu()
+    _tied_embeddings_on_cpu()
     _applied = True
+
+
+def _tied_embeddings_on_cpu() -> None:
+    """With tied embeddings and pipeline stages, megatron gives the last stage its copy of the embedding by an
+    all-reduce over the first and last stages, after moving it with `.cuda()`: on the CPU the copy stays where it is."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(setup)
+    def setup_on_cpu(self) -> None:
+        cuda, torch.Tensor.cuda = torch.Tensor.cuda, lambda tensor, *args, **kwargs: tensor
+        try:
+            setup(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
 
 
 def _optimizer_on_cpu() -> None:

@@ -68,6 +68,16 @@ def _rollout_times(groups, since: float, until: float) -> dict[str, float]:
     return {"rollout_s": generating, "reward_s": busy - generating} if t else {}  # scoring while none generates
 
 
+def _tied_embedding_group(shape):
+    """The first and last pipeline stages of this rank's pipeline, where a tied embedding has its two copies."""
+    from megatron.core import parallel_state
+
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if not shape.tie_word_embeddings or stages == 1 or not parallel_state.is_rank_in_embedding_group():
+        return None
+    return parallel_state.get_embedding_group()
+
+
 def mfu(shape, tokens_per_s_per_gpu: float, lengths: list[int]) -> float:
     """Model FLOPs utilisation with the PaLM count: 6 N + 12 L H Q S per token (S the mean sequence length)."""
     name = torch.cuda.get_device_name()
@@ -137,6 +147,7 @@ class Trainer:
             tp_rank=self.tp_rank, vocab_start=self.tp_rank * local_vocab if self.info.tp_size > 1 else None,
             vocab_size=self.gpt.shape.vocab_size, model_parallel=parallel_state.get_model_parallel_group(),
             expert_model_parallel=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
+            embedding=_tied_embedding_group(self.gpt.shape),
         )  # fmt: skip
         self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference, ddp=self.ddp)
         if config.advantage_estimator == "ppo":

@@ -87,7 +87,8 @@ def clip_gradients(
 ) -> float:
     """Clips gradients to `max_norm` (0: no clipping) and returns the global norm. A tensor-parallel shard counts on
     every rank, a replicated parameter (norms) only on TP rank 0, and the squares are summed over the TP group; an
-    MoE expert's over `expert_group` (expert-tensor x expert-parallel ranks), each of which holds other experts."""
+    MoE expert's over `expert_group` (expert-tensor x expert-parallel ranks), each of which holds other experts. A
+    tied embedding's copy on the last pipeline stage (megatron marks it `shared`) counts once, on the first."""
     from services.trainer.hf_names import is_expert
 
     squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
@@ -96,6 +97,8 @@ def clip_gradients(
         if param.grad is None:
             continue
         grads.append(param.grad)
+        if getattr(param, "shared", False):
+            continue
         if getattr(param, "tensor_model_parallel", False) or tp_rank == 0 or is_expert(name):
             squares[is_expert(name)] += param.grad.detach().float().pow(2).sum().cpu()
     for experts, group in ((False, tp_group), (True, expert_group)):

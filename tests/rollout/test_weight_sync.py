@@ -111,6 +111,7 @@ LAYOUTS = {  # family, and the trainer's parallelism (torchrun's processes: TP x
     "qwen3-moe-tp2": ("qwen3_moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "qwen3-pp2": ("qwen3", ["--pipeline-model-parallel-size", "2"]),
     "qwen3-pp2-tp2": ("qwen3", ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+    "qwen3-tied-pp2": ("qwen3", ["--pipeline-model-parallel-size", "2"]),  # the first and last stages share a weight
     "deepseek-v3-ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
     "qwen3-tp2-colocated": ("qwen3", ["--tensor-model-parallel-size", "2", "--colocate"]),
 }
@@ -121,6 +122,7 @@ def _processes(parallel: list[str]) -> int:
     return math.prod(sizes)
 
 
+UNTIED_QWEN3 = {name for name, (arch, _) in LAYOUTS.items() if arch == "qwen3" and "tied" not in name}
 SLOW_LAYOUTS = {"qwen3-pp2-tp2"}  # both of its parts run in `make test`; the two together in `make test-slow`
 
 
@@ -136,7 +138,11 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
     export, which transformers reads: with PP one part per stage and one index), every tensor by the checkpoint's
     name, under version 2."""
     arch, parallel = LAYOUTS[layout]
-    model = tiny_model if arch == "qwen3" else write_tiny_model(tmp_path / arch, arch=arch)
+    model = (
+        tiny_model
+        if layout in UNTIED_QWEN3
+        else write_tiny_model(tmp_path / arch, arch=arch, tie_word_embeddings="tied" in layout)
+    )
     system = make_system(num_engines=2, model=model)
     system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
     trainer = service_process(
@@ -158,6 +164,11 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
         for name, tensor in exported.items():
             assert torch.equal(_weights_of(url, name), tensor), name
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
+    if "tied" in layout:  # one weight, sent and exported once, whose two copies (first and last stage) stay equal
+        assert "lm_head.weight" not in exported
+        first, last = (torch.load(tmp_path / "ckpt" / "iter_0000002" / f"mp_rank_00_{stage:03d}.pt",
+                                  weights_only=False)["model"] for stage in range(2))  # fmt: skip
+        assert torch.equal(first["embedding.word_embeddings.weight"], last["output_layer.weight"])
 
 
 def _exported(folder: Path) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from services.common.tiny_checkpoint import write_tiny_model
 from services.trainer.hf_names import merge_tp_shards
 from tests.trainer.conftest import trainer_args, weights
 
@@ -50,7 +51,24 @@ def test_dp2_training_equals_dp1(single, filled_buffer, model, tmp_path, torchru
 
 def test_pp2_training_equals_pp1(single, filled_buffer, model, tmp_path, torchrun):
     """Two pipeline stages (one layer each) through Megatron's 1F1B schedule over gloo."""
-    args = trainer_args(model, filled_buffer("pp"), tmp_path / "pp", *STEPS, "--pipeline-model-parallel-size", "2",
+    _assert_pp2_equals(single, model, filled_buffer("pp"), tmp_path, torchrun)
+
+
+def test_pp2_with_tied_embeddings_equals_pp1(filled_buffer, service_process, tmp_path, torchrun):
+    """Qwen3 0.6B-4B and Llama 3.2 tie the output layer to the embedding: with two stages the first holds the
+    embedding and the last its copy as the output layer; both take the sum of their gradients and stay one weight,
+    the one-process run's."""
+    tied = write_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    proc = service_process(*trainer_args(tied, filled_buffer("tied"), tmp_path / "one", *STEPS))
+    assert proc.wait(timeout_s=240) == 0, proc.log
+    single = weights(tmp_path / "one", 2)
+    last = _assert_pp2_equals(single, tied, filled_buffer("tied-pp"), tmp_path, torchrun)
+    torch.testing.assert_close(last["output_layer.weight"], single["embedding.word_embeddings.weight"])
+
+
+def _assert_pp2_equals(single: dict, model, buffer: str, tmp_path, torchrun) -> dict:
+    """Trains `model` on two stages and checks each weight against the one-process run's; returns the last stage's."""
+    args = trainer_args(model, buffer, tmp_path / "pp", *STEPS, "--pipeline-model-parallel-size", "2",
                         "--micro-batch-size", "2")  # fmt: skip
     torchrun(args)
     stages = [torch.load(tmp_path / "pp" / "iter_0000002" / f"mp_rank_00_{r:03d}.pt", weights_only=False)["model"]
@@ -62,6 +80,7 @@ def test_pp2_training_equals_pp1(single, filled_buffer, model, tmp_path, torchru
     for name, expected in single.items():
         if isinstance(expected, torch.Tensor):
             torch.testing.assert_close(merged[name], expected, atol=1e-5, rtol=1e-4, msg=name)
+    return stages[-1]
 
 
 @pytest.fixture(scope="module")
