@@ -13,16 +13,27 @@ COMMANDS = {
     "reward": ("services.reward.__main__", "run the reward service (verifiers, custom and remote rewards; 50053)"),
     "trainer": ("services.trainer.__main__", "run the trainer's control service (50054)"),
     "engine": ("services.rollout.engine.__main__", "run the reference engine (SGLang's HTTP API on HF models; 30000)"),
+    "receiver": ("services.receiver.__main__", "run the weight receiver beside an engine (streamed weights; 30100)"),
     "train": ("services.train.run", "start the whole system locally (or join running services) and train"),
     "demo": ("services.train.demo", "train a tiny model on a toy task and show that it learns"),
 }
 # The extra a command needs beyond the base install (buffer, reward and rollout need none).
-NEEDS = {"trainer": "trainer", "engine": "engine", "train": "all", "demo": "all"}
+NEEDS = {"trainer": "trainer", "engine": "engine", "receiver": "engine", "train": "all", "demo": "all"}
 # The modules each extra brings (pyproject.toml's optional dependencies).
 EXTRAS = {
     "trainer": ("torch", "megatron.core", "safetensors", "tensorboard"),
-    "engine": ("torch", "safetensors", "starlette", "uvicorn"),
-    "all": ("torch", "megatron.core", "safetensors", "tensorboard", "starlette", "uvicorn", "rich", "matplotlib"),
+    "engine": ("torch", "safetensors", "starlette", "uvicorn", "zmq"),
+    "all": (
+        "torch",
+        "megatron.core",
+        "safetensors",
+        "tensorboard",
+        "starlette",
+        "uvicorn",
+        "zmq",
+        "rich",
+        "matplotlib",
+    ),
 }
 
 USAGE = """usage: slipstream <command> [options]

@@ -37,7 +37,7 @@ def test_help_lists_the_subcommands_without_heavy_imports():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    for command in [*SERVICES, "engine", "train", "demo"]:
+    for command in [*SERVICES, "engine", "receiver", "train", "demo"]:
         assert f"  {command} " in result.stdout
 
 
@@ -66,7 +66,7 @@ def test_service_process_serves_and_stops_on_sigterm(name, service_process, free
 
 
 def test_commands_name_the_extra_they_need_when_it_is_missing():
-    for command, extra in (("trainer", "trainer"), ("engine", "engine"), ("train", "all")):
+    for command, extra in (("trainer", "trainer"), ("engine", "engine"), ("receiver", "engine"), ("train", "all")):
         result = subprocess.run([sys.executable, "-m", "tests.no_torch", command, "--help"], capture_output=True,
                                 text=True, cwd=REPO)  # fmt: skip
         assert result.returncode == 2

@@ -97,6 +97,28 @@ def end_group(group, in_flight: bool, linger_s: float | None = None) -> None:
         abort_group(group, linger_s)
 
 
+def wait_for(handles: list, cancelled, deadline: float, poll_s: float = 0.0001) -> None:
+    """Waits for a receive's broadcasts without blocking on them, so that a cancel (`cancelled`, an Event: the group
+    was destroyed) or the deadline (monotonic) can end the wait; the stream waits for them once they completed."""
+    for handle in handles:
+        while not handle.is_completed():
+            if cancelled.is_set():
+                raise RuntimeError("the weight update group was destroyed while receiving")
+            if time.monotonic() > deadline:
+                raise RuntimeError("no broadcast arrived before the receive deadline (--weight-update-timeout-s)")
+            time.sleep(poll_s)
+        handle.wait()
+
+
+def group_settings(body: dict) -> tuple[str, str, int, int, str]:
+    """(backend, init method, world size, rank, group name) of an /init_weights_update_group body (SGLang's fields);
+    KeyError, ValueError or TypeError naming a bad field."""
+    rank = int(body["rank_offset"])
+    init = f"tcp://{body['master_address']}:{int(body['master_port'])}"
+    name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "nccl")
+    return backend, init, int(body["world_size"]), rank, name
+
+
 def _is_gloo(group) -> bool:
     try:
         return isinstance(group._get_backend(torch.device("cpu")), torch.distributed.ProcessGroupGloo)
@@ -120,3 +142,26 @@ def unflatten(buffer: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list
     if offset != buffer.numel():
         raise ValueError(f"flattened bucket has {buffer.numel()} bytes but the specs describe {offset}")
     return tensors
+
+
+ALIGNMENT = 256  # bytes: each tensor of a streamed bucket starts here (checkpoint-engine's alignment), so views work
+
+
+def bucket_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in a streamed bucket, and the bucket's size: tensors in order, each aligned."""
+    offsets, size = [], 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        offsets.append(size)
+        size += -(-torch.Size(shape).numel() * dtype.itemsize // ALIGNMENT) * ALIGNMENT
+    return offsets, size
+
+
+def flatten_aligned(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors' bytes at their `bucket_layout` offsets in one uint8 tensor (`out`, or a new one)."""
+    offsets, size = bucket_layout([t.dtype for t in tensors], [list(t.shape) for t in tensors])
+    device = tensors[0].device if tensors else "cpu"
+    out = torch.zeros(size, dtype=torch.uint8, device=device) if out is None else out
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        data = tensor.contiguous().view(-1).view(torch.uint8)
+        out[offset : offset + data.numel()].copy_(data)
+    return out

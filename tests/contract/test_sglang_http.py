@@ -4,6 +4,7 @@ fields and sampling keys that the release declares (shared/SGLANG_API.md; docs/e
 
 import copy
 
+from services.receiver.stream import ipc_request
 from tests.contract.gateway_calls import record, routes_in_code
 from tests.contract.reference_engine import sampling_keys, served
 from tests.contract.sglang_release import problems
@@ -89,3 +90,10 @@ def test_a_renamed_or_missing_field_is_reported(pinned):
 
 def _numbers(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
+
+
+def test_the_receivers_call_is_one_the_pinned_release_takes(pinned):
+    """The weight receiver beside an engine feeds it through /update_weights_from_ipc (0.5.23): its request's fields
+    are the release's own, and the release declares the route."""
+    body = ipc_request({"GPU-00000000-0000-0000-0000-000000000000": "ipc://@x"}, False, "3")
+    assert not problems(pinned, "POST", "/update_weights_from_ipc", body)

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from services.rollout.engine.batch import Sequence
 from services.rollout.engine.engine import Engine
+from services.rollout.engine.ipc import IpcUpdates
 from services.rollout.engine.responses import SSE_DONE, error, generate_output, json_response, sse
 from services.rollout.engine.routing import check_start_len
 from services.rollout.engine.sampling import BadRequest, parse_sampling
@@ -28,6 +29,7 @@ class EngineAPI:
     def __init__(self, engine: Engine, info: dict, weight_update_timeout_s: float = 300.0):
         self.engine, self.info = engine, info
         self.weights = WeightReceiver(engine, weight_update_timeout_s)
+        self.ipc = IpcUpdates(self.weights, weight_update_timeout_s)
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.started = time.time()
@@ -245,6 +247,7 @@ class EngineAPI:
             ("/release_memory_occupation", self.release_memory, both),
             ("/resume_memory_occupation", self.resume_memory, both),
             *self.weights.routes(),
+            *self.ipc.routes(),
         ]  # fmt: skip
         return [Route(path, handler, methods=methods) for path, handler, methods in table]
 

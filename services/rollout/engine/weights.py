@@ -10,6 +10,7 @@ import asyncio
 import base64
 import threading
 import time
+from concurrent.futures import Future
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -17,7 +18,14 @@ import torch.multiprocessing  # registers the tensor reductions ForkingPickler r
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.common.weight_group import abort_group, end_group, init_custom_process_group, unflatten
+from services.common.weight_group import (
+    abort_group,
+    end_group,
+    group_settings,
+    init_custom_process_group,
+    unflatten,
+    wait_for,
+)
 from services.rollout.engine.checkpoint_names import checkpoint_tensors, parameter_view
 from services.rollout.engine.responses import control, error, json_response
 
@@ -41,11 +49,8 @@ class WeightReceiver:
 
     async def init_group(self, request: Request) -> Response:
         body = await request.json()
-        try:
-            rank = int(body["rank_offset"])  # one member per TP rank; this engine has one
-            init = f"tcp://{body['master_address']}:{int(body['master_port'])}"
-            name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "nccl")
-            world_size = int(body["world_size"])
+        try:  # rank_offset: one member per TP rank; this engine has one
+            backend, init, world_size, rank, name = group_settings(body)
         except (KeyError, ValueError, TypeError) as e:
             return control(False, f"Failed to initialize custom process group: bad field {e}.")
         try:  # blocks until every rank joined: run it off the event loop
@@ -134,7 +139,7 @@ class WeightReceiver:
             finally:
                 self.turn += 1
                 self.turns.notify_all()
-        waited = asyncio.ensure_future(asyncio.to_thread(_wait, handles, cancelled, deadline))
+        waited = asyncio.ensure_future(asyncio.to_thread(wait_for, handles, cancelled, deadline, POLL_S))
         self.waiting[waited] = cancelled
         try:
             await waited
@@ -161,30 +166,38 @@ class WeightReceiver:
         return await self._load(names, tensors, body)
 
     async def _load(self, names: list[str], tensors: list[torch.Tensor], body: dict) -> Response:
-        problem = self._check(names, tensors)
+        problem = self.check(names, tensors)
         if problem:
             return control(False, f"Failed to update weights: {problem}.")
-        version = body.get("weight_version")
+        loading = self.copy_in(names, tensors, body.get("weight_version"), bool(body.get("abort_all_requests")))
+        await asyncio.wrap_future(loading)
+        return control(True, "Succeeded to update model weights.")
+
+    def copy_in(self, names: list[str], tensors: list[torch.Tensor], version=None, abort: bool = False) -> Future:
+        """Copies checked tensors into the model's parameters on the engine thread, between decode steps; done (the
+        copies too, on a GPU) when the future is."""
 
         def load() -> None:
-            if body.get("abort_all_requests"):
+            if abort:
                 self.engine.abort(self.engine.running(), "Abort by weight update")
             parameters = self._tensors()
             with torch.no_grad():
                 for name, tensor in zip(names, tensors, strict=True):
                     parameter_view(parameters, name).copy_(tensor)
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.engine.device)
             if version is not None:
                 self.engine.weight_version = str(version)
 
-        await asyncio.wrap_future(self.engine.call(load))
-        return control(True, "Succeeded to update model weights.")
+        return self.engine.call(load)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         if self.tensors is None:
             self.tensors = checkpoint_tensors(self.engine.model)
         return self.tensors
 
-    def _check(self, names: list[str], tensors: list[torch.Tensor]) -> str | None:
+    def check(self, names: list[str], tensors: list[torch.Tensor]) -> str | None:
+        """Why the tensors cannot be loaded (a name the model lacks, a shape it does not have), or None."""
         parameters = self._tensors()
         for name, tensor in zip(names, tensors, strict=True):
             target = parameter_view(parameters, name)
@@ -231,7 +244,7 @@ class WeightReceiver:
 
 def _receive(group, cancelled: threading.Event, dtypes, shapes, flat: bool, device, deadline: float) -> list:
     tensors, handles = _post(group, dtypes, shapes, flat, device)
-    _wait(handles, cancelled, deadline)
+    wait_for(handles, cancelled, deadline, POLL_S)
     return unflatten(tensors[0], dtypes, shapes) if flat else tensors
 
 
@@ -245,16 +258,3 @@ def _post(group, dtypes, shapes, flat: bool, device) -> tuple[list, list]:
     else:
         tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in zip(dtypes, shapes, strict=True)]
     return tensors, [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
-
-
-def _wait(handles: list, cancelled: threading.Event, deadline: float) -> None:
-    """Waits for the broadcasts without blocking on them, so that a cancel or the deadline can end the wait; the
-    stream waits for them only once they completed."""
-    for handle in handles:
-        while not handle.is_completed():
-            if cancelled.is_set():
-                raise RuntimeError("the weight update group was destroyed while receiving")
-            if time.monotonic() > deadline:
-                raise RuntimeError("no broadcast arrived before the receive deadline (--weight-update-timeout-s)")
-            time.sleep(POLL_S)
-        handle.wait()

@@ -1,0 +1,177 @@
+"""One sync's buckets, from the trainer's weight group to the engine: bucket k is received (one broadcast of its
+tensors at `bucket_layout` offsets) into half k % 2 of a buffer on the engine's GPU while the engine loads bucket
+k - 1 from the other half, over SGLang's /update_weights_from_ipc and checkpoint-engine's worker protocol (see
+services/rollout/engine/ipc.py for the engine's side). No control round trip between buckets: the plan came whole.
+
+Every wait ends: at the broadcast's arrival, when the group is destroyed (the gateway gave up), at the deadline, or
+when the engine's call ended (it failed, or an older checkpoint-engine worker stopped at the first None)."""
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import count
+from multiprocessing.reduction import ForkingPickler
+
+import httpx
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+import zmq
+from torch.multiprocessing.reductions import reduce_tensor
+
+from services.common.weight_group import bucket_layout, wait_for
+from services.rollout.engine.ipc import device_key
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 50  # how often a wait for the engine's answer looks at the cancel flag, the deadline and the engine's call
+_sockets = count()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[list[int]]
+
+    @property
+    def layout(self) -> tuple[list[int], int]:
+        return bucket_layout(self.dtypes, self.shapes)
+
+
+class Buffers:
+    """A double buffer on each of the engine's devices, kept across syncs and grown when a sync's buckets need more."""
+
+    def __init__(self, devices: list[torch.device]):
+        self.devices, self.half, self.tensors = devices, 0, []
+
+    def fit(self, half: int) -> None:
+        if half <= self.half:
+            return
+        self.tensors = []  # the old ones go first: GPU memory
+        self.half = half
+        for device in self.devices:
+            tensor = torch.empty(2 * half, dtype=torch.uint8, device=device)
+            self.tensors.append(tensor if device.type == "cuda" else tensor.share_memory_())
+
+    def handle(self, index: int):
+        """What the engine maps: a CUDA IPC handle (rebuild function, arguments), or the CPU tensor pickled by
+        torch.multiprocessing (its shared-memory file)."""
+        tensor = self.tensors[index]
+        return reduce_tensor(tensor) if tensor.is_cuda else bytes(ForkingPickler.dumps(tensor))
+
+
+def ipc_request(handles: dict[str, str], flush_cache: bool, version: str | None) -> dict:
+    """The body of SGLang's /update_weights_from_ipc: each engine GPU's ZMQ address by its device key."""
+    return {"zmq_handles": handles, "flush_cache": flush_cache, "weight_version": version}
+
+
+class Sync:
+    """Streams one sync's `buckets` from `group` into the engine at `engine_url`; `run()` returns when the engine
+    has loaded them all, or raises saying why not."""
+
+    def __init__(self, group, cancelled: threading.Event, buckets: list[Bucket], buffers: Buffers, engine_url: str,
+                 headers: dict, version: str | None, flush_cache: bool, timeout_s: float):  # fmt: skip
+        self.group, self.cancelled, self.buckets, self.buffers = group, cancelled, buckets, buffers
+        self.engine_url, self.headers, self.version, self.flush_cache = engine_url, headers, version, flush_cache
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.sockets: list[zmq.Socket] = []
+        self.waiting: list[bool] = []  # per socket: a message is out and its answer not read yet
+        self.call: Future | None = None
+
+    def run(self) -> None:
+        self.buffers.fit(max((bucket.layout[1] for bucket in self.buckets), default=0))
+        context = zmq.Context.instance()
+        handles = {}
+        for device in self.buffers.devices:
+            socket = context.socket(zmq.REQ)
+            socket.setsockopt(zmq.LINGER, 0)
+            address = f"ipc://@slipstream-receiver-{os.getpid()}-{next(_sockets)}"
+            socket.bind(address)
+            self.sockets.append(socket)
+            self.waiting.append(False)
+            handles[device_key(device)] = address
+        with ThreadPoolExecutor(1) as pool:
+            self.call = pool.submit(self._post, handles)
+            try:
+                self._stream()
+            except BaseException as e:
+                self._tell_engine(e)
+                raise
+            finally:
+                for socket in self.sockets:
+                    socket.close()
+            reply = self.call.result()
+        if not reply.get("success", False):
+            raise RuntimeError(f"the engine's /update_weights_from_ipc failed: {reply.get('message', reply)}")
+
+    def _stream(self) -> None:
+        self._send_all([self.buffers.handle(i) for i in range(len(self.sockets))])
+        self._answers()
+        half = self.buffers.half
+        for index, bucket in enumerate(self.buckets):
+            offsets, size = bucket.layout
+            base = (index % 2) * half
+            first, *others = (tensor[base : base + size] for tensor in self.buffers.tensors)
+            wait_for([dist.broadcast(first, src=0, group=self.group, async_op=True)], self.cancelled, self.deadline)
+            for other in others:  # the engine's other GPUs: their own copy, from this one
+                other.copy_(first)
+            if index:
+                self._answers()  # the engine loaded the previous bucket: this half is free again after the next
+            specs = zip(bucket.names, bucket.dtypes, bucket.shapes, offsets, strict=True)
+            metadata = [{"name": n, "dtype": d, "shape": torch.Size(s), "offset": base + o} for n, d, s, o in specs]
+            self._send_all([metadata] * len(self.sockets))
+        if self.buckets:
+            self._answers()
+        self._send_all([None] * len(self.sockets))  # the buffer is let go
+        self._answers()
+        self._send_all([None] * len(self.sockets))  # the post-load hook (checkpoint-engine 0.4.2)
+        self._answers(or_done=True)  # an older worker (0.1.2) stopped at the first None: its call has ended
+
+    def _post(self, handles: dict) -> dict:
+        body = ipc_request(handles, self.flush_cache, self.version)
+        try:
+            reply = httpx.post(f"{self.engine_url}/update_weights_from_ipc", json=body, headers=self.headers,
+                               timeout=self.timeout_s)  # fmt: skip
+            return reply.json() if reply.content else {"success": reply.is_success, "message": reply.reason_phrase}
+        except (httpx.HTTPError, ValueError) as e:
+            return {"success": False, "message": f"{type(e).__name__}: {e}"}
+
+    def _send_all(self, payloads: list) -> None:
+        for i, (socket, payload) in enumerate(zip(self.sockets, payloads, strict=True)):
+            socket.send_pyobj(payload)
+            self.waiting[i] = True
+
+    def _answers(self, or_done: bool = False) -> None:
+        """Each engine GPU's answer to the last message: b"" (done) or the error's text."""
+        for i, socket in enumerate(self.sockets):
+            while not socket.poll(POLL_MS):
+                if self.call.done():
+                    if or_done:
+                        return
+                    raise RuntimeError(f"the engine's update ended early: {self.call.result().get('message')}")
+                if self.cancelled.is_set():
+                    raise RuntimeError("the weight update group was destroyed while streaming")
+                if time.monotonic() > self.deadline:
+                    raise RuntimeError(f"the engine did not answer within {self.timeout_s:.0f} s")
+            answer = socket.recv()
+            self.waiting[i] = False
+            if answer:
+                raise RuntimeError(f"the engine could not load a bucket: {answer.decode(errors='replace')}")
+
+    def _tell_engine(self, error: BaseException) -> None:
+        """Ends the engine's side with the error: it is sent where the engine waits for a message (after reading an
+        answer still due, if it comes within a second); elsewhere the engine's wait ends at its own deadline."""
+        for i, socket in enumerate(self.sockets):
+            if self.waiting[i] and socket.poll(1000):
+                socket.recv()
+                self.waiting[i] = False
+            if not self.waiting[i]:
+                socket.setsockopt(zmq.LINGER, 1000)  # the message goes out before the socket closes
+                with contextlib.suppress(zmq.ZMQError):
+                    socket.send_pyobj(RuntimeError(str(error)), flags=zmq.NOBLOCK)

@@ -1,0 +1,98 @@
+"""The streamed weight path on the CPU, for real: a trainer's end of a gloo weight group (this test), a `slipstream
+receiver` process that joins it for its engine, and a `slipstream engine` process that loads each bucket through
+SGLang's /update_weights_from_ipc route (checkpoint-engine's worker protocol over ZMQ, the buffer in shared memory).
+One call carries the sync's whole plan; the buckets follow with no call between them."""
+
+import socket
+import threading
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from services.common.weight_group import flatten_aligned, init_custom_process_group
+from tests.rollout.conftest import wait_healthy
+
+
+def _start_receiver(service_process, free_port, engine_url: str) -> str:
+    port = free_port()
+    proc = service_process("receiver", "--engine-url", engine_url, "--port", str(port), "--timeout-s", "60")
+    return wait_healthy(proc, f"http://127.0.0.1:{port}")
+
+
+def _plan(tensors: dict[str, torch.Tensor], per_bucket: int) -> list[list[str]]:
+    names = sorted(tensors)
+    return [names[i : i + per_bucket] for i in range(0, len(names), per_bucket)]
+
+
+def _stream(receiver: str, tensors: dict, plan: list[list[str]], version: str, group=None, name: str = "g"):
+    """Sends one sync: joins the group first when `group` is None (returns it), then the plan in one call while the
+    buckets are broadcast. Returns (group, the receiver's answer)."""
+    if group is None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        body = {"master_address": "127.0.0.1", "master_port": port, "world_size": 2, "rank_offset": 1,
+                "group_name": name, "backend": "gloo"}  # fmt: skip
+        joined = threading.Thread(target=lambda: httpx.post(f"{receiver}/init_weights_update_group", json=body,
+                                                            timeout=60).raise_for_status())  # fmt: skip
+        joined.start()
+        group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, name, listen_fd=listener.detach())
+        joined.join()
+    buckets = [{"names": names, "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in names],
+                "shapes": [list(tensors[n].shape) for n in names]} for names in plan]  # fmt: skip
+    answer = {}
+
+    def call() -> None:
+        body = {"group_name": name, "buckets": buckets, "weight_version": version}
+        answer["reply"] = httpx.post(f"{receiver}/receive_weights", json=body, timeout=120)
+
+    calling = threading.Thread(target=call)
+    calling.start()
+    for names in plan:
+        torch.distributed.broadcast(flatten_aligned([tensors[n] for n in names]), src=0, group=group)
+    calling.join()
+    return group, answer["reply"]
+
+
+def _weights_of(url: str, name: str) -> torch.Tensor:
+    values = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**9}, timeout=30).json()
+    return torch.tensor(values)
+
+
+def test_a_streamed_sync_reaches_the_engine_through_its_ipc_route(start_engine, service_process, free_port,
+                                                                   tiny_model):  # fmt: skip
+    """Two syncs over one group, in buckets of three tensors (double-buffered): the engine ends with exactly the
+    sent tensors, every one by its checkpoint name, under the sync's version."""
+    engine = start_engine()
+    receiver = _start_receiver(service_process, free_port, engine)
+    hf = load_file(tiny_model / "model.safetensors")
+    group = None
+    for version in (1, 2):
+        sent = {name: (t + 0.01 * version).contiguous() for name, t in hf.items()}
+        group, reply = _stream(receiver, sent, _plan(sent, 3), str(version), group)
+        assert reply.status_code == 200, reply.text
+        assert httpx.get(f"{engine}/model_info", timeout=10).json()["weight_version"] == str(version)
+        for name, tensor in sent.items():
+            assert torch.equal(_weights_of(engine, name), tensor), name
+    torch.distributed.destroy_process_group(group)
+
+
+def test_a_bucket_the_engine_cannot_load_fails_the_sync_naming_it_and_the_next_sync_works(start_engine,
+                                                                                          service_process, free_port,
+                                                                                          tiny_model):  # fmt: skip
+    """A tensor the model lacks: the receiver answers 400 with the engine's reason, leaves the group (the trainer
+    builds a new one), and the engine is free for the next sync at once."""
+    engine = start_engine()
+    receiver = _start_receiver(service_process, free_port, engine)
+    hf = load_file(tiny_model / "model.safetensors")
+    wrong = {**hf, "model.layers.9.mlp.up_proj.weight": torch.zeros(4, 4)}
+    group, reply = _stream(receiver, wrong, _plan(wrong, 4), "1")
+    assert reply.status_code == 400
+    assert "no parameter named 'model.layers.9.mlp.up_proj.weight'" in reply.json()["message"]
+    torch.distributed.destroy_process_group(group)
+    sent = {name: (t + 0.5).contiguous() for name, t in hf.items()}
+    group, reply = _stream(receiver, sent, _plan(sent, 4), "2", name="g2")
+    assert reply.status_code == 200, reply.text
+    for name, tensor in sent.items():
+        assert torch.equal(_weights_of(engine, name), tensor), name
+    torch.distributed.destroy_process_group(group)
