@@ -9,6 +9,7 @@ the store prefix.
 import logging
 import os
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -156,12 +157,12 @@ def bucket_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[l
     return offsets, size
 
 
-def flatten_aligned(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensors' bytes at their `bucket_layout` offsets in one uint8 tensor (`out`, or a new one)."""
-    offsets, size = bucket_layout([t.dtype for t in tensors], [list(t.shape) for t in tensors])
-    device = tensors[0].device if tensors else "cpu"
-    out = torch.zeros(size, dtype=torch.uint8, device=device) if out is None else out
+def flatten_aligned(tensors: Iterable[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]],
+                    out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Writes the tensors (of `dtypes` and `shapes`, produced one at a time) at their `bucket_layout` offsets into
+    `out` (uint8, at least the bucket's size); returns the bucket's part of it."""
+    offsets, size = bucket_layout(dtypes, shapes)
     for tensor, offset in zip(tensors, offsets, strict=True):
         data = tensor.contiguous().view(-1).view(torch.uint8)
         out[offset : offset + data.numel()].copy_(data)
-    return out
+    return out[:size]

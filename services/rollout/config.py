@@ -69,6 +69,10 @@ class RolloutConfig(ServiceConfig):
     weight_sync_timeout_s: float = Field(120.0, gt=0)
     """Deadline of each engine call of a weight sync (joining the group, loading a bucket, committing); an engine
     past it is evicted and the sync goes on without it."""
+    weight_receiver_port_offset: int | None = Field(None, ge=-65535, le=65535)
+    """Each engine has a weight receiver beside it (`slipstream receiver`, same host) on the engine's port plus this:
+    weight syncs stream through the receivers, one control call per sync, into SGLang's /update_weights_from_ipc
+    (docs/rollout.md, "Weight sync"). Unset: each bucket is posted to the engines' /update_weights_from_distributed."""
     use_rollout_routing_replay: bool = False
     """MoE: every /generate asks the engine for the experts it routed each token to (SGLang's return_routed_experts;
     engines launched here get --enable-return-routed-experts), and each sample carries them for the trainer to

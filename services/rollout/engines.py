@@ -229,15 +229,16 @@ class EnginePool:
     def evict(self, engine: Engine, reason: str) -> None:
         self._fail(engine, reason, evict=True)
 
-    async def post_control(self, engine: Engine, path: str, payload: dict, timeout_s: float) -> dict:
-        """One control call to one engine (never through the router), with its own deadline."""
-        return await self._control(engine, path, payload, timeout_s)
+    async def post_control(self, engine: Engine, path: str, payload: dict, timeout_s: float, url: str = "") -> dict:
+        """One control call to one engine (never through the router), with its own deadline; `url`: to the weight
+        receiver beside it instead."""
+        return await self._control(engine, path, payload, timeout_s, url)
 
-    async def _control(self, engine: Engine, path: str, payload: dict, timeout_s: float | None = None):
+    async def _control(self, engine: Engine, path: str, payload: dict, timeout_s: float | None = None, url: str = ""):
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.config.rollout_health_check_timeout)
         for attempt in (1, 2):
             try:
-                async with self.session.post(f"{engine.url}{path}", json=payload, timeout=timeout) as response:
+                async with self.session.post(f"{url or engine.url}{path}", json=payload, timeout=timeout) as response:
                     body = await response.read()
                 break
             except aiohttp.ServerDisconnectedError as e:

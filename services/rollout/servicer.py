@@ -12,6 +12,7 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool, normalize
 from services.rollout.evaluation import evaluate
 from services.rollout.fleet import reconcile
+from services.rollout.transports import Bucket
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
@@ -145,9 +146,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await self.master_hosts.check(address, "master_address")
         if (answer := await self._forward("PrepareWeightSync", request, context)) is not None:
             return answer
-        world_size, ranks, created = await self.sync.prepare(request.version, sources, request.backend or "nccl")
+        prepared = await self.sync.prepare(request.version, sources, request.backend or "nccl")
+        world_size, ranks, created, streamed = prepared
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
-        return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created)
+        return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created,
+                                                     streamed=streamed)  # fmt: skip
 
     async def SyncWeightBuckets(self, request_iterator, context):
         if (coordinator := self._coordinator()) is not None:
@@ -173,10 +176,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             while (bucket := await self._next_bucket(following, context)) is not None:
                 following = asyncio.ensure_future(anext(requests, None))
-                names = [t.name for t in bucket.tensors]
-                dtypes, shapes = [t.dtype for t in bucket.tensors], [list(t.shape) for t in bucket.tensors]
-                loading = await self.sync.bucket(bucket.bucket_index, names, dtypes, shapes, bucket.load_format,
-                                                  list(bucket.serialized_named_tensors), bucket.group_name)  # fmt: skip
+                loading = await self.sync.bucket(Bucket(
+                    bucket.bucket_index, [t.name for t in bucket.tensors], [t.dtype for t in bucket.tensors],
+                    [list(t.shape) for t in bucket.tensors], bucket.load_format,
+                    tuple(bucket.serialized_named_tensors), bucket.group_name, bucket.num_buckets,
+                ))  # fmt: skip
                 answers.put_nowait((bucket.bucket_index, loading))
         finally:
             answers.put_nowait(None)

@@ -1,6 +1,8 @@
 """The gateway's side of weight sync (DESIGN.md "Weight sync", SGLANG_API.md §3): it sets up the process group
-between the trainer (rank 0) and every engine's TP ranks, pauses generation, forwards each bucket's tensor specs to
-all engines at once while the trainer broadcasts, then commits the version (engines, generation, buffer).
+between the trainer (rank 0) and every engine's TP ranks (or the weight receiver beside each engine), pauses
+generation, delivers each bucket to all engines at once while the trainer sends it, then commits the version
+(engines, generation, buffer). How buckets travel is the transport's (services/rollout/transports), chosen at each
+Prepare.
 
 A trainer with pipeline stages has a sender per stage, each rank 0 of its own group with every engine (the sources).
 Their buckets reach the engines one at a time, in the order they arrive here, the same order on every engine: an
@@ -12,27 +14,30 @@ kept across syncs and rebuilt only when the engines taking part change.
 """
 
 import asyncio
-import base64
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EVICTED, Engine, EngineFailure, EnginePool, EngineTimeout
+from services.rollout.transports import Bucket, Transport, choose
 from slipstream.v1 import buffer_pb2
 
 log = logging.getLogger(__name__)
 
 SESSION_VERSION = (0, 5, 21)  # SGLang from this version needs begin/end_weight_update around updates
 STREAM_END_GRACE_S = 15.0  # after its bucket stream, a trainer commits (or prepares again) within this
-WAITS_FOR_PEERS = {"/init_weights_update_group", "/update_weights_from_distributed"}  # they time out when others fail
+# They time out when others fail (a member that left, a trainer that stopped sending), not by the engine's fault.
+WAITS_FOR_PEERS = {"/init_weights_update_group", "/update_weights_from_distributed", "/receive_weights"}
 
 
 @dataclass
 class Group:
-    members: tuple  # ((url, tp_size), ...) in rank order
+    members: tuple  # ((engine url, ranks), ...) in rank order
     sources: tuple  # ((group name, master address, port), ...): one group per sender
     backend: str
+    transport: str = ""  # a group is rebuilt for another transport (its members are others)
     admissions: tuple = ()  # each member's admission count: a re-admitted engine needs a new group
     # The bucket whose failure took the group down; the others in flight failed because of it, not of their engines.
     broken_by: int | None = field(default=None, compare=False)
@@ -62,13 +67,12 @@ class WeightSync:
         self._deadline: asyncio.TimerHandle | None = None
         self.aborted: asyncio.Future | None = None  # of the open sync: resolves with the reason when it is aborted
         self.delivering = asyncio.Lock()  # buckets reach the engines in turn, whichever sender sent them
-        self.ordered = False  # every engine of the sync takes ordered buckets (several in flight)
-        self.sequence = 0  # the next ordered bucket's place in the sync
+        self.transport: Transport = choose("nccl", [], None)  # of the open sync
 
     async def prepare(self, version: int, sources: list[tuple[str, str, int]], backend: str):
         """`sources`: (group name, master address, port) of each sender. Returns (world size, [(url, rank offset,
-        tp size)], whether the senders must join new groups). Called again with the same version after an engine
-        left, it starts the sync over with the engines still healthy."""
+        ranks)], whether the senders must join new groups, whether the sync is streamed). Called again with the same
+        version after an engine left, it starts the sync over with the engines still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
             raise InvalidArgument(f"sources: each sender needs its own group_name, got {[n for n, _, _ in sources]}")
         if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
@@ -88,36 +92,35 @@ class WeightSync:
         if not engines:  # the pool goes on (its health checks pause with it): a restarted engine is re-admitted
             await self.pool.resume()
             raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
-        members = tuple((e.url, e.tp_size) for e in engines)
-        group = Group(members, tuple(sources), backend, tuple(e.admissions for e in engines))
-        offsets = [1 + sum(tp for _, tp in members[:i]) for i in range(len(members))]
-        world_size = 1 + sum(tp for _, tp in members)
-        created = self.group != group and backend != "ipc"  # colocated: tensors travel as handles, no group
-        if backend == "ipc":
+        transport = choose(backend, engines, self.config.weight_receiver_port_offset)
+        members = tuple((e.url, transport.member(e)[1]) for e in engines)
+        group = Group(members, tuple(sources), backend, transport.name, tuple(e.admissions for e in engines))
+        offsets = [1 + sum(ranks for _, ranks in members[:i]) for i in range(len(members))]
+        world_size = 1 + sum(ranks for _, ranks in members)
+        created = self.group != group and transport.uses_group  # colocated: tensors travel as handles, no group
+        if not transport.uses_group:
             self.group = group
         if created:
-            if self.group is not None:
+            if self.group is not None:  # its members, by the transport that built it
                 await self._destroy(self._members())
                 hosted = {(address, port) for _, address, port in self.group.sources}
                 if any((address, port) in hosted for _, address, port in group.sources):
                     await self._rehost(version, group)
-            self.group = group
+            self.group, self.transport = group, transport
             # An engine may still hold a group of these names (it joined one whose trainer failed to host it, and
             # was left out of the teardown): joining again under a held name fails, so each name goes first.
             await self._destroy(engines)
             # Each engine's call returns only once the sender has joined too: it runs while Prepare answers.
             self._joining = asyncio.create_task(self._join(engines, offsets, world_size))
-        self.engines, self.version = engines, version
+        self.engines, self.version, self.transport = engines, version, transport
         if self.aborted is None or self.aborted.done():
             self.aborted = asyncio.get_running_loop().create_future()
-        self.ordered = backend != "ipc" and all(e.ordered_buckets for e in engines)
-        self.sequence = 0  # each engine's session (begun below) counts its buckets from 0
         if self.released:  # the weights come back first, to be overwritten in place
             await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
         await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
         self._watch()
-        ranks = [(url, offset, tp) for (url, tp), offset in zip(members, offsets, strict=True)]
-        return world_size, ranks, created
+        ranks = [(url, offset, n) for (url, n), offset in zip(members, offsets, strict=True)]
+        return world_size, ranks, created, transport.streamed
 
     async def _rehost(self, version: int, group: Group) -> None:
         """The engines taking part changed, and a sender offers the port of its old group: it must host the new one
@@ -134,32 +137,28 @@ class WeightSync:
             "hosts a new weight group on a new port; prepare again"
         )
 
-    async def bucket(self, index: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                     load_format: str, payloads: list[bytes], group_name: str = "") -> asyncio.Future:  # fmt: skip
-        """Posts one bucket of the sender of `group_name` ("": the first) to every engine at once, and returns once
-        it is on its way: a future of the results, once each engine has loaded it or failed. Engines that take
-        ordered buckets (`sequence`: the reference engine) are posted the next bucket at once, while they still
-        receive or load this one; others (SGLang) only once every engine answered this one. After a failure the groups
-        are gone (a collective needs all its members): the senders prepare again and send from the start. Colocated,
-        the bucket is `payloads` (tensor handles, one per TP rank), posted to /update_weights_from_tensor."""
+    async def bucket(self, bucket: Bucket) -> asyncio.Future:
+        """Delivers one bucket of the sender of `bucket.group_name` ("": the first) to every engine at once, and
+        returns once it is on its way: a future of the results, once each engine has loaded it or failed. An ordered
+        transport posts the next bucket at once, while the engines still receive or load this one; others once
+        every engine answered this one. After a failure the groups are gone (a collective needs all its members):
+        the senders prepare again and send from the start."""
         async with self.delivering:
             self._check_open()
             self._watch(0)
             await self._mark_syncing(True)
-            group_name = group_name or self.group.names[0]
+            group_name = bucket.group_name or self.group.names[0]
             if group_name not in self.group.names:
                 raise InvalidArgument(f"group_name: {group_name!r} is none of this sync's groups {self.group.names}")
-            body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                    "load_format": load_format or None, "flush_cache": False}  # fmt: skip
-            if self.ordered:
-                body["sequence"], self.sequence = self.sequence, self.sequence + 1
-            path, bodies = "/update_weights_from_distributed", {e.url: body for e in self.engines}
-            if payloads:
-                encoded = [base64.b64encode(p).decode() for p in payloads]
-                path, bodies = "/update_weights_from_tensor", {e.url: _handed_over(encoded, e) for e in self.engines}
+            request = self.transport.requests(self.engines, dataclasses.replace(bucket, group_name=group_name))
+            if request is None:  # delivered with a later one: answered now
+                self._watch()
+                done = asyncio.get_running_loop().create_future()
+                done.set_result([Result(e.url, True, "planned") for e in self.engines])
+                return done
             not_joined = await self._joined()
-            loading = asyncio.ensure_future(self._deliver(index, self.group, path, bodies, not_joined))
-            if not self.ordered:
+            loading = asyncio.ensure_future(self._deliver(bucket.index, self.group, *request, not_joined))
+            if not self.transport.ordered:
                 await asyncio.wait({loading})
             return loading
 
@@ -180,14 +179,16 @@ class WeightSync:
 
         async def load(engine: Engine) -> Result:
             body = bodies[engine.url]
-            return Result(engine.url, False, body) if isinstance(body, str) else await self._call(engine, path, body)
+            if isinstance(body, str):
+                return Result(engine.url, False, body)
+            return await self._call(engine, path, body, self.transport.target(engine))
 
         tasks = {asyncio.create_task(load(e)): e for e in self.engines}
         pending, first = set(tasks), None
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             failed = {t.result().url for t in done if not t.result().success}
-            if failed and first is None and pending and group.backend != "ipc":
+            if failed and first is None and pending and self.transport.uses_group:
                 first = failed
                 if group.broken_by is None:
                     group.broken_by = index
@@ -319,7 +320,7 @@ class WeightSync:
 
     async def _leave(self, engines: list[Engine], group: Group) -> None:
         await self._each(_sessions(engines), "/end_weight_update", {})
-        if group.backend != "ipc":
+        if self.transport.uses_group:
             await self._destroy(engines, group)
 
     async def _join(self, engines: list[Engine], offsets: list[int], world_size: int) -> list[Result]:
@@ -329,7 +330,7 @@ class WeightSync:
             for name, address, port in self.group.sources:
                 body = {"master_address": address, "master_port": port, "world_size": world_size, "group_name": name,
                         "backend": self.group.backend, "rank_offset": offset}  # fmt: skip
-                result = await self._call(engine, "/init_weights_update_group", body)
+                result = await self._call(engine, "/init_weights_update_group", body, self.transport.member(engine)[0])
                 if not result.success:
                     return result
             return result
@@ -337,8 +338,11 @@ class WeightSync:
         return list(await asyncio.gather(*(join(e, o) for e, o in zip(engines, offsets, strict=True))))
 
     async def _destroy(self, engines: list[Engine], group: Group | None = None) -> None:
+        """Each engine leaves the groups (its member: the engine, or its receiver)."""
         for name in (group or self.group).names:
-            await self._each(engines, "/destroy_weights_update_group", {"group_name": name})
+            body = {"group_name": name}
+            await asyncio.gather(*(self._call(e, "/destroy_weights_update_group", body, self.transport.member(e)[0])
+                                   for e in engines))  # fmt: skip
 
     def _members(self) -> list[Engine]:
         return [self.pool.engines[url] for url, _ in self.group.members if url in self.pool.engines]
@@ -359,13 +363,14 @@ class WeightSync:
         calls = [self._call(e, path, (per_engine or {}).get(e.url, body)) for e in engines]
         return list(await asyncio.gather(*calls))
 
-    async def _call(self, engine: Engine, path: str, body: dict) -> Result:
-        """One control call. A hung engine (stopped, stuck) holds a call until its deadline: it is evicted then, and
-        no later call of the sync waits for it again (the trainer's deadline for each RPC allows one such wait)."""
+    async def _call(self, engine: Engine, path: str, body: dict, url: str | None = None) -> Result:
+        """One control call (to `url`, the engine's receiver, where given). A hung engine (stopped, stuck) holds a
+        call until its deadline: it is evicted then, and no later call of the sync waits for it again (the trainer's
+        deadline for each RPC allows one such wait)."""
         if engine.state == EVICTED:
             return Result(engine.url, False, f"{path}: not sent, the engine is evicted ({engine.last_error})")
         try:
-            reply = await self.pool.post_control(engine, path, body, self.config.weight_sync_timeout_s)
+            reply = await self.pool.post_control(engine, path, body, self.config.weight_sync_timeout_s, url)
         except EngineTimeout as e:
             if path not in WAITS_FOR_PEERS:  # a call it answers by itself
                 self.pool.evict(engine, f"{path}: {e} (hung?)")
@@ -374,16 +379,6 @@ class WeightSync:
             return Result(engine.url, False, f"{path}: {e}")
         reply = reply if isinstance(reply, dict) else {}  # memory calls answer `null`
         return Result(engine.url, bool(reply.get("success", True)), str(reply.get("message", "")))
-
-
-def _handed_over(payloads: list[str], engine: Engine) -> dict | str:
-    """A colocated bucket for `engine`: the handles of the trainer rank on each of its TP ranks' GPUs (a trainer on
-    one GPU hands every engine the same); or why it has none."""
-    if len(payloads) > 1 and max(engine.gpus) >= len(payloads):
-        return (f"/update_weights_from_tensor: the engine runs on GPUs {list(engine.gpus)} but the trainer holds GPUs "
-                f"0-{len(payloads) - 1}: colocated engines run on the trainer's GPUs (--base-gpu-id)")  # fmt: skip
-    chosen = payloads if len(payloads) == 1 else [payloads[gpu] for gpu in engine.gpus]
-    return {"serialized_named_tensors": chosen, "flush_cache": False}
 
 
 def _sessions(engines: list[Engine]) -> list[Engine]:

@@ -6,7 +6,6 @@ With pipeline stages, each stage sends its own layers over its own weight group 
 No sync can hang the trainer: broadcasts are asynchronous, every wait has a deadline, a broken group is aborted (NCCL
 ends its kernels) rather than destroyed, and a watchdog ends a sync that stops making progress."""
 
-import collections
 import contextlib
 import logging
 import os
@@ -25,7 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from services.common.clients import Credentials, open_channel
-from services.common.weight_group import abort_group, end_group, flatten, init_custom_process_group
+from services.common.weight_group import abort_group, end_group, init_custom_process_group
+from services.trainer import transports
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,10 @@ class WeightSender:
         and the others get the weights from the start; when every attempt lost engines (none can take the policy),
         raises WeightSyncFailed with their errors. Other failures leave the engines on their version and return
         False: training goes on, and the next sync starts afresh."""
+        if self.layout is None and not self.config.colocate:
+            # The buckets' specs, which a streamed sync sends first: the first sync iterates the weights once more
+            # to learn them (every rank: the gathers are collective); every sync then fills the buckets as they say.
+            _drain(self._buckets(self.weights()))
         for attempt in range(1, ATTEMPTS + 1):
             buckets = self._buckets(self.weights())
             failure = self._attempt(version, buckets) if self.sender else self._follow(buckets)
@@ -172,36 +176,14 @@ class WeightSender:
             self._join(backend, prepared)
         watchdog.progress("after joining the weight group")
         self.timings = {"prepare_s": time.perf_counter() - started}
-        flat = self.config.update_weight_flattened_bucket
         requests: queue.Queue = queue.Queue()
         responses = self.stream = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
-        window = self.config.update_weight_buckets_in_flight
         try:
-            in_flight: collections.deque = collections.deque()  # the broadcasts of each bucket not answered yet
-            for index, bucket in enumerate(buckets):
-                if colocated:
-                    self._hand_over(version, index, *bucket, requests, responses)
-                    watchdog.progress(f"after bucket {index}")
-                    continue
-                specs, tensors = bucket
-                requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
-                                                      load_format="flattened_bucket" if flat else "",
-                                                      group_name=self.group_name))  # fmt: skip
-                self.in_flight = True
-                try:
-                    works = [dist.broadcast(t, src=0, group=self.group, async_op=True)
-                             for t in ([flatten(list(tensors))] if flat else tensors)]  # fmt: skip
-                except RuntimeError as e:  # a member is gone: free the others' receives, then hear which one
-                    self._drop_group()
-                    for _ in range(len(in_flight) + 1):  # the answers of this bucket and those before
-                        self._check(next(responses))
-                    raise EnginesLeft(f"at bucket {index}: {e}") from None
-                watchdog.progress(f"broadcasting bucket {index}")
-                in_flight.append(works)
-                if len(in_flight) >= window:  # ahead of the engines: the next is converted while they load these
-                    self._answered(next(responses), in_flight.popleft(), watchdog)
-            while in_flight:
-                self._answered(next(responses), in_flight.popleft(), watchdog)
+            transport = transports.choose(self, prepared, version, requests, responses, watchdog)
+            for index, (specs, tensors) in enumerate(buckets):
+                transport.send(index, specs, tensors)
+                watchdog.progress(f"after bucket {index}")
+            transport.finish()
             self.in_flight = False  # every broadcast of the attempt has completed
             self.peers_waiting = False  # past the last bucket, as the colocated peers are
         finally:

@@ -159,30 +159,34 @@ class WeightSource(_message.Message):
     def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ...) -> None: ...
 
 class PrepareWeightSyncResponse(_message.Message):
-    __slots__ = ("world_size", "engines", "group_created")
+    __slots__ = ("world_size", "engines", "group_created", "streamed")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     GROUP_CREATED_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineRank]
     group_created: bool
-    def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ...) -> None: ...
+    streamed: bool
+    def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ..., streamed: _Optional[bool] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name")
+    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name", "num_buckets")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     version: int
     bucket_index: int
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
     load_format: str
     serialized_named_tensors: _containers.RepeatedScalarFieldContainer[bytes]
     group_name: str
-    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., group_name: _Optional[str] = ...) -> None: ...
+    num_buckets: int
+    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., group_name: _Optional[str] = ..., num_buckets: _Optional[int] = ...) -> None: ...
 
 class EngineResult(_message.Message):
     __slots__ = ("url", "success", "message")

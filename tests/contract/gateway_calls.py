@@ -20,13 +20,18 @@ from services.rollout import launch
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, generate_group
+from services.rollout.transports import Bucket
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
 from slipstream import samples
 from slipstream.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parents[2]
-GATEWAY = sorted((REPO / "services" / "rollout").glob("*.py")) + sorted((REPO / "services" / "common").glob("*.py"))
+GATEWAY = [
+    *sorted((REPO / "services" / "rollout").glob("*.py")),
+    *sorted((REPO / "services" / "common").glob("*.py")),
+    *sorted((REPO / "services" / "rollout" / "transports").glob("*.py")),
+]
 ROUTE = re.compile(r"^/[a-z_]+(/[a-z_]*)*$")
 
 
@@ -81,10 +86,10 @@ async def _drive(url: str) -> None:
         sources = [("weights-0", "127.0.0.1", 29500)]
         await sync.release()  # colocated: memory released before the sync, taken back by it
         await sync.prepare(1, sources, "nccl")
-        await sync.bucket(0, ["w"], ["bfloat16"], [[2, 2]], "flattened_bucket", [], "weights-0")
+        await sync.bucket(Bucket(0, ["w"], ["bfloat16"], [[2, 2]], "flattened_bucket", (), "weights-0"))
         await sync.commit(1)
         await sync.prepare(2, sources, "ipc")
-        await sync.bucket(0, ["w"], ["bfloat16"], [[2, 2]], "", [b"handles"])
+        await sync.bucket(Bucket(0, ["w"], ["bfloat16"], [[2, 2]], "", (b"handles",)))
         await sync.abort(2, "the trainer went away")
     finally:
         await pool.close()

@@ -10,7 +10,7 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
-from services.common.weight_group import flatten_aligned, init_custom_process_group
+from services.common.weight_group import bucket_layout, flatten_aligned, init_custom_process_group
 from tests.rollout.conftest import wait_healthy
 
 
@@ -49,7 +49,14 @@ def _stream(receiver: str, tensors: dict, plan: list[list[str]], version: str, g
     calling = threading.Thread(target=call)
     calling.start()
     for names in plan:
-        torch.distributed.broadcast(flatten_aligned([tensors[n] for n in names]), src=0, group=group)
+        dtypes, shapes = [tensors[n].dtype for n in names], [list(tensors[n].shape) for n in names]
+        flat = flatten_aligned(
+            (tensors[n] for n in names),
+            dtypes,
+            shapes,
+            torch.zeros(bucket_layout(dtypes, shapes)[1], dtype=torch.uint8),
+        )
+        torch.distributed.broadcast(flat, src=0, group=group)
     calling.join()
     return group, answer["reply"]
 

@@ -1,0 +1,54 @@
+"""How a weight sync's buckets reach the engines, one module per transport, chosen at each PrepareWeightSync
+(`choose`): `broadcast` (each bucket posted to the engines' /update_weights_from_distributed while the trainer
+broadcasts it), `handles` (colocated: the bucket's CUDA IPC handles, posted to /update_weights_from_tensor) and
+`streamed` (the sync's whole plan to the weight receiver beside each engine, the buckets streamed with no call
+between them). The sync itself (services/rollout/weight_sync.py) holds the group, the sessions, faults and commits,
+and asks the transport only what differs."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket as a sender sent it (WeightBucket)."""
+
+    index: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    load_format: str = ""
+    payloads: tuple[bytes, ...] = ()  # colocated: the tensor handles, one set per trainer GPU
+    group_name: str = ""
+    num_buckets: int = 0  # streamed: the sender's buckets in this sync
+
+
+class Transport:
+    name = ""
+    uses_group = True  # the members join the senders' weight groups
+    ordered = False  # a bucket is posted while those before it still load
+    streamed = False  # the trainer sends its whole plan first and awaits no answer between buckets
+
+    def member(self, engine) -> tuple[str, int]:
+        """Where `engine`'s group calls go, and its ranks in a weight group."""
+        return engine.url, engine.tp_size
+
+    def target(self, engine) -> str:
+        """Where `engine`'s bucket calls go."""
+        return engine.url
+
+    def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict] | None:
+        """The call that delivers `bucket`: (path, {engine url: body, or why that engine cannot take it}); None
+        when it is delivered later, with others (its answer is then given at once)."""
+        raise NotImplementedError
+
+
+def choose(backend: str, engines: list, receiver_port_offset: int | None) -> Transport:
+    from services.rollout.transports.broadcast import Broadcast
+    from services.rollout.transports.handles import Handles
+    from services.rollout.transports.streamed import Streamed
+
+    if backend == "ipc":
+        return Handles()
+    if receiver_port_offset is not None:
+        return Streamed(receiver_port_offset)
+    return Broadcast(ordered=all(e.ordered_buckets for e in engines))

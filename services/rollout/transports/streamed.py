@@ -1,0 +1,40 @@
+"""Streamed through the weight receiver beside each engine (services/receiver): the receivers are the weight group's
+members (one rank each); a sender's whole plan (every bucket's names, dtypes and shapes) goes to every receiver in one
+/receive_weights call once its last bucket's specs arrived, and the receivers answer once their engines loaded every
+bucket, fed through SGLang's /update_weights_from_ipc. The buckets before the last are answered at once."""
+
+from urllib.parse import urlsplit, urlunsplit
+
+from services.rollout.transports import Bucket, Transport
+
+
+class Streamed(Transport):
+    name = "streamed"
+    streamed = True
+
+    def __init__(self, port_offset: int):
+        self.port_offset = port_offset
+        self.plans: dict[str, list[dict]] = {}  # each sender's buckets so far, by its group
+
+    def member(self, engine) -> tuple[str, int]:
+        return receiver_url(engine.url, self.port_offset), 1
+
+    def target(self, engine) -> str:
+        return receiver_url(engine.url, self.port_offset)
+
+    def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict] | None:
+        plan = self.plans.setdefault(bucket.group_name, [])
+        plan.append({"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes})
+        if len(plan) < bucket.num_buckets:
+            return None
+        del self.plans[bucket.group_name]
+        body = {"group_name": bucket.group_name, "buckets": plan}
+        return "/receive_weights", {e.url: body for e in engines}
+
+
+def receiver_url(engine_url: str, port_offset: int) -> str:
+    """The receiver beside the engine at `engine_url`: the same host, on the engine's port plus the offset."""
+    parts = urlsplit(engine_url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return urlunsplit((parts.scheme, f"{host}:{port + port_offset}", "", "", ""))

@@ -1,0 +1,29 @@
+"""How the trainer's sender sends a sync's buckets once the gateway prepared it, one module per transport, chosen by
+the gateway's answer (`choose`): `broadcast` (each bucket's specs to the gateway, then its broadcast, a few in
+flight), `handles` (colocated: the bucket's tensor handles, every GPU's) and `streamed` (the whole plan first, then
+every bucket's bytes, with no answer awaited between them). The sync itself (services/trainer/weight_sync.py) holds
+the groups, attempts, the watchdog and commits; a transport sends buckets (`send`) and waits for the engines
+(`finish`), raising EnginesLeft when an engine failed."""
+
+import queue
+
+
+class Transport:
+    def __init__(self, sender, version: int, requests: queue.Queue, responses, watchdog):
+        self.sender, self.version, self.requests, self.responses = sender, version, requests, responses
+        self.watchdog = watchdog
+
+    def send(self, index: int, specs: list, tensors) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Returns once the engines loaded every bucket sent."""
+
+
+def choose(sender, prepared, version: int, requests: queue.Queue, responses, watchdog) -> Transport:
+    from services.trainer.transports.broadcast import Broadcast
+    from services.trainer.transports.handles import Handles
+    from services.trainer.transports.streamed import Streamed
+
+    kind = Handles if sender.config.colocate else Streamed if prepared.streamed else Broadcast
+    return kind(sender, version, requests, responses, watchdog)

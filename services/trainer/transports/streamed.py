@@ -1,0 +1,90 @@
+"""Streamed to the weight receivers beside the engines: the sync's whole plan (every bucket's specs) goes to the
+gateway first, then each bucket is broadcast as one uint8 tensor at aligned offsets (`bucket_layout`), with no answer
+awaited between buckets. Two staging buffers: bucket k is written into buffer k % 2 once bucket k - 2's broadcast
+completed (the receivers double-buffer the same way). The gateway answers every bucket, the last once every engine
+loaded the sync; an earlier failure answer ends the sync at once."""
+
+import contextlib
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from services.common.weight_group import bucket_layout, flatten_aligned
+from services.trainer.transports import Transport
+from services.trainer.weight_sync import EnginesLeft
+from slipstream.v1 import rollout_pb2
+
+POLL_S = 0.0005  # how often a wait for a broadcast looks at the gateway's answers
+
+
+class Streamed(Transport):
+    def __init__(self, *args):
+        super().__init__(*args)
+        sender, layout = self.sender, self.sender.layout
+        for index, specs in enumerate(layout):  # the plan, at once
+            self.requests.put(rollout_pb2.WeightBucket(
+                version=self.version, bucket_index=index, tensors=specs, group_name=sender.group_name,
+                num_buckets=len(layout),
+            ))  # fmt: skip
+        self.expected = len(layout)
+        self.answers: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, name="weight-sync-answers", daemon=True).start()
+        size = max((bucket_layout(*_types(specs))[1] for specs in layout), default=0)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.staging = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(layout)))]
+        self.works: list = []  # each bucket's broadcast
+
+    def send(self, index: int, specs: list, tensors) -> None:
+        if index >= 2:
+            self._wait(self.works[index - 2], index - 2)  # its staging buffer is free again
+        flat = flatten_aligned(tensors, *_types(specs), self.staging[index % 2])
+        self.sender.in_flight = True
+        try:
+            self.works.append(dist.broadcast(flat, src=0, group=self.sender.group, async_op=True))
+        except RuntimeError as e:  # a member is gone
+            self.sender._drop_group()
+            raise EnginesLeft(f"at bucket {index}: {e}") from None
+        self.watchdog.progress(f"streaming bucket {index}")
+
+    def finish(self) -> None:
+        for index, work in enumerate(self.works):
+            self._wait(work, index)
+        for _ in range(self.expected):
+            self._check(self._next_answer(None))
+
+    def _wait(self, work, index: int) -> None:
+        """Waits for a broadcast, ending early when the gateway answers that an engine failed."""
+        while not work.is_completed():
+            with contextlib.suppress(queue.Empty):
+                self._check(self._next_answer(POLL_S))
+        work.wait()
+        self.watchdog.progress(f"after bucket {index}")
+
+    def _next_answer(self, timeout: float | None):
+        answer = self.answers.get(timeout=timeout)
+        if isinstance(answer, BaseException):
+            raise answer
+        self.expected -= 1
+        return answer
+
+    def _check(self, result: rollout_pb2.WeightBucketResult) -> None:
+        try:
+            self.sender._check(result)
+        except EnginesLeft:
+            self.sender._drop_group()  # the others' receives may never end: the group is aborted
+            raise
+
+    def _read(self) -> None:
+        try:
+            for answer in self.responses:
+                self.answers.put(answer)
+        except BaseException as e:  # the stream's error (the gateway aborted the sync, or went away)
+            self.answers.put(e)
+        else:  # answers still awaited never come
+            self.answers.put(EnginesLeft("the gateway ended the bucket stream before answering every bucket"))
+
+
+def _types(specs: list) -> tuple[list[torch.dtype], list[list[int]]]:
+    return [getattr(torch, s.dtype) for s in specs], [list(s.shape) for s in specs]
