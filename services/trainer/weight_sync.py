@@ -80,6 +80,7 @@ class WeightSender:
         self.listener: socket.socket | None = None  # the weight group's store port, held from Prepare to the join
         self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
+        self.transport = ""  # of the last attempt: how the buckets went (services/trainer/transports)
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
         # torch's own deadline on the group's collectives comes last: it ends the process
         self.collective_timeout = self.timeout * STALL_FACTOR * 2
@@ -180,6 +181,7 @@ class WeightSender:
         responses = self.stream = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
         try:
             transport = transports.choose(self, prepared, version, requests, responses, watchdog)
+            self.transport = type(transport).__name__.lower()
             for index, (specs, tensors) in enumerate(buckets):
                 transport.send(index, specs, tensors)
                 watchdog.progress(f"after bucket {index}")
@@ -232,7 +234,7 @@ class WeightSender:
         if not live:  # every engine failed its commit (and was evicted): none serves this version
             raise EnginesLeft(f"no engine committed version {version}: " + "; ".join(
                 f"{e.url}: {e.message}" for e in committed.engines))  # fmt: skip
-        log.info("weights of version %d sent to %d engine(s)", version, live)
+        log.info("weights of version %d sent to %d engine(s) (%s)", version, live, self.transport)
 
     def _join(self, backend: str, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
         """Hosts the weight group as rank 0 and waits for the engines to join it."""

@@ -1,8 +1,10 @@
 """Rollout fixtures: a tiny Qwen3 checkpoint and real `slipstream engine` processes serving it."""
 
 import asyncio
+import contextlib
 import json
 import re
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -109,12 +111,13 @@ class System:
 
 
 @pytest.fixture
-def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, tmp_path):
-    """`make_system(num_engines=2, buffer={...}, reward={...}, num_prompts=24, **gateway_settings)`: every part real;
-    prompts "What is i + 1?" with labels, and the eval set "arith" (the first 6 prompts)."""
+def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, service_process, tmp_path):
+    """`make_system(num_engines=2, buffer={...}, reward={...}, num_prompts=24, receivers=False, **gateway_settings)`:
+    every part real; prompts "What is i + 1?" with labels, and the eval set "arith" (the first 6 prompts).
+    `receivers`: a weight receiver beside each engine, through which weight syncs stream."""
 
     def make(num_engines: int = 2, buffer: dict | None = None, reward: dict | None = None, model=tiny_model,
-             num_prompts: int = NUM_PROMPTS, **gateway) -> System:  # fmt: skip
+             num_prompts: int = NUM_PROMPTS, receivers: bool = False, **gateway) -> System:  # fmt: skip
         data = tmp_path / "prompts.jsonl"
         rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(num_prompts)]
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -128,7 +131,14 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, t
             build_reward, RewardConfig(**{"rm_type": "random", "num_workers": 1, **(reward or {})})
         )
         # Engine i on "GPU" i: colocated, it reads the tensor handles of trainer rank i.
-        engines = [start_engine("--model-path", str(model), "--base-gpu-id", str(i)) for i in range(num_engines)]
+        ports = [_free_pair() if receivers else None for _ in range(num_engines)]
+        engines = [start_engine("--model-path", str(model), "--base-gpu-id", str(i), port=port)
+                   for i, port in enumerate(ports)]  # fmt: skip
+        if receivers:  # beside each engine, on its port + 1: the weights stream through them
+            for url, port in zip(engines, ports, strict=True):
+                proc = service_process("receiver", "--engine-url", url, "--port", str(port + 1), "--timeout-s", "60")
+                wait_healthy(proc, f"http://127.0.0.1:{port + 1}")
+            gateway["weight_receiver_port_offset"] = 1
         thread = grpc_service(build_rollout, RolloutConfig(**{
             "engine_urls": engines, "buffer_addr": buffer_service.address, "reward_addr": reward_service.address,
             "rollout_max_response_len": 8, "rollout_concurrency": 8, "rollout_health_check_interval": 0.5, **gateway,
@@ -143,6 +153,16 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, t
         )
 
     return make
+
+
+def _free_pair() -> int:
+    """A free port whose next one is free too (an engine and its receiver)."""
+    for _ in range(100):
+        port = free_port()
+        if port < 65535:
+            with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port + 1)):
+                return port
+    raise RuntimeError("no two free ports in a row")
 
 
 @pytest.fixture

@@ -112,6 +112,9 @@ LAYOUTS = {  # family, and the trainer's parallelism (torchrun's processes: TP x
     "qwen3-pp2": ("qwen3", ["--pipeline-model-parallel-size", "2"]),
     "qwen3-pp2-tp2": ("qwen3", ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     "qwen3-tied-pp2": ("qwen3", ["--pipeline-model-parallel-size", "2"]),  # the first and last stages share a weight
+    "qwen3-streamed": ("qwen3", []),  # through the weight receivers beside the engines (one control call per sync)
+    "qwen3-tp2-streamed": ("qwen3", ["--tensor-model-parallel-size", "2"]),
+    "qwen3-pp2-streamed": ("qwen3", ["--pipeline-model-parallel-size", "2"]),  # a plan per stage, one after the other
     "deepseek-v3-ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
     "qwen3-tp2-colocated": ("qwen3", ["--tensor-model-parallel-size", "2", "--colocate"]),
 }
@@ -143,7 +146,7 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
         if layout in UNTIED_QWEN3
         else write_tiny_model(tmp_path / arch, arch=arch, tie_word_embeddings="tied" in layout)
     )
-    system = make_system(num_engines=2, model=model)
+    system = make_system(num_engines=2, model=model, receivers="streamed" in layout)
     system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
     trainer = service_process(
         "trainer", "--port", "0", "--metrics-port", "null", "--hf-checkpoint", str(model),
@@ -156,6 +159,7 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
     assert trainer.wait(timeout_s=300) == 0, trainer.log[-4000:]
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(abort_in_flight=True), timeout=60)
     assert "weights of version 2 sent to 2 engine(s)" in trainer.log
+    assert ("engine(s) (streamed)" in trainer.log) == ("streamed" in layout)
     exported = _exported(tmp_path / "hf")
     trained = "model.layers.0.self_attn.o_proj.weight"
     assert not torch.equal(exported[trained], load_file(model / "model.safetensors")[trained])
