@@ -4,6 +4,7 @@ and temporary run folders."""
 import asyncio
 import contextlib
 import faulthandler
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -27,12 +28,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 EXIT_GRACE_S = 60
+_children: dict[int, str] = {}  # each multiprocessing child's pid → the test after which it was first seen
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    for child in multiprocessing.active_children():
+        _children.setdefault(child.pid, f"{item.nodeid} ({child.name}, daemon={child.daemon})")
 
 
 def pytest_unconfigure(config):
-    """A session still alive a minute after its summary waits on something a test left running (a thread that is
-    not a daemon, a child process it joins at exit): it prints what is left and where every thread is, and fails,
+    """A multiprocessing child still running at the end (a test's that outlived it) would be joined forever by
+    multiprocessing at exit: it is named and killed. A session still alive a minute later waits on something else a
+    test left running (a thread that is not a daemon): it prints what is left and where every thread is, and fails,
     where it would hang until CI's deadline."""
+    for child in multiprocessing.active_children():
+        print(f"a test left a process running: pid {child.pid}, first seen after {_children.get(child.pid, '?')}; "
+              "killed", file=sys.stderr)  # fmt: skip
+        child.kill()
+        child.join(10)
 
     def report() -> None:
         import psutil

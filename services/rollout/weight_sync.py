@@ -67,6 +67,7 @@ class WeightSync:
         self._deadline: asyncio.TimerHandle | None = None
         self.aborted: asyncio.Future | None = None  # of the open sync: resolves with the reason when it is aborted
         self.delivering = asyncio.Lock()  # buckets reach the engines in turn, whichever sender sent them
+        self.deliveries: set[asyncio.Future] = set()  # buckets being loaded: a Prepare waits for them (below)
         self.transport: Transport = choose("nccl", [], None)  # of the open sync
 
     async def prepare(self, version: int, sources: list[tuple[str, str, int]], backend: str):
@@ -78,6 +79,10 @@ class WeightSync:
         if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
             await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
         self._watch(0)
+        # A trainer that heard of a failed bucket prepares again at once; buckets posted after it may still be
+        # loading, and the one whose failure took the group down evicts the engine at fault once it ends.
+        if self.deliveries:
+            await asyncio.wait(set(self.deliveries))
         if self.version == version and self.group is not None:  # the trainer lost the group (it could not join)
             if self._joining is not None:
                 self._joining.cancel()
@@ -158,6 +163,8 @@ class WeightSync:
                 return done
             not_joined = await self._joined()
             loading = asyncio.ensure_future(self._deliver(bucket.index, self.group, *request, not_joined))
+            self.deliveries.add(loading)
+            loading.add_done_callback(self.deliveries.discard)
             if not self.transport.ordered:
                 await asyncio.wait({loading})
             return loading

@@ -100,10 +100,6 @@ class WeightSender:
         and the others get the weights from the start; when every attempt lost engines (none can take the policy),
         raises WeightSyncFailed with their errors. Other failures leave the engines on their version and return
         False: training goes on, and the next sync starts afresh."""
-        if self.layout is None and not self.config.colocate:
-            # The buckets' specs, which a streamed sync sends first: the first sync iterates the weights once more
-            # to learn them (every rank: the gathers are collective); every sync then fills the buckets as they say.
-            _drain(self._buckets(self.weights()))
         for attempt in range(1, ATTEMPTS + 1):
             buckets = self._buckets(self.weights())
             failure = self._attempt(version, buckets) if self.sender else self._follow(buckets)

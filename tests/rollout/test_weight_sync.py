@@ -267,9 +267,10 @@ def _engines(system) -> dict:
     return {e.url: e for e in system.gateway.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10).engines}
 
 
+@pytest.mark.parametrize("path", ["broadcast", "streamed"])
 def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(make_system, start_engine, tiny_model,
-                                                                             caplog):  # fmt: skip
-    system = make_system(num_engines=2)
+                                                                             caplog, path):  # fmt: skip
+    system = make_system(num_engines=2, receivers=path == "streamed")
     hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
     victim, survivor = system.engines
     sent = {n: t + 0.25 for n, t in hf.items()}
@@ -292,12 +293,15 @@ def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(mak
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 1
 
 
+@pytest.mark.parametrize("path", ["broadcast", "streamed"])
 @pytest.mark.parametrize("when", ["between-syncs", "mid-sync"])
-def test_a_hung_engine_is_evicted_and_the_others_get_the_weights(make_system, start_engine, tiny_model, when):
+def test_a_hung_engine_is_evicted_and_the_others_get_the_weights(make_system, start_engine, tiny_model, when, path):
     """A hung engine (SIGSTOP) answers nothing and closes no socket, so each call to it waits out its deadline: the
     first such wait evicts it and no later call waits for it again, so every RPC of the sync answers within the
-    trainer's deadline. Hung between syncs (evicted by its health checks), or while it receives a bucket."""
-    system = make_system(num_engines=2, weight_sync_timeout_s=14, rollout_health_check_timeout=2)
+    trainer's deadline. Hung between syncs (evicted by its health checks), or while it receives a bucket (streamed:
+    while its receiver hands it one)."""
+    system = make_system(num_engines=2, weight_sync_timeout_s=14, rollout_health_check_timeout=2,
+                         receivers=path == "streamed")  # fmt: skip
     hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
     victim, survivor = system.engines
     victim_pid = start_engine.procs[victim].proc.pid

@@ -25,7 +25,7 @@ class Streamed(Transport):
     def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict] | None:
         plan = self.plans.setdefault(bucket.group_name, [])
         plan.append({"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes})
-        if len(plan) < bucket.num_buckets:
+        if len(plan) < bucket.num_buckets:  # 0: a plan of one (a sender's first sync, before it knows its plan)
             return None
         del self.plans[bucket.group_name]
         body = {"group_name": bucket.group_name, "buckets": plan}

@@ -2,7 +2,10 @@
 gateway first, then each bucket is broadcast as one uint8 tensor at aligned offsets (`bucket_layout`), with no answer
 awaited between buckets. Two staging buffers: bucket k is written into buffer k % 2 once bucket k - 2's broadcast
 completed (the receivers double-buffer the same way). The gateway answers every bucket, the last once every engine
-loaded the sync; an earlier failure answer ends the sync at once."""
+loaded the sync; an earlier failure answer ends the sync at once.
+
+The first sync of a run knows no plan yet (the buckets are formed as the weights are converted): each bucket goes as
+a plan of its own (num_buckets 0), answered before the next, and the plan is known from then on."""
 
 import contextlib
 import queue
@@ -23,23 +26,32 @@ class Streamed(Transport):
     def __init__(self, *args):
         super().__init__(*args)
         sender, layout = self.sender, self.sender.layout
-        for index, specs in enumerate(layout):  # the plan, at once
+        self.planned = layout is not None
+        for index, specs in enumerate(layout or []):  # the plan, at once
             self.requests.put(rollout_pb2.WeightBucket(
                 version=self.version, bucket_index=index, tensors=specs, group_name=sender.group_name,
                 num_buckets=len(layout),
             ))  # fmt: skip
-        self.expected = len(layout)
+        self.expected = len(layout or [])  # answers still due
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, name="weight-sync-answers", daemon=True).start()
-        size = max((bucket_layout(*_types(specs))[1] for specs in layout), default=0)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.staging = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(layout)))]
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        size = max((bucket_layout(*_types(specs))[1] for specs in layout or []), default=0)
+        self.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.works: list = []  # each bucket's broadcast
 
     def send(self, index: int, specs: list, tensors) -> None:
         if index >= 2:
             self._wait(self.works[index - 2], index - 2)  # its staging buffer is free again
-        flat = flatten_aligned(tensors, *_types(specs), self.staging[index % 2])
+        dtypes, shapes = _types(specs)
+        if not self.planned:  # a plan of its own, answered before the next
+            self.requests.put(rollout_pb2.WeightBucket(version=self.version, bucket_index=index, tensors=specs,
+                                                       group_name=self.sender.group_name))  # fmt: skip
+            self.expected += 1
+            size = bucket_layout(dtypes, shapes)[1]
+            if self.staging[index % 2].numel() < size:
+                self.staging[index % 2] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        flat = flatten_aligned(tensors, dtypes, shapes, self.staging[index % 2])
         self.sender.in_flight = True
         try:
             self.works.append(dist.broadcast(flat, src=0, group=self.sender.group, async_op=True))
@@ -47,11 +59,14 @@ class Streamed(Transport):
             self.sender._drop_group()
             raise EnginesLeft(f"at bucket {index}: {e}") from None
         self.watchdog.progress(f"streaming bucket {index}")
+        if not self.planned:
+            self._wait(self.works[index], index)
+            self._check(self._next_answer(None))
 
     def finish(self) -> None:
         for index, work in enumerate(self.works):
             self._wait(work, index)
-        for _ in range(self.expected):
+        while self.expected:
             self._check(self._next_answer(None))
 
     def _wait(self, work, index: int) -> None:
