@@ -13,7 +13,9 @@ Run (CPU, tiny, to check the script): .venv/bin/python bench/weight_sync.py --sh
 """
 
 import argparse
+import contextlib
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -68,24 +70,43 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path) -> None:
     sys.exit(f"{url} did not come up:\n{log.read_text()[-3000:]}")
 
 
-def start_system(model: Path, folder: Path, cuda: bool, gpu: str) -> tuple[str, str, list]:
-    """A buffer (embedded Redis), one engine (GPU 1 on CUDA) and the gateway; returns (engine URL, gateway addr)."""
+def start_system(model: Path, folder: Path, cuda: bool, gpu: str, streamed: bool) -> tuple[str, str, list]:
+    """A buffer (embedded Redis), one engine (GPU 1 on CUDA), with `streamed` the weight receiver beside it (its port
+    + 1), and the gateway; returns (engine URL, gateway address, processes)."""
     from services.common.clients import wait_until_serving
 
-    engine_port, buffer_port, gateway_port = free_port(), free_port(), free_port()
+    engine_port, buffer_port, gateway_port = free_port_pair(), free_port(), free_port()
+    env = {"CUDA_VISIBLE_DEVICES": gpu} if cuda else None
     device = ["--device", "cuda", "--dtype", "bfloat16"] if cuda else []
     engine = start(["engine", "--model-path", str(model), "--port", str(engine_port), *device], folder / "engine.log",
-                   {"CUDA_VISIBLE_DEVICES": gpu} if cuda else None)  # fmt: skip
+                   env)  # fmt: skip
     buffer = start(["buffer", "--port", str(buffer_port), "--metrics-port", "null", "--output-dir", str(folder)],
                    folder / "buffer.log")  # fmt: skip
     url = f"http://127.0.0.1:{engine_port}"
+    procs = [engine, buffer]
     wait_http(url, engine, folder / "engine.log")
+    receivers = []
+    if streamed:
+        receiver = start(["receiver", "--engine-url", url, "--port", str(engine_port + 1), "--timeout-s", "300",
+                          "--device", "cuda" if cuda else "cpu"], folder / "receiver.log", env)  # fmt: skip
+        procs.append(receiver)
+        wait_http(f"http://127.0.0.1:{engine_port + 1}", receiver, folder / "receiver.log")
+        receivers = ["--weight-receiver-port-offset", "1"]
     gateway = start(["rollout", "--port", str(gateway_port), "--metrics-port", "null", "--engine-urls", url,
-                     "--buffer-addr", f"127.0.0.1:{buffer_port}", "--reward-addr", f"127.0.0.1:{free_port()}"],
-                    folder / "gateway.log")  # fmt: skip
+                     "--buffer-addr", f"127.0.0.1:{buffer_port}", "--reward-addr", f"127.0.0.1:{free_port()}",
+                     *receivers], folder / "gateway.log")  # fmt: skip
     for port in (buffer_port, gateway_port):
         wait_until_serving(f"127.0.0.1:{port}", timeout_s=120)
-    return url, f"127.0.0.1:{gateway_port}", [engine, buffer, gateway]
+    return url, f"127.0.0.1:{gateway_port}", [*procs, gateway]
+
+
+def free_port_pair() -> int:
+    """A free port whose next one is free too (the engine and its receiver)."""
+    for _ in range(100):
+        port = free_port()
+        with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port + 1)):
+            return port
+    raise RuntimeError("no two free ports in a row")
 
 
 def receive_raw(port: int, specs: list, reps: int) -> None:
@@ -163,6 +184,9 @@ def main() -> None:
     parser.add_argument("--load-formats", nargs="+", choices=["per-tensor", "flattened"], default=["per-tensor"],
                         help="each bucket size with each: a broadcast per tensor, or one flattened_bucket")  # fmt: skip
     parser.add_argument("--buckets-in-flight", type=int, default=2, help="--update-weight-buckets-in-flight")
+    parser.add_argument("--streamed", action="store_true",
+                        help="through a weight receiver beside the engine: the plan in one call, the buckets streamed "
+                             "into SGLang's /update_weights_from_ipc route (the reference engine's)")  # fmt: skip
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < 2 and not args.colocate:
@@ -179,7 +203,7 @@ def main() -> None:
         moe_step.write_model(model_dir, shape)
     else:
         write_model(model_dir, shape, "cuda" if cuda else "cpu", tie=True)
-    url, gateway, procs = start_system(model_dir, folder, cuda, gpu="0" if args.colocate else "1")
+    url, gateway, procs = start_system(model_dir, folder, cuda, "0" if args.colocate else "1", args.streamed)
     try:
         init_parallel(1, 1)
         model, gpt = load_gpt_model(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -245,6 +269,7 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
           f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
     formats = f" --load-formats {' '.join(args.load_formats)}" if args.load_formats != ["per-tensor"] else ""
     formats += f" --buckets-in-flight {args.buckets_in_flight}" if args.buckets_in_flight != 2 else ""
+    formats += " --streamed" if args.streamed else ""
     print(f"command: python bench/weight_sync.py --shape {args.shape} --bucket-mib "
           f"{' '.join(f'{mib:g}' for mib in args.bucket_mib)} --syncs {args.syncs}{formats}\n")  # fmt: skip
     print("| path | bucket | buckets | time (median, min) | GB/s (best) | share of raw (median, best) | "
@@ -257,7 +282,8 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
         parts = " / ".join(f"{statistics.median(p[k] for p in phases) * 1e3:.1f}"
                            for k in ("prepare_s", "send_s", "commit_s"))  # fmt: skip
         median = statistics.median(times)
-        print(f"| end to end, {load_format} | {mib:g} MiB | {len(layout)} | {median * 1e3:.1f} ms, "
+        path = "streamed" if args.streamed else load_format
+        print(f"| end to end, {path} | {mib:g} MiB | {len(layout)} | {median * 1e3:.1f} ms, "
               f"{min(times) * 1e3:.1f} ms | {gb / min(times):.1f} | {raw_median / median:.0%}, "
               f"{best_raw / min(times):.0%} | {parts} ms |")  # fmt: skip
 
