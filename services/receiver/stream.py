@@ -75,9 +75,9 @@ class Sync:
     has loaded them all, or raises saying why not."""
 
     def __init__(self, group, cancelled: threading.Event, buckets: list[Bucket], buffers: Buffers, engine_url: str,
-                 headers: dict, version: str | None, flush_cache: bool, timeout_s: float):  # fmt: skip
+                 client: httpx.Client, version: str | None, flush_cache: bool, timeout_s: float):  # fmt: skip
         self.group, self.cancelled, self.buckets, self.buffers = group, cancelled, buckets, buffers
-        self.engine_url, self.headers, self.version, self.flush_cache = engine_url, headers, version, flush_cache
+        self.engine_url, self.client, self.version, self.flush_cache = engine_url, client, version, flush_cache
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.sockets: list[zmq.Socket] = []
@@ -136,8 +136,7 @@ class Sync:
     def _post(self, handles: dict) -> dict:
         body = ipc_request(handles, self.flush_cache, self.version)
         try:
-            reply = httpx.post(f"{self.engine_url}/update_weights_from_ipc", json=body, headers=self.headers,
-                               timeout=self.timeout_s)  # fmt: skip
+            reply = self.client.post(f"{self.engine_url}/update_weights_from_ipc", json=body, timeout=self.timeout_s)
             return reply.json() if reply.content else {"success": reply.is_success, "message": reply.reason_phrase}
         except (httpx.HTTPError, ValueError) as e:
             return {"success": False, "message": f"{type(e).__name__}: {e}"}
