@@ -144,6 +144,18 @@ def test_train_runs_the_demo_on_an_moe_checkpoint(service_process, tmp_path, arc
 
 
 @pytest.mark.timeout(600)
+def test_train_streams_the_weights_through_a_receiver_beside_each_launched_engine(service_process, tmp_path):
+    """--weight-receiver-port-offset: the gateway starts a weight receiver beside each engine it launches, and every
+    sync streams through them (one control call per sync); they stop with the run."""
+    run = service_process("train", *train_args(tmp_path, steps=3), "--weight-receiver-port-offset", "1")
+    assert run.wait(420) == 0, run.log[-3000:]
+    assert [s["step"] for s in steps_of(tmp_path / "demo")] == [0, 1, 2]
+    trainer_log = (tmp_path / "demo" / "logs" / "trainer.log").read_text()
+    assert "weights of version 3 sent to 1 engine(s) (streamed)" in trainer_log, trainer_log[-3000:]
+    assert wait_gone(tmp_path / "demo") == []
+
+
+@pytest.mark.timeout(600)
 def test_a_failing_service_stops_the_run_and_is_named(service_process, tmp_path):
     run = service_process("train", *train_args(tmp_path, steps=100))
     run_dir = tmp_path / "demo"

@@ -1,12 +1,15 @@
 """Processes the gateway starts itself: engines for `--rollout-num-gpus` (SGLang servers when SGLang is installed,
-else reference engines) and the sglang-router for `--use-router`. Each one logs to `--engine-log-dir`, dies with the
+else reference engines), each with its weight receiver beside it under --weight-receiver-port-offset, and the
+sglang-router for `--use-router`. Each one logs to `--engine-log-dir`, dies with the
 gateway (even when the gateway is SIGKILLed) and is stopped with it."""
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -89,12 +92,16 @@ async def launch_engines(config: RolloutConfig) -> list[Child]:
     if gpus and gpus < config.rollout_num_gpus:
         raise StartupError(f"--rollout-num-gpus {config.rollout_num_gpus} but this machine has {gpus} GPU(s)")
     children = []
+    offset = config.weight_receiver_port_offset
     for index in range(config.rollout_num_gpus // per_engine):
-        port = free_port()
+        port = free_port() if offset is None else _free_pair(offset)
         # Placed by SGLang's --base-gpu-id, every engine seeing the node's GPUs as the trainer does: colocated, it
         # reads the tensor handles of the trainer rank on its GPU (on CPU, engine i those of local rank i).
         args = engine_command(config, port, per_engine, on_gpu=bool(gpus), base_gpu_id=index * per_engine)
         children.append(start(f"engine-{index}", args, port, Path(config.engine_log_dir)))
+        if offset is not None:  # its weight receiver, beside it
+            args = receiver_command(config, port, per_engine, bool(gpus), index * per_engine)
+            children.append(start(f"receiver-{index}", args, port + offset, Path(config.engine_log_dir)))
     try:
         await asyncio.gather(*(wait_ready(c, "/health") for c in children))
     except StartupError:
@@ -117,6 +124,27 @@ def engine_command(config: RolloutConfig, port: int, tp_size: int, on_gpu: bool,
         raise StartupError("the reference engine runs without tensor parallelism; set --rollout-num-gpus-per-engine 1")
     device = ["--device", "cuda"] if on_gpu else []
     return [sys.executable, "-m", "services.rollout.engine", *common, *device, *config.sglang_args]
+
+
+def receiver_command(config: RolloutConfig, engine_port: int, tp_size: int, on_gpu: bool, base_gpu_id: int) -> list:
+    """`slipstream receiver` for the engine on `engine_port`, on its port + --weight-receiver-port-offset."""
+    port = engine_port + config.weight_receiver_port_offset
+    args = ["--engine-url", f"http://127.0.0.1:{engine_port}", "--port", str(port),
+            "--device", "cuda" if on_gpu else "cpu", "--base-gpu-id", str(base_gpu_id), "--tp-size", str(tp_size),
+            "--timeout-s", str(config.weight_sync_timeout_s)]  # fmt: skip
+    if config.engine_api_key_file is not None:
+        args += ["--engine-api-key", config.engine_api_key()]
+    return [sys.executable, "-m", "services.receiver", *args]
+
+
+def _free_pair(offset: int) -> int:
+    """A free port whose port + `offset` is free too (an engine and its receiver)."""
+    for _ in range(100):
+        port = free_port()
+        if 0 < port + offset < 65536:
+            with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port + offset)):
+                return port
+    raise StartupError(f"no free port whose port + {offset} (--weight-receiver-port-offset) is free too")
 
 
 async def launch_router(config: RolloutConfig) -> Child:
