@@ -33,6 +33,7 @@ TRAIN = "train"
 MAX_LEASE_S = 7 * 24 * 3600
 ATTEMPTS = 20  # of a transition that other buffer processes keep moving the state under
 BATCH_POLL_S = 0.25  # GetBatch looks for groups submitted to other buffer processes this often
+FOLLOW_IDLE_S = 1.0  # the submits are followed until this long after the last GetBatch stopped waiting
 
 
 @dataclass
@@ -76,6 +77,9 @@ class Buffer:
     buffer_filter: object = None
     _reading: asyncio.Lock = field(default_factory=asyncio.Lock)  # the prompt streams have one reader at a time
     _submitted: asyncio.Event = field(default_factory=asyncio.Event)
+    _batch_waits: int = 0  # GetBatch calls of this process waiting for groups: the submits are followed meanwhile
+    _wanted: asyncio.Event = field(default_factory=asyncio.Event)  # set while there are some
+    _following: asyncio.Event = field(default_factory=asyncio.Event)  # set while subscribed to the submits
     _eval_samples: dict[str, int] = field(default_factory=dict)  # each eval set's samples per prompt
 
     def __post_init__(self) -> None:
@@ -294,6 +298,16 @@ class Buffer:
     async def _make_batch(self, step: int, timeout_s: float) -> list[str]:
         """Step `step`'s groups: its batch, made now if it has none yet (by this or another request or buffer
         process)."""
+        following: list[bool] = []  # not empty once this call follows the submits
+        try:
+            return await self._batch(step, timeout_s, following)
+        finally:
+            if following:
+                self._batch_waits -= 1
+                if not self._batch_waits:
+                    self._wanted.clear()
+
+    async def _batch(self, step: int, timeout_s: float, following: list[bool]) -> list[str]:
         num_rollout = self.config.num_rollout
         deadline = time.monotonic() + timeout_s
         batch_size = self.config.rollout_batch_size
@@ -329,6 +343,13 @@ class Buffer:
                     f"step {step}: only {len(eligible)} of {batch_size} groups were ready after {timeout_s:.0f}s "
                     f"({sizes['leased']} leased, {sizes['pending']} waiting for a worker); are rollout workers running?"
                 )
+            if not following:  # the submits wake it from now on; then it looks again, so that none is missed
+                following.append(True)
+                self._batch_waits += 1
+                self._wanted.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._following.wait(), min(remaining, BATCH_POLL_S))
+                continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._submitted.wait(), min(remaining, BATCH_POLL_S))
 
@@ -448,17 +469,23 @@ class Buffer:
 
     async def follow_submits(self) -> None:
         """Wakes a GetBatch waiting for groups the moment one is completed: by this process, another buffer process
-        or a worker completing it in Redis itself (the submit script publishes each). While Redis is away, GetBatch
-        still looks every BATCH_POLL_S."""
+        or a worker completing it in Redis itself (the submit script publishes each). It listens only while a GetBatch
+        of this process waits: every submit is published to every buffer process, and a busy one would read them all.
+        While Redis is away, GetBatch still looks every BATCH_POLL_S."""
         while True:
+            await self._wanted.wait()
             try:
                 async with self.store.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.store.key("submitted"))
-                    async for _ in pubsub.listen():
-                        self._submitted.set()
+                    self._following.set()
+                    while self._wanted.is_set():
+                        if await pubsub.get_message(ignore_subscribe_messages=True, timeout=FOLLOW_IDLE_S):
+                            self._submitted.set()
             except RedisError as e:
                 log.debug("following submits: %s; subscribing again", e)
-            await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0)
+            finally:
+                self._following.clear()
 
 
 def partition(tokens: list[int], num_parts: int, balance: bool) -> list[list[int]]:

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
+from services.buffer import core
 from services.buffer.groups import complete_in_redis
 from services.buffer.store import BufferStore
 from services.common.errors import InvalidArgument, NotFound
@@ -80,23 +81,29 @@ async def test_bad_groups_and_unknown_leases_are_refused_and_nothing_is_written(
     assert not await store.redis.keys(f"{store.ns}:upload:*") and not await store.redis.keys(f"{store.ns}:arrays:*")
 
 
-async def test_a_waiting_batch_is_told_of_each_group(make_buffer, worker_store):
-    """The submit script publishes each completed group; the buffer, following them, wakes a waiting GetBatch at
-    once rather than at its next look (BATCH_POLL_S), whichever process completed the group."""
+async def test_a_waiting_batch_is_told_of_each_group(make_buffer, worker_store, monkeypatch):
+    """The submit script publishes each completed group; the buffer, following them while a GetBatch waits, wakes it
+    at once rather than at its next look, whichever process completed the group (its looks are made minutes apart
+    here, so only the message can wake it). Nobody waiting, it does not listen: every buffer process would read every
+    submit."""
+    monkeypatch.setattr(core, "BATCH_POLL_S", 300.0)
     buffer = await make_buffer(rollout_batch_size=1)
     store = worker_store(buffer)
+    channel = buffer.store.key("submitted")
     following = asyncio.create_task(buffer.follow_submits())
     try:
         (leased,) = (await buffer.lease(1, 0, "")).leases
-        channel = buffer.store.key("submitted")
-        while (await store.redis.pubsub_numsub(channel))[0][1] < 1:  # a message sent before would not be seen
+        assert (await store.redis.pubsub_numsub(channel))[0][1] == 0
+        waiting = asyncio.create_task(buffer.get_batch(0, 0, 1, 240))
+        while (await store.redis.pubsub_numsub(channel))[0][1] < 1:
             await asyncio.sleep(0.05)
-        buffer._submitted.clear()
         await complete_in_redis(store, as_lease(buffer, leased), finish(leased.group, [0.0, 1.0]))
-        await asyncio.wait_for(buffer._submitted.wait(), 30)  # set by the message: nothing else sets it here
+        batch = await asyncio.wait_for(waiting, 60)
+        assert [g.group_id for g in batch.groups] == [leased.group.group_id]
+        while (await store.redis.pubsub_numsub(channel))[0][1] > 0:  # nobody waits: it stops listening
+            await asyncio.sleep(0.05)
     finally:
         following.cancel()
-    assert [g.group_id for g in (await buffer.get_batch(0, 0, 1, 5)).groups] == [leased.group.group_id]
 
 
 async def test_a_redis_that_lost_its_scripts_is_given_them_again(make_buffer, worker_store):
