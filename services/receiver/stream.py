@@ -121,6 +121,9 @@ class Sync:
             wait_for([dist.broadcast(first, src=0, group=self.group, async_op=True)], self.cancelled, self.deadline)
             for other in others:  # the engine's other GPUs: their own copy, from this one
                 other.copy_(first)
+            for tensor in self.buffers.tensors:  # on the GPU before the engine reads it
+                if tensor.is_cuda:
+                    torch.cuda.synchronize(tensor.device)
             if index:
                 self._answers()  # the engine loaded the previous bucket: this half is free again after the next
             specs = zip(bucket.names, bucket.dtypes, bucket.shapes, offsets, strict=True)
