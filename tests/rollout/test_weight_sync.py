@@ -126,7 +126,7 @@ def _processes(parallel: list[str]) -> int:
 
 
 UNTIED_QWEN3 = {name for name, (arch, _) in LAYOUTS.items() if arch == "qwen3" and "tied" not in name}
-SLOW_LAYOUTS = {"qwen3-pp2-tp2"}  # both of its parts run in `make test`; the two together in `make test-slow`
+SLOW_LAYOUTS = {"qwen3-pp2-tp2", "qwen3-tp2-streamed"}  # both of its parts run in `make test`; the two together in `make test-slow`
 
 
 @pytest.mark.parametrize(
@@ -293,8 +293,8 @@ def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(mak
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 1
 
 
-@pytest.mark.parametrize("path", ["broadcast", "streamed"])
-@pytest.mark.parametrize("when", ["between-syncs", "mid-sync"])
+@pytest.mark.parametrize(("when", "path"), [("between-syncs", "broadcast"), ("mid-sync", "broadcast"),
+                                             ("mid-sync", "streamed")])  # fmt: skip
 def test_a_hung_engine_is_evicted_and_the_others_get_the_weights(make_system, start_engine, tiny_model, when, path):
     """A hung engine (SIGSTOP) answers nothing and closes no socket, so each call to it waits out its deadline: the
     first such wait evicts it and no later call waits for it again, so every RPC of the sync answers within the
