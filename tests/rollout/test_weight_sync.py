@@ -126,7 +126,8 @@ def _processes(parallel: list[str]) -> int:
 
 
 UNTIED_QWEN3 = {name for name, (arch, _) in LAYOUTS.items() if arch == "qwen3" and "tied" not in name}
-SLOW_LAYOUTS = {"qwen3-pp2-tp2", "qwen3-tp2-streamed"}  # both of its parts run in `make test`; the two together in `make test-slow`
+# Each one's parts run in `make test` (PP=2, TP=2, streamed), the two together in `make test-slow`.
+SLOW_LAYOUTS = {"qwen3-pp2-tp2", "qwen3-tp2-streamed"}
 
 
 @pytest.mark.parametrize(
