@@ -1,0 +1,43 @@
+"""The gateway's weight-sync transports: which one a sync takes, and where a streamed sync's receivers are."""
+
+from types import SimpleNamespace
+
+from services.rollout.transports import Bucket, choose
+from services.rollout.transports.streamed import receiver_url
+
+
+def _engine(url: str, ordered: bool = True, tp: int = 2):
+    return SimpleNamespace(url=url, ordered_buckets=ordered, tp_size=tp, gpus=(0,))
+
+
+def test_each_sync_takes_the_transport_its_setting_says():
+    engines = [_engine("http://a:30000"), _engine("http://b:30000", ordered=False)]
+    assert choose("ipc", engines, 1).name == "handles"  # colocated, whatever else is set
+    assert choose("nccl", engines, 100).name == "streamed"
+    broadcast = choose("nccl", engines, None)
+    assert broadcast.name == "broadcast" and not broadcast.ordered  # one engine takes one bucket at a time
+    assert choose("gloo", engines[:1], None).ordered
+
+
+def test_a_receiver_is_on_its_engines_host_at_the_offset_port():
+    assert receiver_url("http://engine-0:30000", 1) == "http://engine-0:30001"
+    assert receiver_url("https://10.0.0.7:443/", 100) == "https://10.0.0.7:543"
+    assert receiver_url("http://[fd00::1]:30000", -1000) == "http://[fd00::1]:29000"
+    assert receiver_url("http://engine", 30000) == "http://engine:30080"  # the scheme's port
+
+
+def test_a_streamed_sync_delivers_each_senders_plan_once_it_is_complete():
+    streamed = choose("nccl", [], 1)
+    engines = [_engine("http://a:30000", tp=2)]
+    assert streamed.member(engines[0]) == ("http://a:30001", 1)  # one rank per engine, whatever its TP size
+    first = Bucket(0, ["w1"], ["bfloat16"], [[2, 2]], group_name="g0", num_buckets=2)
+    other = Bucket(0, ["v"], ["float32"], [[3]], group_name="g1", num_buckets=1)
+    assert streamed.requests(engines, first) is None  # the plan of g0 is not complete yet
+    assert streamed.requests(engines, other)[1]["http://a:30000"]["buckets"] == [
+        {"names": ["v"], "dtypes": ["float32"], "shapes": [[3]]}
+    ]
+    path, bodies = streamed.requests(engines, Bucket(1, ["w2"], ["bfloat16"], [[4]], group_name="g0", num_buckets=2))
+    assert path == "/receive_weights"
+    assert [b["names"] for b in bodies["http://a:30000"]["buckets"]] == [["w1"], ["w2"]]
+    unplanned = Bucket(0, ["w1"], ["bfloat16"], [[2, 2]], group_name="g0")  # a sender's first sync: a plan of one
+    assert len(streamed.requests(engines, unplanned)[1]["http://a:30000"]["buckets"]) == 1
