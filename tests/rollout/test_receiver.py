@@ -69,7 +69,8 @@ def _weights_of(url: str, name: str) -> torch.Tensor:
 def test_a_streamed_sync_reaches_the_engine_through_its_ipc_route(start_engine, service_process, free_port,
                                                                    tiny_model):  # fmt: skip
     """Two syncs over one group, in buckets of three tensors (double-buffered): the engine ends with exactly the
-    sent tensors, every one by its checkpoint name, under the sync's version."""
+    sent tensors, every one by its checkpoint name, under the sync's version. The engine's route takes only an
+    address for its own device, and only a local one."""
     engine = start_engine()
     receiver = _start_receiver(service_process, free_port, engine)
     hf = load_file(tiny_model / "model.safetensors")
@@ -82,6 +83,10 @@ def test_a_streamed_sync_reaches_the_engine_through_its_ipc_route(start_engine, 
         for name, tensor in sent.items():
             assert torch.equal(_weights_of(engine, name), tensor), name
     torch.distributed.destroy_process_group(group)
+    for handles, reason in (({"GPU-0": "ipc://@x"}, "no address for this engine's device 'cpu'"),
+                            ({"cpu": "tcp://10.0.0.1:5555"}, "must be a local ipc:// address")):  # fmt: skip
+        reply = httpx.post(f"{engine}/update_weights_from_ipc", json={"zmq_handles": handles}, timeout=30)
+        assert reply.status_code == 400 and reason in reply.json()["message"], reply.text
 
 
 def test_a_bucket_the_engine_cannot_load_fails_the_sync_naming_it_and_the_next_sync_works(start_engine,
