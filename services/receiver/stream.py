@@ -85,6 +85,8 @@ class Sync:
         self.call: Future | None = None
 
     def run(self) -> None:
+        if self.buffers.devices[0].type == "cuda":  # this thread's collectives and copies run on the engine's GPU
+            torch.cuda.set_device(self.buffers.devices[0])
         self.buffers.fit(max((bucket.layout[1] for bucket in self.buckets), default=0))
         context = zmq.Context.instance()
         handles = {}
