@@ -44,6 +44,9 @@ def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
 LAYOUTS = {  # name: (GPUs needed, flags)
     "sync": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1"]),
     "async1": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--async-buffer-size", "1"]),
+    # through a weight receiver beside the engine (its GPU): NCCL to the receiver, CUDA IPC into the engine
+    "streamed": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1",
+                     "--weight-receiver-port-offset", "1"]),
     "colocated": (1, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--colocate"]),
     "colocated-2gpu": (2, ["--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "2", "--colocate",
                            "--use-distributed-optimizer"]),
@@ -74,6 +77,7 @@ def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, m
     engines = int(flags[flags.index("--rollout-num-gpus") + 1])
     for version in range(1, STEPS + 1):  # every step's weights reached the engines, which serve them
         assert f"weights of version {version} sent to {engines} engine(s)" in logs["trainer"]
+        assert (f"sent to {engines} engine(s) (streamed)" in logs["trainer"]) == (layout == "streamed")
         assert f"weights of version {version} are live on {engines} engine(s)" in logs["rollout"]
     assert "starting over" not in logs["trainer"]  # no engine failed a sync
     print(f"\n{layout}: {STEPS} steps of 8 prompts x 8 samples, 128-token responses; {torch.cuda.get_device_name(0)}")
