@@ -13,9 +13,7 @@ Run (CPU, tiny, to check the script): .venv/bin/python bench/weight_sync.py --sh
 """
 
 import argparse
-import contextlib
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import moe_step
 from trainer_step import write_model
 
-from services.common.processes import free_port
+from services.common.processes import free_port, free_port_pair
 
 SHAPES = {  # Qwen3-4B: 36 layers, tied embeddings, 4.02 B parameters (8.05 GB in bf16, 398 tensors)
     "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -98,15 +96,6 @@ def start_system(model: Path, folder: Path, cuda: bool, gpu: str, streamed: bool
     for port in (buffer_port, gateway_port):
         wait_until_serving(f"127.0.0.1:{port}", timeout_s=120)
     return url, f"127.0.0.1:{gateway_port}", [*procs, gateway]
-
-
-def free_port_pair() -> int:
-    """A free port whose next one is free too (the engine and its receiver)."""
-    for _ in range(100):
-        port = free_port()
-        with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port + 1)):
-            return port
-    raise RuntimeError("no two free ports in a row")
 
 
 def receive_raw(port: int, specs: list, reps: int) -> None:

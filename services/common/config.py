@@ -8,6 +8,7 @@ import argparse
 import difflib
 import json
 import re
+import sys
 import tomllib
 import types
 import typing
@@ -98,6 +99,17 @@ class ServiceConfig(StrictModel):
 
 
 Config = TypeVar("Config", bound=StrictModel)
+
+
+def command_config(model: type[Config], argv: list[str] | None, name: str) -> Config | None:
+    """The config of `slipstream <name>`; None once each of its problems is printed as `slipstream <name>: error: …`
+    (the command then exits 2)."""
+    try:
+        return load_config(model, argv, prog=f"slipstream {name}")
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            print(f"slipstream {name}: error: {line}", file=sys.stderr)
+        return None
 
 
 def load_config(model: type[Config], argv: list[str] | None, prog: str, description: str = "") -> Config:

@@ -1,6 +1,7 @@
 """Child processes that must not outlive the service that started them (embedded Redis, data workers), and the
 ports they are given."""
 
+import contextlib
 import ctypes
 import functools
 import random
@@ -38,6 +39,16 @@ def free_port(host: str = "127.0.0.1") -> int:
             _HANDED_OUT.add(port)
             return port
     raise OSError(f"no free TCP port on {host or 'any interface'} below {low}")
+
+
+def free_port_pair(offset: int = 1, host: str = "127.0.0.1") -> int:
+    """A free port whose port + `offset` is free too (an engine and the weight receiver beside it)."""
+    for _ in range(100):
+        port = free_port(host)
+        if 0 < port + offset < 65536:
+            with contextlib.suppress(OSError), socket.create_server((host, port + offset)):
+                return port
+    raise OSError(f"no free TCP port on {host} whose port + {offset} is free too")
 
 
 _LOWEST_PORT = 10_000

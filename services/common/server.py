@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import AuthInterceptor, TokenFile
 from services.common.clients import STREAM_WINDOW_BYTES
-from services.common.config import ConfigError, ServiceConfig, load_config
+from services.common.config import ConfigError, ServiceConfig, command_config
 from services.common.errors import StartupError
 from services.common.interceptor import ServiceInterceptor
 from services.common.logs import setup_logging
@@ -164,13 +164,8 @@ Build = Callable[[Any], Awaitable[Service]]
 
 def main_for(name: str, model: type[ServiceConfig], build: Build, argv: list[str] | None) -> int:
     """The whole body of `slipstream <name>`: parse the config, serve until SIGTERM/SIGINT, return the exit code."""
-    try:
-        config = load_config(model, argv, prog=f"slipstream {name}")
-    except ConfigError as e:
-        for line in str(e).splitlines():
-            print(f"slipstream {name}: error: {line}", file=sys.stderr)
-        return 2
-    return run_service(build, config)
+    config = command_config(model, argv, name)
+    return 2 if config is None else run_service(build, config)
 
 
 def run_service(build: Build, config: ServiceConfig) -> int:

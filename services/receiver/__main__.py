@@ -2,18 +2,15 @@
 
 import sys
 
-from services.common.config import ConfigError, load_config
+from services.common.config import command_config
 from services.receiver.config import ReceiverConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = load_config(ReceiverConfig, argv, prog="slipstream receiver")
-    except ConfigError as e:
-        for line in str(e).splitlines():
-            print(f"slipstream receiver: error: {line}", file=sys.stderr)
+    config = command_config(ReceiverConfig, argv, "receiver")
+    if config is None:
         return 2
-    from services.receiver.server import serve
+    from services.receiver.server import serve  # torch: after the settings are read, so that --help is instant
 
     return serve(config)
 

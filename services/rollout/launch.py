@@ -4,12 +4,10 @@ sglang-router for `--use-router`. Each one logs to `--engine-log-dir`, dies with
 gateway (even when the gateway is SIGKILLed) and is stopped with it."""
 
 import asyncio
-import contextlib
 import importlib.util
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -18,7 +16,7 @@ from pathlib import Path
 import aiohttp
 
 from services.common.errors import StartupError
-from services.common.processes import die_with_parent, free_port
+from services.common.processes import die_with_parent, free_port, free_port_pair
 from services.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -94,7 +92,7 @@ async def launch_engines(config: RolloutConfig) -> list[Child]:
     children = []
     offset = config.weight_receiver_port_offset
     for index in range(config.rollout_num_gpus // per_engine):
-        port = free_port() if offset is None else _free_pair(offset)
+        port = free_port() if offset is None else free_port_pair(offset)
         # Placed by SGLang's --base-gpu-id, every engine seeing the node's GPUs as the trainer does: colocated, it
         # reads the tensor handles of the trainer rank on its GPU (on CPU, engine i those of local rank i).
         args = engine_command(config, port, per_engine, on_gpu=bool(gpus), base_gpu_id=index * per_engine)
@@ -135,16 +133,6 @@ def receiver_command(config: RolloutConfig, engine_port: int, tp_size: int, on_g
     if config.engine_api_key_file is not None:
         args += ["--engine-api-key", config.engine_api_key()]
     return [sys.executable, "-m", "services.receiver", *args]
-
-
-def _free_pair(offset: int) -> int:
-    """A free port whose port + `offset` is free too (an engine and its receiver)."""
-    for _ in range(100):
-        port = free_port()
-        if 0 < port + offset < 65536:
-            with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port + offset)):
-                return port
-    raise StartupError(f"no free port whose port + {offset} (--weight-receiver-port-offset) is free too")
 
 
 async def launch_router(config: RolloutConfig) -> Child:

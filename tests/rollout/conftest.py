@@ -1,10 +1,8 @@
 """Rollout fixtures: a tiny Qwen3 checkpoint and real `slipstream engine` processes serving it."""
 
 import asyncio
-import contextlib
 import json
 import re
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,7 +13,7 @@ import pytest
 
 from services.buffer.config import BufferConfig
 from services.buffer.server import build as build_buffer
-from services.common.processes import free_port
+from services.common.processes import free_port, free_port_pair
 from services.common.tiny_checkpoint import write_tiny_model
 from services.reward.config import RewardConfig
 from services.reward.server import build as build_reward
@@ -28,6 +26,14 @@ from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+def weights_of(url: str, name: str):
+    """An engine's tensor `name` (its checkpoint name), whole."""
+    import torch
+
+    values = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**9}, timeout=30).json()
+    return torch.tensor(values)
 
 
 def wait_healthy(proc, url: str) -> str:
@@ -131,7 +137,7 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, s
             build_reward, RewardConfig(**{"rm_type": "random", "num_workers": 1, **(reward or {})})
         )
         # Engine i on "GPU" i: colocated, it reads the tensor handles of trainer rank i.
-        ports = [_free_pair() if receivers else None for _ in range(num_engines)]
+        ports = [free_port_pair() if receivers else None for _ in range(num_engines)]
         engines = [start_engine("--model-path", str(model), "--base-gpu-id", str(i), port=port)
                    for i, port in enumerate(ports)]  # fmt: skip
         if receivers:  # beside each engine, on its port + 1: the weights stream through them
@@ -153,16 +159,6 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, s
         )
 
     return make
-
-
-def _free_pair() -> int:
-    """A free port whose next one is free too (an engine and its receiver)."""
-    for _ in range(100):
-        port = free_port()
-        if port < 65535:
-            with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port + 1)):
-                return port
-    raise RuntimeError("no two free ports in a row")
 
 
 @pytest.fixture

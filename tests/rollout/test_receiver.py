@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.weight_group import bucket_layout, flatten_aligned, init_custom_process_group
-from tests.rollout.conftest import wait_healthy
+from tests.rollout.conftest import wait_healthy, weights_of
 
 
 def _start_receiver(service_process, free_port, engine_url: str) -> str:
@@ -61,11 +61,6 @@ def _stream(receiver: str, tensors: dict, plan: list[list[str]], version: str, g
     return group, answer["reply"]
 
 
-def _weights_of(url: str, name: str) -> torch.Tensor:
-    values = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**9}, timeout=30).json()
-    return torch.tensor(values)
-
-
 def test_a_streamed_sync_reaches_the_engine_through_its_ipc_route(start_engine, service_process, free_port,
                                                                    tiny_model):  # fmt: skip
     """Two syncs over one group, in buckets of three tensors (double-buffered): the engine ends with exactly the
@@ -81,7 +76,7 @@ def test_a_streamed_sync_reaches_the_engine_through_its_ipc_route(start_engine, 
         assert reply.status_code == 200, reply.text
         assert httpx.get(f"{engine}/model_info", timeout=10).json()["weight_version"] == str(version)
         for name, tensor in sent.items():
-            assert torch.equal(_weights_of(engine, name), tensor), name
+            assert torch.equal(weights_of(engine, name), tensor), name
     torch.distributed.destroy_process_group(group)
     for handles, reason in (({"GPU-0": "ipc://@x"}, "no address for this engine's device 'cpu'"),
                             ({"cpu": "tcp://10.0.0.1:5555"}, "must be a local ipc:// address")):  # fmt: skip
@@ -106,5 +101,5 @@ def test_a_bucket_the_engine_cannot_load_fails_the_sync_naming_it_and_the_next_s
     group, reply = _stream(receiver, sent, _plan(sent, 4), "2", name="g2")
     assert reply.status_code == 200, reply.text
     for name, tensor in sent.items():
-        assert torch.equal(_weights_of(engine, name), tensor), name
+        assert torch.equal(weights_of(engine, name), tensor), name
     torch.distributed.destroy_process_group(group)

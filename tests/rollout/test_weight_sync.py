@@ -28,7 +28,7 @@ from services.rollout.engines import Engine
 from services.rollout.transports.handles import _handed_over
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
-from tests.rollout.conftest import get_batch, wait_completed
+from tests.rollout.conftest import get_batch, wait_completed, weights_of
 
 
 def _sync(system, port: int, version: int, tensors: dict[str, torch.Tensor], bucket_size: int = 3) -> tuple:
@@ -58,11 +58,6 @@ def _sync(system, port: int, version: int, tensors: dict[str, torch.Tensor], buc
     return prepared, results, committed
 
 
-def _weights_of(url: str, name: str) -> torch.Tensor:
-    values = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**9}, timeout=30).json()
-    return torch.tensor(values)
-
-
 def test_engines_load_the_sent_weights_and_serve_the_new_version(make_system, free_port, tiny_model):
     system = make_system(num_engines=2)
     hf = load_file(tiny_model / "model.safetensors")
@@ -76,7 +71,7 @@ def test_engines_load_the_sent_weights_and_serve_the_new_version(make_system, fr
         assert all(e.success for e in committed.engines)
         for url in system.engines:
             for name in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight", "model.norm.weight"):
-                assert torch.equal(_weights_of(url, name), sent[name])  # bit for bit
+                assert torch.equal(weights_of(url, name), sent[name])  # bit for bit
             info = httpx.get(f"{url}/model_info", timeout=10).json()
             assert info["weight_version"] == str(version)
         state = system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
@@ -100,7 +95,7 @@ def test_an_moe_engine_loads_every_expert_by_the_checkpoints_names(make_system, 
     experts = [name for name in sent if ".mlp.experts." in name or name.endswith("mlp.gate.weight")]
     assert len(experts) == 2 * (8 * 3 + 1)  # 2 layers: 8 experts of 3 projections, and the router
     for name in experts:
-        assert torch.equal(_weights_of(system.engines[0], name), sent[name]), name
+        assert torch.equal(weights_of(system.engines[0], name), sent[name]), name
 
 
 LAYOUTS = {  # family, and the trainer's parallelism (torchrun's processes: TP x EP)
@@ -167,7 +162,7 @@ def test_the_trainer_sends_its_weights_after_each_step(make_system, service_proc
     for url in system.engines:
         assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "2"
         for name, tensor in exported.items():
-            assert torch.equal(_weights_of(url, name), tensor), name
+            assert torch.equal(weights_of(url, name), tensor), name
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
     if "tied" in layout:  # one weight, sent and exported once, whose two copies (first and last stage) stay equal
         assert "lm_head.weight" not in exported
@@ -201,7 +196,7 @@ def test_a_late_engine_gets_the_full_weights_and_100_syncs_leak_nothing(make_sys
     assert prepared.group_created and prepared.world_size == 3
     for url in (system.engines[0], late):
         assert torch.equal(
-            _weights_of(url, "model.layers.0.mlp.up_proj.weight"), sent["model.layers.0.mlp.up_proj.weight"]
+            weights_of(url, "model.layers.0.mlp.up_proj.weight"), sent["model.layers.0.mlp.up_proj.weight"]
         )
     pid = start_engine.procs[late].proc.pid
     small = {"model.norm.weight": hf["model.norm.weight"]}
@@ -290,7 +285,7 @@ def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(mak
     assert engines[victim].state == rollout_pb2.ENGINE_STATE_EVICTED and "weight sync" in engines[victim].last_error
     assert engines[survivor].state == rollout_pb2.ENGINE_STATE_HEALTHY and engines[survivor].weight_version == "1"
     for name in sent:
-        assert torch.equal(_weights_of(survivor, name), sent[name])
+        assert torch.equal(weights_of(survivor, name), sent[name])
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 1
 
 
@@ -332,7 +327,7 @@ def test_a_hung_engine_is_evicted_and_the_others_get_the_weights(make_system, st
     assert engines[victim].state == rollout_pb2.ENGINE_STATE_EVICTED
     assert engines[survivor].state == rollout_pb2.ENGINE_STATE_HEALTHY and engines[survivor].weight_version == "2"
     for name in sent:
-        assert torch.equal(_weights_of(survivor, name), sent[name])
+        assert torch.equal(weights_of(survivor, name), sent[name])
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
 
 
@@ -362,7 +357,7 @@ def test_buckets_in_flight_reach_every_engine_in_the_senders_order(make_system, 
     for url in (system.engines[0], other):
         assert _engines(system)[url].weight_version == "2"
         for name in sent:
-            assert torch.equal(_weights_of(url, name), sent[name]), (url, name)
+            assert torch.equal(weights_of(url, name), sent[name]), (url, name)
 
 
 def test_an_engine_whose_nccl_receive_fails_is_left_out_and_the_others_get_the_weights(make_system, start_engine,
@@ -389,7 +384,7 @@ def test_an_engine_whose_nccl_receive_fails_is_left_out_and_the_others_get_the_w
     assert "Cuda failure 'invalid argument'" in engines[broken].last_error
     assert engines[healthy].state == rollout_pb2.ENGINE_STATE_HEALTHY and engines[healthy].weight_version == "1"
     for name in sent:
-        assert torch.equal(_weights_of(healthy, name), sent[name])
+        assert torch.equal(weights_of(healthy, name), sent[name])
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 1
 
 
@@ -479,7 +474,7 @@ def test_an_engine_that_restarts_is_readmitted_and_given_the_policy_again(make_s
         assert sender.sync(2) and sender.lagging(2) == []
     finally:
         sender.close()
-    assert torch.equal(_weights_of(url, "lm_head.weight"), sent["lm_head.weight"])
+    assert torch.equal(weights_of(url, "lm_head.weight"), sent["lm_head.weight"])
     assert system.rollout.pool.running.is_set()
 
 
@@ -546,7 +541,7 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_engines_on_their_version(make
         sender.close()
     for url in system.engines:
         assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "8"
-        assert torch.equal(_weights_of(url, "lm_head.weight"), sent["lm_head.weight"])
+        assert torch.equal(weights_of(url, "lm_head.weight"), sent["lm_head.weight"])
     assert system.rollout.pool.running.is_set()
 
 
@@ -609,7 +604,7 @@ def test_each_stage_sends_its_own_layers_over_its_own_group(make_system, start_e
     for url in [survivor] if kill else system.engines:
         assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "1"
         for name, tensor in sent.items():
-            assert torch.equal(_weights_of(url, name), tensor), name
+            assert torch.equal(weights_of(url, name), tensor), name
     if kill:
         assert _engines(system)[victim].state == rollout_pb2.ENGINE_STATE_EVICTED
 
@@ -633,7 +628,7 @@ def test_colocated_weights_go_as_tensor_handles_while_the_engines_gave_back_thei
             for url in system.engines:
                 assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == str(version)
                 for name in ("model.layers.1.self_attn.o_proj.weight", "lm_head.weight"):
-                    assert torch.equal(_weights_of(url, name), sent[name])
+                    assert torch.equal(weights_of(url, name), sent[name])
     finally:
         sender.close()
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}

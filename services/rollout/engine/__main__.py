@@ -2,18 +2,15 @@
 
 import sys
 
-from services.common.config import ConfigError, load_config
+from services.common.config import command_config
 from services.rollout.engine.config import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = load_config(EngineConfig, argv, prog="slipstream engine")
-    except ConfigError as e:
-        for line in str(e).splitlines():
-            print(f"slipstream engine: error: {line}", file=sys.stderr)
+    config = command_config(EngineConfig, argv, "engine")
+    if config is None:
         return 2
-    from services.rollout.engine.server import serve
+    from services.rollout.engine.server import serve  # torch: after the settings are read, so that --help is instant
 
     return serve(config)
 
