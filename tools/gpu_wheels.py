@@ -21,11 +21,12 @@ IN_IMAGE = {
 }  # fmt: skip
 # Not needed to run the GPU tests: tools of development here, Parquet data (imported only for .parquet prompts), the
 # TLS tests' certificates and the container tests' clients (both skip there), the run report's plots and W&B (the
-# launcher's options, imported only when asked for), profilers.
+# launcher's options, imported only when asked for), profilers, the manifests' schema check.
 NOT_NEEDED = {"ruff", "grpcio-tools", "hypothesis", "sortedcontainers", "sglang-router", "pyarrow", "truststore",
               "fastapi", "slipstream", "cryptography", "cffi", "pycparser", "docker", "testcontainers",
               "podman-compose", "wandb", "matplotlib", "fonttools", "kiwisolver", "contourpy", "cycler",
-              "py-spy"}  # fmt: skip
+              "py-spy", "kubernetes-validate", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
+              "importlib-resources"}  # fmt: skip
 GLIBC = (17, 24, 27, 28, 31, 34)
 PLATFORMS = ["manylinux1_x86_64", "manylinux2014_x86_64", *(f"manylinux_2_{n}_x86_64" for n in GLIBC)]
 
