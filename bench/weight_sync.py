@@ -185,7 +185,7 @@ def main() -> None:
     from services.trainer.parallel import init_parallel
     from services.trainer.weight_sync import WeightSender
 
-    folder = Path(tempfile.mkdtemp(prefix="weight-sync-"))
+    folder = args.folder = Path(tempfile.mkdtemp(prefix="weight-sync-"))
     model_dir = folder / "model"
     shape = SHAPES[args.shape]
     if "num_experts" in shape:
@@ -275,6 +275,15 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
         print(f"| end to end, {path} | {mib:g} MiB | {len(layout)} | {median * 1e3:.1f} ms, "
               f"{min(times) * 1e3:.1f} ms | {gb / min(times):.1f} | {raw_median / median:.0%}, "
               f"{best_raw / min(times):.0%} | {parts} ms |")  # fmt: skip
+    if args.streamed:  # where the send's time went, on each side
+        for mib, _, _, _, phases in rows:
+            waits = " / ".join(f"{statistics.median(p.get(k, 0) for p in phases) * 1e3:.1f}"
+                               for k in ("waited_s", "answers_s"))  # fmt: skip
+            print(
+                f"{mib:g} MiB, the trainer's send (median): waiting for broadcasts / for the last answers: {waits} ms"
+            )
+        receiver = [line for line in (args.folder / "receiver.log").read_text().splitlines() if "loaded in" in line]
+        print("the receiver's last syncs:\n" + "\n".join(line.split(": ", 1)[-1] for line in receiver[-4:]))
 
 
 if __name__ == "__main__":

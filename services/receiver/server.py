@@ -6,6 +6,7 @@ loaded every bucket (services/receiver/stream.py)."""
 import asyncio
 import logging
 import threading
+import time
 
 import httpx
 import torch
@@ -79,6 +80,7 @@ class Receiver:
             sync = Sync(*joined, buckets, self.buffers, self.config.engine_url, self.client,
                         None if version is None else str(version), bool(body.get("flush_cache", False)),
                         self.config.timeout_s)  # fmt: skip
+            started = time.perf_counter()
             try:
                 await asyncio.to_thread(sync.run)
             except Exception as e:  # the trainer, the engine or another member is gone: the group goes too
@@ -86,6 +88,10 @@ class Receiver:
                     abort_group(self.groups.pop(name)[0])
                 log.warning("sync of %d buckets failed: %s", len(buckets), e)
                 return control(False, f"Failed to receive weights: {e}.")
+            took, waited = time.perf_counter() - started, sync.waited
+        log.info("sync of %d buckets (%.2f GB) loaded in %.1f ms: %.1f ms waiting for broadcasts, %.1f ms for the "
+                 "engine", len(buckets), sum(b.layout[1] for b in buckets) / 1e9, took * 1e3,
+                 waited["broadcasts"] * 1e3, waited["engine"] * 1e3)  # fmt: skip
         return control(True, f"Succeeded to receive {len(buckets)} buckets.")
 
     def app(self) -> Starlette:

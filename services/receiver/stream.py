@@ -83,6 +83,7 @@ class Sync:
         self.sockets: list[zmq.Socket] = []
         self.waiting: list[bool] = []  # per socket: a message is out and its answer not read yet
         self.call: Future | None = None
+        self.waited = {"engine": 0.0, "broadcasts": 0.0}  # seconds this sync waited for each
 
     def run(self) -> None:
         if self.buffers.devices[0].type == "cuda":  # this thread's collectives and copies run on the engine's GPU
@@ -120,7 +121,9 @@ class Sync:
             offsets, size = bucket.layout
             base = (index % 2) * half
             first, *others = (tensor[base : base + size] for tensor in self.buffers.tensors)
+            started = time.perf_counter()
             wait_for([dist.broadcast(first, src=0, group=self.group, async_op=True)], self.cancelled, self.deadline)
+            self.waited["broadcasts"] += time.perf_counter() - started
             for other in others:  # the engine's other GPUs: their own copy, from this one
                 other.copy_(first)
             for tensor in self.buffers.tensors:  # on the GPU before the engine reads it
@@ -153,6 +156,13 @@ class Sync:
 
     def _answers(self, or_done: bool = False) -> None:
         """Each engine GPU's answer to the last message: b"" (done) or the error's text."""
+        started = time.perf_counter()
+        try:
+            self._read_answers(or_done)
+        finally:
+            self.waited["engine"] += time.perf_counter() - started
+
+    def _read_answers(self, or_done: bool) -> None:
         for i, socket in enumerate(self.sockets):
             while not socket.poll(POLL_MS):
                 if self.call.done():

@@ -78,7 +78,9 @@ class WeightSender:
         self.group, self.port, self.stream = None, 0, None
         self.in_flight = False  # broadcasts were started on the group and not all have completed
         self.listener: socket.socket | None = None  # the weight group's store port, held from Prepare to the join
-        self.timings: dict[str, float] = {}  # of the last attempt: prepare_s, send_s, commit_s
+        # Of the last attempt: prepare_s, send_s, commit_s; streamed, within send_s: waited_s (for broadcasts to
+        # complete) and answers_s (after the last broadcast, for the engines to load)
+        self.timings: dict[str, float] = {}
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         self.transport = ""  # of the last attempt: how the buckets went (services/trainer/transports)
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)

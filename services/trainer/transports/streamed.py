@@ -10,6 +10,7 @@ a plan of its own (num_buckets 0), answered before the next, and the plan is kno
 import contextlib
 import queue
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,15 +67,20 @@ class Streamed(Transport):
     def finish(self) -> None:
         for index, work in enumerate(self.works):
             self._wait(work, index)
+        started = time.perf_counter()
         while self.expected:
             self._check(self._next_answer(None))
+        self.sender.timings["answers_s"] = time.perf_counter() - started
 
     def _wait(self, work, index: int) -> None:
         """Waits for a broadcast, ending early when the gateway answers that an engine failed."""
+        started = time.perf_counter()
         while not work.is_completed():
             with contextlib.suppress(queue.Empty):
                 self._check(self._next_answer(POLL_S))
         work.wait()
+        timings = self.sender.timings
+        timings["waited_s"] = timings.get("waited_s", 0.0) + time.perf_counter() - started
         self.watchdog.progress(f"after bucket {index}")
 
     def _next_answer(self, timeout: float | None):
