@@ -1,9 +1,10 @@
 """Configuration of the weight receiver (`slipstream receiver`), the process beside each engine that takes the
 trainer's streamed weights (docs/rollout.md, "Weight sync")."""
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.config import StrictModel
 
@@ -31,7 +32,29 @@ class ReceiverConfig(StrictModel):
     ends the sync with an error, so the receiver never waits on a dead trainer or engine."""
     engine_api_key: str | None = None
     """The engine's --api-key, sent with its calls."""
+    engine_api_key_file: Path | None = None
+    """File holding the engine's --api-key (a Secret's file, so that the key is on no command line)."""
     api_key: str | None = None
     """Every route but /health needs `Authorization: Bearer <api_key>` (as the engines' --api-key)."""
+    api_key_file: Path | None = None
+    """File holding --api-key. The gateway sends the engines' key to their receivers too: give both the same file."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Least severe log level that is printed."""
+
+    @model_validator(mode="after")
+    def _read_key_files(self) -> "ReceiverConfig":
+        for name in ("engine_api_key", "api_key"):
+            path = getattr(self, f"{name}_file")
+            if path is None:
+                continue
+            flag = f"--{name.replace('_', '-')}"
+            if getattr(self, name) is not None:
+                raise ValueError(f"{flag} and {flag}-file both give the key: pass one")
+            try:
+                key = path.read_text().strip()
+            except OSError as e:
+                raise ValueError(f"{flag}-file {path}: {e.strerror}; fix the path or the file's permissions") from None
+            if not key:
+                raise ValueError(f"{flag}-file {path} is empty; write the key in it")
+            setattr(self, name, key)
+        return self
