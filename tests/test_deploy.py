@@ -82,7 +82,7 @@ def test_every_container_command_line_is_accepted(form, tmp_path):
                                 text=True, cwd=tmp_path, timeout=120)  # fmt: skip
         assert result.returncode == 0, f"{name}: {result.stderr}"
         checked.append(name)
-    expected = {"buffer", "reward", "rollout", "job"} | ({"engine-0"} if form == "cpu" else set())
+    expected = {"buffer", "reward", "rollout", "job", "receiver-0"} | ({"engine-0"} if form == "cpu" else set())
     assert set(checked) == expected
     assert services["reward"]["deploy"]["replicas"] in (2, "2")  # stateless replicas behind one name
     if form == "external-reward":  # the judges run beside the reward service, and the run asks for theirs
@@ -100,6 +100,37 @@ def test_every_container_command_line_is_accepted(form, tmp_path):
         sglang_command_line_is_accepted(engine, flags, tmp_path)
     else:
         assert "deploy" not in services["engine-0"] and "deploy" not in services["job"]
+
+
+@pytest.mark.skipif(TOOL is None, reason="needs podman-compose (with podman) or docker compose")
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_engine_has_its_weight_receiver_beside_it(form, tmp_path):
+    """receiver-N runs beside engine-N as a container of its pod: both in the namespaces engine-N-pod holds (the name
+    engine-N: the gateway finds the receiver there on the engine's port + --weight-receiver-port-offset, the receiver
+    its engine at 127.0.0.1), on the engine's GPU and IPC namespace (the host's), or on the CPU the same /dev/shm."""
+    services = render(form, tmp_path)["services"]
+    gateway = services["rollout"]["command"]
+    offset = int(gateway[gateway.index("--weight-receiver-port-offset") + 1])
+    engines = sorted(name for name in services if name.startswith("engine-") and not name.endswith("-pod"))
+    assert engines
+    for engine_name in engines:
+        index = engine_name.removeprefix("engine-")
+        engine, receiver, pod = services[engine_name], services[f"receiver-{index}"], services[f"{engine_name}-pod"]
+        assert engine_name in pod["networks"]["slipstream"]["aliases"] and "networks" not in engine
+        assert engine["network_mode"] == receiver["network_mode"] == f"service:engine-{index}-pod"
+        args = receiver["command"]
+        assert args[0] == "receiver" and args[args.index("--engine-url") + 1] == "http://127.0.0.1:30000"
+        assert int(args[args.index("--port") + 1]) == 30000 + offset and args[args.index("--host") + 1] == "0.0.0.0"
+        assert receiver["restart"] == engine["restart"] == pod["restart"] == "unless-stopped"
+        if form == "cpu":
+            shm = [v for v in engine["volumes"] if v.endswith(":/dev/shm")]
+            assert shm and shm == [v for v in receiver["volumes"] if v.endswith(":/dev/shm")]
+            assert args[args.index("--device") + 1] == "cpu" and receiver["environment"]["TMPDIR"] == "/dev/shm"
+        else:
+            gpus = [r["deploy"]["resources"]["reservations"]["devices"] for r in (engine, receiver)]
+            assert gpus[0] == gpus[1] and args[args.index("--device") + 1] == "cuda"
+            assert engine["ipc"] == receiver["ipc"] == "host"
+            assert engine["pid"] == receiver["pid"] == f"service:engine-{index}-pod"
 
 
 def sglang_command_line_is_accepted(engine: dict, flags: Path, tmp_path: Path) -> None:

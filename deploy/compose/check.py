@@ -1,14 +1,16 @@
 """`make deploy-check`: the compose stack for real, through whatever engine DOCKER_HOST names. Builds the images,
 starts docker-compose.yml + cpu.yml (the demo task on the CPU), kills the buffer's container and the engine's
 mid-run (their restart policy and Redis's AOF bring them back), and checks that the job learns and exits 0, that no
-step was lost or trained twice, that both reward replicas scored, and that `down` leaves nothing. Before that, it
-starts reward-external.yml's judges and scores through each. The last lines it prints are the job's summary.
+step was lost or trained twice, that every weight sync went through the engine's weight receiver (the streamed path),
+that both reward replicas scored, and that `down` leaves nothing. Before that, it starts reward-external.yml's judges
+and scores through each. The last lines it prints are the job's summary.
 
     python deploy/compose/check.py     (what `make deploy-check` runs)
 """
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -76,6 +78,15 @@ def steps() -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+def syncs_by_transport() -> dict[str, int]:
+    """The trainer's weight syncs by transport, from its log in the run folder ("weights of version N sent to K
+    engine(s) (streamed)": through the receivers)."""
+    out = sh(ENGINE, "run", "--rm", "-v", f"{PROJECT}_runs:/runs", "--entrypoint", "sh", "redis:7", "-c",
+             "cat /runs/demo/logs/trainer*.log", check=False)  # fmt: skip
+    found = re.findall(r"weights of version \d+ sent to [1-9]\d* engine\(s\) \((\w+)\)", out)
+    return {transport: found.count(transport) for transport in sorted(set(found))}
+
+
 def wait_for_step(step: int, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     while len(steps()) <= step:
@@ -135,6 +146,7 @@ def main() -> int:
         code = sh(ENGINE, "wait", container("job"), check=False).strip()
         logs = sh(ENGINE, "logs", container("job"), check=False)
         trained = steps()
+        syncs = syncs_by_transport()
         scored = [items_scored(replica) for replica in (1, 2)]
     finally:
         sh(*COMPOSE, "down", "-v", check=False)
@@ -151,13 +163,16 @@ def main() -> int:
     first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
     if not (first <= 0.2 and last >= 0.8):
         problems.append(f"the reward went from {first:.3f} to {last:.3f}, not from <= 0.2 to >= 0.8")
+    if set(syncs) != {"streamed"} or syncs["streamed"] < STEPS // 2:
+        problems.append(f"the weight syncs went {syncs or 'nowhere'}, not all streamed through the receiver")
     if not all(scored):
         problems.append(f"the reward replicas scored {scored} items: the gateway did not spread its calls")
     if left.strip():
         problems.append(f"containers left after down: {left.split()}")
     print(f"deploy-check: {'FAILED: ' + '; '.join(problems) if problems else 'passed'} "
           f"({time.monotonic() - started:.0f} s; reward {first:.3f} -> {last:.3f}; the buffer and the engine were "
-          f"killed mid-run; items scored by each reward replica: {scored})")  # fmt: skip
+          f"killed mid-run; weight syncs by transport: {syncs}; items scored by each reward replica: "
+          f"{scored})")  # fmt: skip
     summary = logs[logs.rfind("trained steps") :] if "trained steps" in logs else logs[-2000:]
     print(summary.rstrip())
     return 1 if problems else 0
