@@ -38,14 +38,18 @@ def workloads(objects) -> dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "Job")}
 
 
+def containers(workload: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in workload["spec"]["template"]["spec"]["containers"]}
+
+
 def container(workload: dict) -> dict:
-    (only,) = workload["spec"]["template"]["spec"]["containers"]
-    return only
+    """The workload's main container: the one named as the workload (the engine's pod also runs its receiver)."""
+    return containers(workload)[workload["metadata"]["name"]]
 
 
-def command_line(workload: dict) -> list[str]:
-    """The container's command and arguments as its process gets them: Kubernetes makes $$ a literal $."""
-    c = container(workload)
+def command_line(workload: dict, c: dict | None = None) -> list[str]:
+    """A container's command and arguments as its process gets them: Kubernetes makes $$ a literal $."""
+    c = c or container(workload)
     return [part.replace("$$", "$") for part in [*c.get("command", []), *c.get("args", [])]]
 
 
@@ -62,10 +66,49 @@ def test_the_workloads_and_their_kinds(objects):
 
 def test_every_container_asks_for_resources_and_the_gpu_ones_for_gpus(objects):
     for name, workload in workloads(objects).items():
-        requests = container(workload)["resources"]["requests"]
-        assert {"cpu", "memory"} <= set(requests), name
+        for c in containers(workload).values():
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), (name, c["name"])
+            assert "memory" in c["resources"]["limits"], (name, c["name"])
         gpus = container(workload)["resources"].get("limits", {}).get("nvidia.com/gpu")
-        assert (gpus is not None) == (name in ("engine", "trainer")), name
+        claims = container(workload)["resources"].get("claims")
+        assert (gpus is not None or claims is not None) == (name in ("engine", "trainer")), name
+
+
+def test_each_engine_pod_runs_its_weight_receiver_beside_it_on_the_same_gpu(objects):
+    """The receiver is a second container of the engine's pod: the same network namespace (it calls the engine at
+    127.0.0.1; the gateways find it on the engine's port + --weight-receiver-port-offset), the pod's IPC namespace
+    (always shared by a pod's containers) and /dev/shm, one process namespace, and the same GPU: one DRA claim that
+    both containers name (the device plugin gives an nvidia.com/gpu to one container only). It runs as the other
+    slipstream containers do: non-root, read-only root file system, no capabilities, keys from the Secret's file."""
+    engine = workloads(objects)["engine"]
+    pod = engine["spec"]["template"]["spec"]
+    sglang, receiver = containers(engine)["engine"], containers(engine)["receiver"]
+    assert set(containers(engine)) == {"engine", "receiver"} and pod["shareProcessNamespace"] is True
+    assert "hostIPC" not in pod and "hostNetwork" not in pod  # the pod's own namespaces, shared by its containers
+    (claim,) = pod["resourceClaims"]
+    template = by_kind(objects, "ResourceClaimTemplate")[claim["resourceClaimTemplateName"]]
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"] == {"deviceClassName": "gpu.nvidia.com", "count": 1}
+    for c in (sglang, receiver):
+        assert c["resources"]["claims"] == [{"name": claim["name"]}] and "nvidia.com/gpu" not in str(c["resources"])
+    shm = {m["name"] for m in sglang["volumeMounts"] if m["mountPath"] == "/dev/shm"}
+    assert shm and shm == {m["name"] for m in receiver["volumeMounts"] if m["mountPath"] == "/dev/shm"}
+
+    args = command_line(engine, receiver)
+    gateway = command_line(workloads(objects)["rollout"])
+    offset = int(gateway[gateway.index("--weight-receiver-port-offset") + 1])
+    engine_port = next(p["containerPort"] for p in sglang["ports"] if p["name"] == "http")
+    assert receiver["image"] == "slipstream-torch:latest" and args[0] == "receiver"
+    assert args[args.index("--engine-url") + 1] == f"http://127.0.0.1:{engine_port}"
+    assert args[args.index("--port") + 1] == str(engine_port + offset) and args[args.index("--host") + 1] == "0.0.0.0"
+    assert args[args.index("--device") + 1] == "cuda"
+    port = {p["name"]: p["containerPort"] for p in receiver["ports"]}["receiver"]
+    assert port == engine_port + offset and receiver["readinessProbe"]["httpGet"]["port"] == "receiver"
+    security = receiver["securityContext"]
+    assert security["runAsNonRoot"] and security["runAsUser"] == 65534 and security["readOnlyRootFilesystem"]
+    assert security["allowPrivilegeEscalation"] is False and security["capabilities"] == {"drop": ["ALL"]}
+    key = "/etc/slipstream/auth/engine-api-key"
+    assert args[args.index("--engine-api-key-file") + 1] == args[args.index("--api-key-file") + 1] == key
 
 
 def test_services_probe_what_they_serve(objects):
@@ -73,7 +116,8 @@ def test_services_probe_what_they_serve(objects):
         c = container(workload)
         if name == "trainer":  # a Job: its ranks end when the run does
             continue
-        assert "readinessProbe" in c and "livenessProbe" in c, name
+        for each in containers(workload).values():
+            assert "readinessProbe" in each and "livenessProbe" in each, (name, each["name"])
         if name in SLIPSTREAM:
             port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
             assert c["readinessProbe"]["grpc"]["port"] == port and c["livenessProbe"]["grpc"]["port"] == port
@@ -132,7 +176,7 @@ def as_the_kubelet_runs(pod: dict, container: dict, folders: dict[str, Path]) ->
 def test_every_address_a_command_names_is_served_on_that_port(objects):
     services, loads = by_kind(objects, "Service"), workloads(objects)
     for name, service in services.items():  # each Service's ports are its workload's
-        ports = {p["name"]: p["containerPort"] for p in container(loads[name])["ports"]}
+        ports = {p["name"]: p["containerPort"] for c in containers(loads[name]).values() for p in c["ports"]}
         assert service["spec"]["selector"] == loads[name]["spec"]["template"]["metadata"]["labels"] | {}, name
         for port in service["spec"]["ports"]:
             assert ports[port["targetPort"]] == port["port"], (name, port)
@@ -165,6 +209,7 @@ def test_network_policies_deny_by_default_and_open_each_port_to_its_callers(obje
     assert opened[("buffer", 50051)] == {"rollout", "trainer"}
     assert opened[("reward", 50053)] == {"rollout"} and opened[("rollout", 50052)] == {"trainer", "rollout"}
     assert opened[("redis", 6379)] == {"buffer", "rollout", "trainer"} and opened[("engine", 30000)] == {"rollout"}
+    assert opened[("engine", 30001)] == {"rollout"}  # the weight receivers, which the gateways call
     assert opened[("trainer", "any")] == {"trainer", "engine"}  # torchrun, NCCL and the weight group
 
 
@@ -186,6 +231,12 @@ def test_every_command_line_is_accepted(objects, tmp_path):
         args = command_line(workload)
         for place, here in places.items():
             args = [a.replace(place, here) for a in args]
+        if name == "engine":  # its receiver, a slipstream command too
+            receiver = command_line(workload, containers(workload)["receiver"])
+            receiver = [a.replace("/etc/slipstream/auth", str(auth)) for a in receiver]
+            result = subprocess.run([sys.executable, "-m", "slipstream", *receiver, "--check"], capture_output=True,
+                                    text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+            assert result.returncode == 0, f"receiver: {result.stderr}"
         if name == "trainer":
             assert args[0] == "torchrun" and args[args.index("--no-python") + 1] == "slipstream"
             args = args[args.index("--no-python") + 2 :]
