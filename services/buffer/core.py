@@ -107,16 +107,22 @@ class Buffer:
         if dataset not in self.streams:
             known = ", ".join(sorted(self.streams)) or "none (pass --prompt-data / --eval-prompt-data)"
             raise InvalidArgument("dataset", f"unknown dataset {dataset!r}; known: {known}")
-        _, version = await self.store.expire()
+        # Expiry, the returned groups and the state new groups are counted against: one round trip.
+        start = await self.store.lease_start(dataset, max_groups, lease_ms, *self._limit(dataset))
+        version = start.policy_version
         bounds, bound = self._bounds(dataset, version)
-        leases = await self._lease_pending(dataset, max_groups, lease_ms, bounds) if max_groups else []
+        leases = [LeasedGroup(lid, common_pb2.PromptGroup.FromString(payload), start.deadline_ms)
+                  for _, lid, payload in start.leased]  # fmt: skip
+        state = (start.counters, start.sizes, start.cursor)
         blocked = None
         with logged_wait(log, "%d new %s groups to lease", max_groups - len(leases), dataset) as notes:
             for attempt in range(ATTEMPTS):
+                # The state read at the start holds unless this process's other leases moved it meanwhile.
+                fresh = attempt == 0 and not self._reading.locked()
                 try:
                     async with self._reading:
                         new, blocked = await self._lease_new(dataset, max_groups - len(leases), lease_ms, bounds,
-                                                             bound)  # fmt: skip
+                                                             bound, state if fresh else None)  # fmt: skip
                 except Contended as e:  # another buffer process leased new groups meanwhile
                     notes[:] = [f"contended {attempt + 1} times, last: {e}"]
                     continue
@@ -125,6 +131,16 @@ class Buffer:
         if leases or max_groups == 0:
             return LeaseResult(leases, version)
         return LeaseResult(leases, version, blocked)
+
+    def _limit(self, dataset: str) -> tuple[int, tuple[int, int, int]]:
+        """`_bounds` for the lease's first script, which reads the policy version itself: the cap, and the limit as
+        (per_version, base, fixed) of the version."""
+        if dataset != TRAIN:
+            return -1, (-1, 0, -1)
+        batch = self.config.rollout_batch_size
+        fixed = self.config.num_rollout * batch if self.config.num_rollout is not None else -1
+        base = self.config.max_staleness * batch + self.config.groups_in_flight
+        return self.config.max_buffered_groups or -1, (batch, base, fixed)
 
     def _bounds(self, dataset: str, version: int) -> tuple[tuple[int, int], str]:
         """(cap, limit) for the store's scripts, and what the limit is: the backpressure cap on leased plus completed
@@ -153,18 +169,15 @@ class Buffer:
             room = min(room, cap - sizes["leased"] - sizes["completed"])
         return room, bound if room <= 0 else None
 
-    async def _lease_pending(self, dataset: str, want: int, lease_ms: int, bounds) -> list[LeasedGroup]:
-        deadline, leased = await self.store.lease_pending(dataset, want, lease_ms, bounds)
-        return [LeasedGroup(lid, common_pb2.PromptGroup.FromString(payload), deadline) for _, lid, payload in leased]
-
     async def _lease_new(
-        self, dataset: str, want: int, lease_ms: int, bounds, bound: str
+        self, dataset: str, want: int, lease_ms: int, bounds, bound: str, state: tuple | None = None
     ) -> tuple[list[LeasedGroup], str | None]:
         """New groups from the dataset's stream, as many as `want` and the bounds allow, in one round trip to read the
-        state and one to store them; or none, and what blocks them ("exhausted" at the end of the data)."""
+        state (none when `state` is given) and one to store them; or none, and what blocks them ("exhausted" at the
+        end of the data)."""
         if want <= 0:
             return [], None
-        counters, sizes, cursor = await self.store.lease_state(dataset)
+        counters, sizes, cursor = state or await self.store.lease_state(dataset)
         room, blocked = self._room(dataset, bounds, bound, counters, sizes)
         if min(want, room) <= 0:
             return [], blocked

@@ -14,6 +14,7 @@ trained:<step>; or dropped:<reason> (a filter or the staleness bound); eval for 
 """
 
 import json
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
@@ -35,10 +36,57 @@ local function room(ns, cap, limit)
   end
   return free
 end
+-- Returns the expired leases' groups to the pool; (how many, the policy version).
+local function expire(ns)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local gids = redis.call('ZRANGEBYSCORE', ns .. ':leases', '-inf', now)
+  for _, gid in ipairs(gids) do
+    redis.call('ZREM', ns .. ':leases', gid)
+    redis.call('HSET', ns .. ':status', gid, 'pending')
+    redis.call('LPUSH', ns .. ':pending:' .. dataset_of(gid), gid)
+    redis.call('HINCRBY', ns .. ':counters', 'expired', 1)
+  end
+  return #gids, tonumber(redis.call('HGET', ns .. ':meta', 'policy_version') or '0')
+end
+local function deadline_in(lease_ms)
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(lease_ms)
+end
+-- Leases up to `want` returned groups of `dataset` that the bounds allow (groups sent back are live already: under
+-- the staleness bound they count as room); (deadline, {gid, lease id, payload, ...}).
+local function lease_pending(ns, dataset, want, lease_ms, cap, limit)
+  local pending = ns .. ':pending:' .. dataset
+  want = math.min(want, room(ns, cap, -1), room(ns, -1, limit) + redis.call('LLEN', pending))
+  local deadline, out = deadline_in(lease_ms), {}
+  while #out < want * 3 do
+    local gid = redis.call('LPOP', pending)
+    if not gid then break end
+    if redis.call('HGET', ns .. ':status', gid) == 'pending' then
+      local lease_id = gid .. '#' .. redis.call('HINCRBY', ns .. ':attempts', gid, 1)
+      redis.call('ZADD', ns .. ':leases', deadline, gid)
+      redis.call('HSET', ns .. ':lease_id', gid, lease_id)
+      redis.call('HSET', ns .. ':status', gid, 'leased')
+      redis.call('HINCRBY', ns .. ':counters', 'leases', 1)
+      table.insert(out, gid)
+      table.insert(out, lease_id)
+      table.insert(out, redis.call('GET', ns .. ':group:' .. gid))
+    end
+  end
+  return deadline, out
+end
+-- `command` over (key and) `args` in parts: Lua's unpack takes a few thousand values at most. Parts are of an even
+-- size, so pairs stay together.
+local function call_in_parts(command, key, args)
+  for first = 1, #args, 1000 do
+    local part = {unpack(args, first, math.min(first + 999, #args))}
+    if key then redis.call(command, key, unpack(part)) else redis.call(command, unpack(part)) end
+  end
+end
 """
 
 # ARGV: ns, cursor field, expected cursor, new cursor, lease ms, count started, cap, limit, then (gid, payload) pairs,
-# "--", (skip reason, count) pairs
+# "--", (skip reason, count) pairs. The groups' keys are written a command per key for them all, not per group.
 _LEASE_NEW = """
 local ns, field, expected, cursor, lease_ms, count_started = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local current = redis.call('HGET', ns .. ':meta', field) or ''
@@ -47,22 +95,25 @@ local n, i = 0, 9
 while ARGV[i] ~= '--' do n, i = n + 1, i + 2 end
 if n > room(ns, ARGV[7], ARGV[8]) then return redis.error_reply('CONTENDED no room for ' .. n .. ' groups') end
 redis.call('HSET', ns .. ':meta', field, cursor)
-local t = redis.call('TIME')
-local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(lease_ms)
-local out = {deadline}
-i = 9
-while ARGV[i] ~= '--' do
-  local gid, payload = ARGV[i], ARGV[i + 1]
-  local attempt = redis.call('HINCRBY', ns .. ':attempts', gid, 1)
-  local lease_id = gid .. '#' .. attempt
-  redis.call('SET', ns .. ':group:' .. gid, payload)
-  redis.call('ZADD', ns .. ':leases', deadline, gid)
-  redis.call('HSET', ns .. ':lease_id', gid, lease_id)
-  redis.call('HSET', ns .. ':status', gid, 'leased')
-  if count_started == '1' then redis.call('HINCRBY', ns .. ':counters', 'started', 1) end
-  redis.call('HINCRBY', ns .. ':counters', 'leases', 1)
-  table.insert(out, lease_id)
-  i = i + 2
+local deadline = deadline_in(lease_ms)
+local out, payloads, scores, lease_ids, statuses = {deadline}, {}, {}, {}, {}
+for k = 9, 7 + 2 * n, 2 do
+  local gid = ARGV[k]
+  local lease_id = gid .. '#' .. redis.call('HINCRBY', ns .. ':attempts', gid, 1)
+  local j = k - 8  -- this group's pair in each list
+  out[#out + 1] = lease_id
+  payloads[j], payloads[j + 1] = ns .. ':group:' .. gid, ARGV[k + 1]
+  scores[j], scores[j + 1] = deadline, gid
+  lease_ids[j], lease_ids[j + 1] = gid, lease_id
+  statuses[j], statuses[j + 1] = gid, 'leased'
+end
+if n > 0 then
+  call_in_parts('MSET', nil, payloads)
+  call_in_parts('ZADD', ns .. ':leases', scores)
+  call_in_parts('HSET', ns .. ':lease_id', lease_ids)
+  call_in_parts('HSET', ns .. ':status', statuses)
+  if count_started == '1' then redis.call('HINCRBY', ns .. ':counters', 'started', n) end
+  redis.call('HINCRBY', ns .. ':counters', 'leases', n)
 end
 i = i + 1
 while ARGV[i] do
@@ -72,30 +123,24 @@ end
 return out
 """
 
-# Groups sent back are live already: under the staleness bound they count as room.
-_LEASE_PENDING = """
-local ns, want, lease_ms, dataset = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local pending = ns .. ':pending:' .. dataset
-local live_room = room(ns, -1, ARGV[6])
-want = math.min(want, room(ns, ARGV[5], -1), live_room + redis.call('LLEN', pending))
-local t = redis.call('TIME')
-local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(lease_ms)
-local out = {deadline}
-while #out - 1 < want * 3 do
-  local gid = redis.call('LPOP', pending)
-  if not gid then break end
-  if redis.call('HGET', ns .. ':status', gid) == 'pending' then
-    local attempt = redis.call('HINCRBY', ns .. ':attempts', gid, 1)
-    local lease_id = gid .. '#' .. attempt
-    redis.call('ZADD', ns .. ':leases', deadline, gid)
-    redis.call('HSET', ns .. ':lease_id', gid, lease_id)
-    redis.call('HSET', ns .. ':status', gid, 'leased')
-    redis.call('HINCRBY', ns .. ':counters', 'leases', 1)
-    table.insert(out, gid)
-    table.insert(out, lease_id)
-    table.insert(out, redis.call('GET', ns .. ':group:' .. gid))
-  end
-end
+# The start of a lease, in one round trip: expiry, the returned groups, then what new groups are counted against.
+# ARGV: ns, dataset, want, lease ms, cap, then the bound on live groups as a function of the policy version v that
+# expiry reads: min(v * per_version + base, fixed) (per_version, fixed: -1 for none). Returns expired, version,
+# deadline, the dataset's cursor, started, dropped, pending, leased and completed sizes, then (gid, lease id,
+# payload) triples.
+_LEASE_START = """
+local ns, dataset, want, lease_ms, cap = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local per_version, base, fixed = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local expired, version = expire(ns)
+local limit = -1
+if per_version >= 0 then limit = version * per_version + base end
+if fixed >= 0 and (limit < 0 or fixed < limit) then limit = fixed end
+local deadline, leased = lease_pending(ns, dataset, want, lease_ms, cap, limit)
+local c = redis.call('HMGET', ns .. ':counters', 'started', 'dropped')
+local out = {expired, version, deadline, redis.call('HGET', ns .. ':meta', 'cursor:' .. dataset) or '',
+             tonumber(c[1] or '0'), tonumber(c[2] or '0'), redis.call('LLEN', ns .. ':pending:' .. dataset),
+             redis.call('ZCARD', ns .. ':leases'), redis.call('ZCARD', ns .. ':done')}
+for _, v in ipairs(leased) do table.insert(out, v) end
 return out
 """
 
@@ -131,17 +176,8 @@ return 1
 """
 
 _EXPIRE = """
-local ns = ARGV[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local gids = redis.call('ZRANGEBYSCORE', ns .. ':leases', '-inf', now)
-for _, gid in ipairs(gids) do
-  redis.call('ZREM', ns .. ':leases', gid)
-  redis.call('HSET', ns .. ':status', gid, 'pending')
-  redis.call('LPUSH', ns .. ':pending:' .. dataset_of(gid), gid)
-  redis.call('HINCRBY', ns .. ':counters', 'expired', 1)
-end
-return {#gids, tonumber(redis.call('HGET', ns .. ':meta', 'policy_version') or '0')}
+local expired, version = expire(ARGV[1])
+return {expired, version}
 """
 
 # ARGV: ns, lease id, outcome ("completed" | "dropped:<reason>" | "eval:<dataset>"), payload (the group without its
@@ -313,6 +349,17 @@ return math.max(version, current)
 """
 
 
+@dataclass
+class LeaseStart:
+    expired: int
+    policy_version: int
+    deadline_ms: int  # of the returned groups leased
+    cursor: bytes | None  # the dataset's
+    counters: dict[str, int]  # started and dropped
+    sizes: dict[str, int]  # pending, leased, completed
+    leased: list[tuple[str, str, bytes]]  # (group id, lease id, payload) of the returned groups leased
+
+
 class Contended(Exception):
     """The state a transition was computed from moved under it (another buffer process): look again and retry."""
 
@@ -329,7 +376,7 @@ class BufferStore:
             name: redis.register_script(_PRELUDE + code)
             for name, code in [
                 ("lease_new", _LEASE_NEW),
-                ("lease_pending", _LEASE_PENDING),
+                ("lease_start", _LEASE_START),
                 ("extend", _EXTEND),
                 ("release", _RELEASE),
                 ("expire", _EXPIRE),
@@ -378,14 +425,19 @@ class BufferStore:
         deadline, *lease_ids = await self._run("lease_new", *args)
         return int(deadline), [lid.decode() for lid in lease_ids]
 
-    async def lease_pending(
-        self, dataset: str, want: int, lease_ms: int, bounds: tuple[int, int] = (-1, -1)
-    ) -> tuple[int, list[tuple[str, str, bytes]]]:
-        """Leases up to `want` returned groups (released or expired) of `dataset` that the bounds allow, latest
-        returned first."""
-        deadline, *flat = await self._run("lease_pending", want, lease_ms, dataset, *bounds)
-        leased = [(flat[i].decode(), flat[i + 1].decode(), flat[i + 2]) for i in range(0, len(flat), 3)]
-        return int(deadline), leased
+    async def lease_start(
+        self, dataset: str, want: int, lease_ms: int, cap: int = -1, limit: tuple[int, int, int] = (-1, 0, -1)
+    ) -> "LeaseStart":
+        """The start of a lease in one round trip: returns expired leases' groups to the pool, leases up to `want`
+        returned groups of `dataset` that the bounds allow (latest returned first), and reads what new groups are
+        counted against. `limit`: (per_version, base, fixed), the bound on live groups at policy version v being
+        min(v * per_version + base, fixed), -1 for none (the policy version is read after expiry, in the script)."""
+        reply = await self._run("lease_start", dataset, want, lease_ms, cap, *limit)
+        expired, version, deadline, cursor, started, dropped, pending, leased, completed, *flat = reply
+        groups = [(flat[i].decode(), flat[i + 1].decode(), flat[i + 2]) for i in range(0, len(flat), 3)]
+        counters = {"started": int(started), "dropped": int(dropped)}
+        sizes = {"pending": int(pending), "leased": int(leased), "completed": int(completed)}
+        return LeaseStart(int(expired), int(version), int(deadline), cursor or None, counters, sizes, groups)
 
     async def extend(self, lease_ids: list[str], lease_ms: int) -> tuple[int, list[bool]]:
         deadline, *flags = await self._run("extend", lease_ms, *lease_ids)
