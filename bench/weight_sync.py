@@ -176,7 +176,18 @@ def main() -> None:
     parser.add_argument("--streamed", action="store_true",
                         help="through a weight receiver beside the engine: the plan in one call, the buckets streamed "
                              "into SGLang's /update_weights_from_ipc route (the reference engine's)")  # fmt: skip
+    parser.add_argument(
+        "--update-weight-mode",
+        choices=["full", "delta"],
+        default="full",
+        help="delta: only the words that changed since the engine's version (needs --streamed)",
+    )
+    parser.add_argument("--lr", type=float, default=None,
+                        help="before each sync, one training step at this lr (AdamW on float32 masters, as the "
+                             "trainer's --bf16) on random tokens; unset: one weight changes by 1")  # fmt: skip
     args = parser.parse_args()
+    if args.update_weight_mode == "delta" and not args.streamed:
+        parser.error("--update-weight-mode delta goes through the weight receivers: add --streamed")
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < 2 and not args.colocate:
         sys.exit("needs 2 GPUs: the trainer on GPU 0, the engine on GPU 1")
@@ -196,6 +207,11 @@ def main() -> None:
     try:
         init_parallel(1, 1)
         model, gpt = load_gpt_model(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
+        optimizer = None
+        if args.lr is not None:
+            from services.trainer.optimizer import build_optimizer
+
+            optimizer = build_optimizer(model, args.lr, 0.0, (0.9, 0.98), 1e-8)
         tensors = [t.contiguous() for _, t in hf_weights_of(model, gpt)]
         size = sum(t.numel() * t.element_size() for t in tensors)
         print(f"raw broadcast of {len(tensors)} tensors", flush=True)
@@ -205,6 +221,7 @@ def main() -> None:
         rows, version = [], 0
         for mib, load_format in [(mib, form) for mib in args.bucket_mib for form in args.load_formats]:
             config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=int(mib * 2**20),
+                                     update_weight_mode=args.update_weight_mode,
                                      colocate=args.colocate, update_weight_flattened_bucket=load_format == "flattened",
                                      update_weight_buckets_in_flight=args.buckets_in_flight,
                                      weight_sync_address="127.0.0.1", weight_sync_timeout_s=300, tls=TlsConfig(),
@@ -213,8 +230,11 @@ def main() -> None:
             times, phases = [], []
             for rep in range(args.syncs + 1):  # the first builds the group
                 version += 1
-                with torch.no_grad():
-                    next(model.parameters()).add_(1.0)  # new weights each time
+                if args.lr is None:
+                    with torch.no_grad():
+                        next(model.parameters()).add_(1.0)  # new weights each time
+                else:
+                    train_step(model, optimizer, shape["vocab_size"])
                 if args.colocate:  # the trainer's step starts by taking the engine's memory
                     released = engine_memory(procs[0].pid, sender.release)
                 sync()
@@ -235,6 +255,18 @@ def main() -> None:
             proc.terminate()
         for proc in procs:
             proc.wait(30)
+
+
+def train_step(model, optimizer, vocab_size: int, tokens: int = 512) -> None:
+    """One optimizer step: the log-likelihood of random tokens, as an RL step moves every weight a little."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab_size, (1, tokens + 1), device=device)
+    positions = torch.arange(tokens, device=device).unsqueeze(0)
+    logits = model(input_ids=ids[:, :-1], position_ids=positions, attention_mask=None)
+    loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def check(url: str, model, gpt, version: int) -> None:
@@ -259,6 +291,8 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
     formats = f" --load-formats {' '.join(args.load_formats)}" if args.load_formats != ["per-tensor"] else ""
     formats += f" --buckets-in-flight {args.buckets_in_flight}" if args.buckets_in_flight != 2 else ""
     formats += " --streamed" if args.streamed else ""
+    formats += f" --update-weight-mode {args.update_weight_mode}" if args.update_weight_mode != "full" else ""
+    formats += f" --lr {args.lr:g}" if args.lr is not None else ""
     print(f"command: python bench/weight_sync.py --shape {args.shape} --bucket-mib "
           f"{' '.join(f'{mib:g}' for mib in args.bucket_mib)} --syncs {args.syncs}{formats}\n")  # fmt: skip
     print("| path | bucket | buckets | time (median, min) | GB/s (best) | share of raw (median, best) | "
@@ -282,6 +316,10 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
             print(
                 f"{mib:g} MiB, the trainer's send (median): waiting for broadcasts / for the last answers: {waits} ms"
             )
+            if args.update_weight_mode == "delta":
+                shares = [p["changed_words"] / p["words"] for p in phases if p.get("words")]
+                print(f"{mib:g} MiB, words changed per sync (2-byte words; delta from the second sync on): "
+                      + ", ".join(f"{share:.2%}" for share in shares))  # fmt: skip
         receiver = [line for line in (args.folder / "receiver.log").read_text().splitlines() if "loaded in" in line]
         print("the receiver's last syncs:\n" + "\n".join(line.split(": ", 1)[-1] for line in receiver[-4:]))
 

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from services.common.weight_group import abort_group, end_group, group_settings, init_custom_process_group
 from services.receiver.config import ReceiverConfig
-from services.receiver.stream import Bucket, Buffers, Sync
+from services.receiver.stream import Bucket, Buffers, Copies, Sync
 from services.rollout.engine.responses import control
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class Receiver:
         devices = [torch.device("cuda", first + i * step) for i in range(config.tp_size)] if config.device == "cuda" \
             else [torch.device("cpu")]  # fmt: skip
         self.buffers = Buffers(devices)
+        self.copies: dict[str, Copies] = {}  # --update-weight-mode delta: each group's buckets, the deltas' base
         self.groups: dict[str, tuple[object, threading.Event]] = {}  # name → (group, its cancel flag)
         self.syncing = asyncio.Lock()  # one sync at a time; a group is destroyed only between syncs
         headers = {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
@@ -76,18 +77,23 @@ class Receiver:
             joined = self.groups.get(name)
             if joined is None:
                 return control(False, f"Failed to receive weights: no weight group {name!r}; join it first.")
-            version = body.get("weight_version")
-            sync = Sync(*joined, buckets, self.buffers, self.config.engine_url, self.client,
+            version, delta = body.get("weight_version"), body.get("delta")
+            buffers = self.buffers if delta is None else self.copies.setdefault(name, Copies(self.buffers.devices))
+            sync = Sync(*joined, buckets, buffers, self.config.engine_url, self.client,
                         None if version is None else str(version), bool(body.get("flush_cache", False)),
-                        self.config.timeout_s)  # fmt: skip
+                        self.config.timeout_s, delta)  # fmt: skip
             started = time.perf_counter()
             try:
                 await asyncio.to_thread(sync.run)
             except Exception as e:  # the trainer, the engine or another member is gone: the group goes too
                 if self.groups.get(name) is joined:
                     abort_group(self.groups.pop(name)[0])
+                if delta is not None:  # part of them may be the new version's
+                    buffers.version = None
                 log.warning("sync of %d buckets failed: %s", len(buckets), e)
                 return control(False, f"Failed to receive weights: {e}.")
+            if delta is not None:
+                buffers.version = delta["version"]
             took, waited = time.perf_counter() - started, sync.waited
         log.info("sync of %d buckets (%.2f GB) loaded in %.1f ms: %.1f ms waiting for broadcasts, %.1f ms for the "
                  "engine", len(buckets), sum(b.layout[1] for b in buckets) / 1e9, took * 1e3,

@@ -13,7 +13,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import count
+from itertools import accumulate, count
 from multiprocessing.reduction import ForkingPickler
 
 import httpx
@@ -23,6 +23,7 @@ import torch.multiprocessing
 import zmq
 from torch.multiprocessing.reductions import reduce_tensor
 
+from services.common import weight_delta
 from services.common.weight_group import bucket_layout, wait_for
 from services.rollout.engine.ipc import device_key
 
@@ -42,6 +43,11 @@ class Bucket:
     def layout(self) -> tuple[list[int], int]:
         return bucket_layout(self.dtypes, self.shapes)
 
+    @property
+    def sizes(self) -> list[int]:
+        """Each tensor's bytes."""
+        return [torch.Size(s).numel() * dtype.itemsize for dtype, s in zip(self.dtypes, self.shapes, strict=True)]
+
 
 class Buffers:
     """A double buffer on each of the engine's devices, kept across syncs and grown when a sync's buckets need more."""
@@ -49,13 +55,20 @@ class Buffers:
     def __init__(self, devices: list[torch.device]):
         self.devices, self.half, self.tensors = devices, 0, []
 
-    def fit(self, half: int) -> None:
-        if half <= self.half:
-            return
+    def fit(self, buckets: list[Bucket]) -> None:
+        half = max((bucket.layout[1] for bucket in buckets), default=0)
+        if half > self.half:
+            self.half = half
+            self._allocate(2 * half)
+
+    def start(self, index: int) -> int:
+        """Where bucket `index` of a sync goes."""
+        return (index % 2) * self.half
+
+    def _allocate(self, size: int) -> None:
         self.tensors = []  # the old ones go first: GPU memory
-        self.half = half
         for device in self.devices:
-            tensor = torch.empty(2 * half, dtype=torch.uint8, device=device)
+            tensor = torch.empty(size, dtype=torch.uint8, device=device)
             self.tensors.append(tensor if device.type == "cuda" else tensor.share_memory_())
 
     def handle(self, index: int):
@@ -63,6 +76,29 @@ class Buffers:
         torch.multiprocessing (its shared-memory file)."""
         tensor = self.tensors[index]
         return reduce_tensor(tensor) if tensor.is_cuda else bytes(ForkingPickler.dumps(tensor))
+
+
+class Copies(Buffers):
+    """--update-weight-mode delta: every bucket of one weight group's syncs, kept on each of the engine's devices as
+    the base of the next sync's deltas (services/common/weight_delta.py), and room for one bucket's payload."""
+
+    def __init__(self, devices: list[torch.device]):
+        super().__init__(devices)
+        self.sizes: list[int] = []
+        self.starts: list[int] = []
+        self.version: int | None = None  # the version they hold, once a sync completed
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+
+    def fit(self, buckets: list[Bucket]) -> None:
+        sizes = [bucket.layout[1] for bucket in buckets]
+        if sizes != self.sizes:  # another plan: no base until a sync sends it whole
+            self.version, self.sizes = None, sizes
+            self.starts = list(accumulate([0, *sizes]))[:-1]
+            self._allocate(sum(sizes))
+            self.scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=self.devices[0])
+
+    def start(self, index: int) -> int:
+        return self.starts[index]
 
 
 def ipc_request(handles: dict[str, str], flush_cache: bool, version: str | None) -> dict:
@@ -75,8 +111,10 @@ class Sync:
     has loaded them all, or raises saying why not."""
 
     def __init__(self, group, cancelled: threading.Event, buckets: list[Bucket], buffers: Buffers, engine_url: str,
-                 client: httpx.Client, version: str | None, flush_cache: bool, timeout_s: float):  # fmt: skip
+                 client: httpx.Client, version: str | None, flush_cache: bool, timeout_s: float,
+                 delta: dict | None = None):  # fmt: skip
         self.group, self.cancelled, self.buckets, self.buffers = group, cancelled, buckets, buffers
+        self.delta = delta  # {version, base_version}: the buckets come as deltas to `buffers` (Copies) or whole
         self.engine_url, self.client, self.version, self.flush_cache = engine_url, client, version, flush_cache
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
@@ -88,7 +126,11 @@ class Sync:
     def run(self) -> None:
         if self.buffers.devices[0].type == "cuda":  # this thread's collectives and copies run on the engine's GPU
             torch.cuda.set_device(self.buffers.devices[0])
-        self.buffers.fit(max((bucket.layout[1] for bucket in self.buckets), default=0))
+        self.buffers.fit(self.buckets)
+        base = (self.delta or {}).get("base_version", 0)
+        if base and self.buffers.version != base:
+            raise RuntimeError(f"this receiver holds version {self.buffers.version} as its base, not {base}, which "
+                               "the sync's deltas are against")  # fmt: skip
         context = zmq.Context.instance()
         handles = {}
         for device in self.buffers.devices:
@@ -116,14 +158,11 @@ class Sync:
     def _stream(self) -> None:
         self._send_all([self.buffers.handle(i) for i in range(len(self.sockets))])
         self._answers()
-        half = self.buffers.half
         for index, bucket in enumerate(self.buckets):
             offsets, size = bucket.layout
-            base = (index % 2) * half
+            base = self.buffers.start(index)
             first, *others = (tensor[base : base + size] for tensor in self.buffers.tensors)
-            started = time.perf_counter()
-            wait_for([dist.broadcast(first, src=0, group=self.group, async_op=True)], self.cancelled, self.deadline)
-            self.waited["broadcasts"] += time.perf_counter() - started
+            self._receive(bucket, first)
             for other in others:  # the engine's other GPUs: their own copy, from this one
                 other.copy_(first)
             for tensor in self.buffers.tensors:  # on the GPU before the engine reads it
@@ -140,6 +179,29 @@ class Sync:
         self._answers()
         self._send_all([None] * len(self.sockets))  # the post-load hook (checkpoint-engine 0.4.2)
         self._answers(or_done=True)  # an older worker (0.1.2) stopped at the first None: its call has ended
+
+    def _receive(self, bucket: Bucket, into: torch.Tensor) -> None:
+        """Bucket `bucket`, whole or (delta) as the changes to what `into` holds; checked against the sender's
+        checksums after a delta."""
+        if self.delta is None:
+            return self._broadcast(into)
+        head = torch.empty(2 + len(bucket.names), dtype=torch.int64, device=into.device)
+        self._broadcast(head)
+        kind, changed = head[:2].tolist()
+        if kind == weight_delta.FULL:
+            return self._broadcast(into)
+        payload = self.buffers.scratch[: weight_delta.payload_size(kind, changed, into.numel())]
+        self._broadcast(payload)
+        weight_delta.apply(kind, changed, payload, into)
+        wrong = (weight_delta.checksums(into, bucket.layout[0], bucket.sizes) != head[2:]).nonzero().view(-1)
+        if wrong.numel():
+            raise RuntimeError(f"{bucket.names[int(wrong[0])]} differs from the trainer's after its delta: this "
+                               f"receiver's base was not version {self.delta['base_version']}")  # fmt: skip
+
+    def _broadcast(self, into: torch.Tensor) -> None:
+        started = time.perf_counter()
+        wait_for([dist.broadcast(into, src=0, group=self.group, async_op=True)], self.cancelled, self.deadline)
+        self.waited["broadcasts"] += time.perf_counter() - started
 
     def _post(self, handles: dict) -> dict:
         body = ipc_request(handles, self.flush_cache, self.version)

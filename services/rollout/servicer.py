@@ -146,11 +146,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await self.master_hosts.check(address, "master_address")
         if (answer := await self._forward("PrepareWeightSync", request, context)) is not None:
             return answer
-        prepared = await self.sync.prepare(request.version, sources, request.backend or "nccl")
-        world_size, ranks, created, streamed = prepared
+        prepared = await self.sync.prepare(request.version, sources, request.backend or "nccl", request.delta,
+                                           request.delta_base_version)  # fmt: skip
+        world_size, ranks, created, streamed, base = prepared
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
         return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created,
-                                                     streamed=streamed)  # fmt: skip
+                                                     streamed=streamed, delta_base_version=base)  # fmt: skip
 
     async def SyncWeightBuckets(self, request_iterator, context):
         if (coordinator := self._coordinator()) is not None:

@@ -70,10 +70,12 @@ class WeightSync:
         self.deliveries: set[asyncio.Future] = set()  # buckets being loaded: a Prepare waits for them (below)
         self.transport: Transport = choose("nccl", [], None)  # of the open sync
 
-    async def prepare(self, version: int, sources: list[tuple[str, str, int]], backend: str):
-        """`sources`: (group name, master address, port) of each sender. Returns (world size, [(url, rank offset,
-        ranks)], whether the senders must join new groups, whether the sync is streamed). Called again with the same
-        version after an engine left, it starts the sync over with the engines still healthy."""
+    async def prepare(self, version: int, sources: list[tuple[str, str, int]], backend: str, delta: bool = False,
+                      delta_base: int = 0):  # fmt: skip
+        """`sources`: (group name, master address, port) of each sender; `delta`: the senders send deltas against
+        version `delta_base` where every engine holds it. Returns (world size, [(url, rank offset, ranks)], whether
+        the senders must join new groups, whether the sync is streamed, the delta's base version or 0). Called again
+        with the same version after an engine left, it starts the sync over with the engines still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
             raise InvalidArgument(f"sources: each sender needs its own group_name, got {[n for n, _, _ in sources]}")
         if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
@@ -117,6 +119,11 @@ class WeightSync:
             await self._destroy(engines)
             # Each engine's call returns only once the sender has joined too: it runs while Prepare answers.
             self._joining = asyncio.create_task(self._join(engines, offsets, world_size))
+        base = 0
+        if delta and transport.streamed:  # the base is every receiver's copy of the last version all engines took
+            same = not created and all(e.weight_version == str(delta_base) for e in engines)
+            base = delta_base if same else 0
+            transport.delta = {"version": version, "base_version": base}
         self.engines, self.version, self.transport = engines, version, transport
         if self.aborted is None or self.aborted.done():
             self.aborted = asyncio.get_running_loop().create_future()
@@ -125,7 +132,7 @@ class WeightSync:
         await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
         self._watch()
         ranks = [(url, offset, n) for (url, n), offset in zip(members, offsets, strict=True)]
-        return world_size, ranks, created, transport.streamed
+        return world_size, ranks, created, transport.streamed, base
 
     async def _rehost(self, version: int, group: Group) -> None:
         """The engines taking part changed, and a sender offers the port of its old group: it must host the new one

@@ -33,6 +33,11 @@ class TrainerConfig(ServiceConfig):
     """Weight buckets sent before the first of them is answered. Engines that take ordered buckets (the reference
     engine) receive the next while they load one; SGLang engines take one at a time. Each costs a bucket of memory on
     the trainer, and on those engines."""
+    update_weight_mode: Literal["full", "delta"] = "full"
+    """`delta`: a sync sends only the 2-byte words that changed since the engines' version, where every engine holds
+    it (a new or restarted engine gets every bucket whole), checked per tensor by checksum. Needs the weight receivers
+    (the gateway's --weight-receiver-port-offset); keeps a copy of the model's weights on the trainer's GPU and one
+    beside each engine's (docs/rollout.md, "Delta sync")."""
     weight_sync_address: str = "127.0.0.1"
     """Address at which the engines reach this trainer's rank 0 to join the weight group."""
     colocate: bool = False
@@ -231,6 +236,9 @@ class TrainerConfig(ServiceConfig):
         if self.colocate and (not self.rollout_addr or self.update_weights_interval != 1):
             raise ValueError("colocate hands the GPU back to the engines at each sync: it needs --rollout-addr and "
                              "--update-weights-interval 1")  # fmt: skip
+        if self.colocate and self.update_weight_mode == "delta":
+            raise ValueError("--update-weight-mode delta sends changes over the weight group, and colocated engines "
+                             "share the trainer's tensors by handle: drop one of them")  # fmt: skip
         if self.colocate and self.pipeline_model_parallel_size > 1:
             raise ValueError("--colocate hands every engine's GPU the whole model, and a pipeline stage holds only its "
                              "layers: spread the trainer with --tensor-model-parallel-size instead")  # fmt: skip

@@ -82,6 +82,10 @@ class WeightSender:
         # complete) and answers_s (after the last broadcast, for the engines to load)
         self.timings: dict[str, float] = {}
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
+        # --update-weight-mode delta: each bucket as last sent (the receivers keep the same), and its version once
+        # a planned sync of it committed: the base of the next sync's deltas
+        self.copies: list[torch.Tensor] = []
+        self.copies_version = 0
         self.transport = ""  # of the last attempt: how the buckets went (services/trainer/transports)
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
         # torch's own deadline on the group's collectives comes last: it ends the process
@@ -126,6 +130,7 @@ class WeightSender:
         return False
 
     def _attempt(self, version: int, buckets) -> Exception | None:
+        planned = self.layout is not None
         watchdog = Watchdog(self.timeout.total_seconds() * STALL_FACTOR, self._stalled)
         with watchdog:
             self.peers_waiting = self.handing_over
@@ -140,6 +145,8 @@ class WeightSender:
             if failure is None and self.coordinator:
                 failure = _failure(watchdog, self._commit, version)
             failure = self._settled(failure)  # the coordinator's commit, to every sender
+        if failure is None and planned and self.config.update_weight_mode == "delta":
+            self.copies_version = version
         if isinstance(failure, (EnginesLeft, GatewayLeft, Unreachable)):
             self._drop_group()
         return failure
@@ -205,7 +212,8 @@ class WeightSender:
         try:
             if self.coordinator:
                 answer[0] = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
-                    version=version, sources=sources, backend=backend), timeout=self.rpc_timeout_s,
+                    version=version, sources=sources, backend=backend, delta=self.config.update_weight_mode == "delta",
+                    delta_base_version=self.copies_version), timeout=self.rpc_timeout_s,
                 ).SerializeToString()  # fmt: skip
         finally:  # the other senders wait for the answer, whatever it is
             if self.senders is not None:
@@ -342,7 +350,10 @@ class WeightSender:
         if self.layout is not None:
             pairs = iter(pairs)
             for specs in self.layout:
-                yield specs, (_matching(spec, *next(pairs)) for spec in specs)
+                tensors = (_matching(spec, *next(pairs)) for spec in specs)
+                yield specs, tensors
+                for _ in tensors:  # what a failure mid-bucket left: converted all the same, as the peers gather it
+                    pass
             return
         limit = self.config.update_weight_buffer_size
         layout, specs, tensors, size = [], [], [], 0

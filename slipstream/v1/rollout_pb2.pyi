@@ -133,20 +133,24 @@ class EngineRank(_message.Message):
     def __init__(self, url: _Optional[str] = ..., rank_offset: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class PrepareWeightSyncRequest(_message.Message):
-    __slots__ = ("version", "master_address", "master_port", "group_name", "backend", "sources")
+    __slots__ = ("version", "master_address", "master_port", "group_name", "backend", "sources", "delta", "delta_base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     master_address: str
     master_port: int
     group_name: str
     backend: str
     sources: _containers.RepeatedCompositeFieldContainer[WeightSource]
-    def __init__(self, version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[WeightSource, _Mapping]]] = ...) -> None: ...
+    delta: bool
+    delta_base_version: int
+    def __init__(self, version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[WeightSource, _Mapping]]] = ..., delta: _Optional[bool] = ..., delta_base_version: _Optional[int] = ...) -> None: ...
 
 class WeightSource(_message.Message):
     __slots__ = ("master_address", "master_port", "group_name")
@@ -159,16 +163,18 @@ class WeightSource(_message.Message):
     def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ...) -> None: ...
 
 class PrepareWeightSyncResponse(_message.Message):
-    __slots__ = ("world_size", "engines", "group_created", "streamed")
+    __slots__ = ("world_size", "engines", "group_created", "streamed", "delta_base_version")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     GROUP_CREATED_FIELD_NUMBER: _ClassVar[int]
     STREAMED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineRank]
     group_created: bool
     streamed: bool
-    def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ..., streamed: _Optional[bool] = ...) -> None: ...
+    delta_base_version: int
+    def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ..., streamed: _Optional[bool] = ..., delta_base_version: _Optional[int] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
     __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name", "num_buckets")

@@ -22,13 +22,14 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.config import AuthConfig, TlsConfig
+from services.common.processes import free_port_pair
 from services.common.tiny_checkpoint import write_tiny_model
 from services.common.weight_group import abort_group, init_custom_process_group
 from services.rollout.engines import Engine
 from services.rollout.transports.handles import _handed_over
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
-from tests.rollout.conftest import get_batch, wait_completed, weights_of
+from tests.rollout.conftest import get_batch, wait_completed, wait_healthy, weights_of
 
 
 def _sync(system, port: int, version: int, tensors: dict[str, torch.Tensor], bucket_size: int = 3) -> tuple:
@@ -241,9 +242,10 @@ def _usage(pid: int) -> dict:
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "rss_mb": rss_kb / 1024}
 
 
-def _sender(system, bucket_mib: float = 0.1, colocate: bool = False, timeout_s: float = 60) -> WeightSender:
+def _sender(system, bucket_mib: float = 0.1, colocate: bool = False, timeout_s: float = 60,
+            mode: str = "full") -> WeightSender:  # fmt: skip
     config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=int(bucket_mib * 2**20),
-                             update_weight_flattened_bucket=False,
+                             update_weight_flattened_bucket=False, update_weight_mode=mode,
                              update_weight_buckets_in_flight=2, weight_sync_address="127.0.0.1", colocate=colocate,
                              weight_sync_timeout_s=timeout_s, tls=TlsConfig(), auth=AuthConfig())  # fmt: skip
     return WeightSender(config, weights=None, sender=True)
@@ -478,6 +480,68 @@ def test_an_engine_that_restarts_is_readmitted_and_given_the_policy_again(make_s
     assert system.rollout.pool.running.is_set()
 
 
+def test_delta_syncs_send_the_changes_and_a_new_or_wrong_base_engine_gets_every_bucket_whole(
+    make_system, start_engine, service_process, tiny_model, caplog
+):
+    """--update-weight-mode delta through the receivers: the first sync learns the plan and the second lays down the
+    base (both whole); later ones carry only the changed words, and every engine holds exactly the trainer's weights.
+    An engine that joins gets every bucket whole (the group is new), and a base that is not what the trainer diffed
+    against is caught by the checksums: the engine is evicted rather than left serving wrong weights, and the sync
+    starts over whole."""
+    system = make_system(num_engines=1, receivers=True)
+    current = {name: t.contiguous().clone() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+
+    def step(version: int) -> None:  # a few words of every third tensor move
+        for name in list(current)[::3]:
+            current[name].view(-1)[:4] += 0.01 * version
+
+    def held_everywhere() -> None:
+        for url in _engines(system):
+            for name, tensor in current.items():
+                assert torch.equal(weights_of(url, name), tensor), (url, name)
+
+    sender = _sender(system, mode="delta")
+    sender.weights = lambda: iter(current.items())
+    try:
+        shares = []
+        for version in range(1, 5):
+            step(version)
+            assert sender.sync(version)
+            shares.append(sender.timings["changed_words"] / sender.timings["words"])
+        assert shares[0] == 1.0 and all(0 < share < 0.05 for share in shares[2:]), shares
+        held_everywhere()
+
+        port = free_port_pair()
+        late = start_engine("--model-path", str(tiny_model), port=port)
+        receiver = service_process("receiver", "--engine-url", late, "--port", str(port + 1), "--timeout-s", "60")
+        wait_healthy(receiver, f"http://127.0.0.1:{port + 1}")
+        system.gateway.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=late), timeout=30)
+        step(5)
+        assert sender.sync(5) and sender.timings["changed_words"] == sender.timings["words"]  # a new group: whole
+        step(6)
+        assert sender.sync(6) and sender.timings["changed_words"] < sender.timings["words"] / 20
+        held_everywhere()
+
+        step(7)  # the trainer's copy takes the first tensor's change as sent, which no receiver holds
+        moved = next(iter(current.values())).view(-1)[:4].view(torch.uint8)
+        sender.copies[0][: moved.numel()] = moved
+        try:  # the engine whose receiver told first is evicted; the sync starts over whole without it
+            synced = sender.sync(7)
+        except WeightSyncFailed:
+            synced = False
+        assert "differs from the trainer's after its delta" in caplog.text
+        assert not synced or sender.timings["changed_words"] == sender.timings["words"]
+        step(8)
+        assert sender.sync(8)  # to the engine left; the evicted one holds part of version 7 and generates nothing
+        states = {url: e.state for url, e in _engines(system).items()}
+        assert sorted(states.values()) == [rollout_pb2.ENGINE_STATE_HEALTHY, rollout_pb2.ENGINE_STATE_EVICTED]
+    finally:
+        sender.close()
+    for url in (url for url, state in states.items() if state == rollout_pb2.ENGINE_STATE_HEALTHY):
+        for name, tensor in current.items():
+            assert torch.equal(weights_of(url, name), tensor), (url, name)
+
+
 def test_a_commit_waits_for_a_buffer_that_is_restarting(make_system, grpc_service, tiny_model):
     """The buffer must learn each version: a commit while it restarts waits for it (its state is in Redis), instead
     of failing and leaving it behind the engines, where synchronous training would wait forever."""
@@ -499,12 +563,13 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file
 from services.common.config import AuthConfig, TlsConfig
+from services.common.processes import free_port_pair
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 
 hf = sorted(load_file(sys.argv[2]).items())
 config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=int(0.1 * 2**20),
                          update_weight_flattened_bucket=False,
-                         update_weight_buckets_in_flight=2, weight_sync_address="127.0.0.1",
+                         update_weight_buckets_in_flight=2, update_weight_mode="full", weight_sync_address="127.0.0.1",
                          weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 syncs = []
 
@@ -551,6 +616,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 from safetensors.torch import load_file
 from services.common.config import AuthConfig, TlsConfig
+from services.common.processes import free_port_pair
 from services.trainer.weight_sync import WeightSender
 
 address, model, victim, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -559,7 +625,7 @@ rank = dist.get_rank()
 mine = [(name, (tensor + 0.25).contiguous()) for name, tensor in sorted(load_file(model).items())[rank::2]]
 config = SimpleNamespace(rollout_addr=address, update_weight_buffer_size=int(0.05 * 2**20),
                          update_weight_flattened_bucket=False,
-                         update_weight_buckets_in_flight=2, weight_sync_address="127.0.0.1",
+                         update_weight_buckets_in_flight=2, update_weight_mode="full", weight_sync_address="127.0.0.1",
                          weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 passes = []
 

@@ -15,6 +15,7 @@ class Streamed(Transport):
     def __init__(self, port_offset: int):
         self.port_offset = port_offset
         self.plans: dict[str, list[dict]] = {}  # each sender's buckets so far, by its group
+        self.delta: dict | None = None  # --update-weight-mode delta: this sync's version and base version (0: none)
 
     def member(self, engine) -> tuple[str, int]:
         return receiver_url(engine.url, self.port_offset), 1
@@ -29,6 +30,8 @@ class Streamed(Transport):
             return None
         del self.plans[bucket.group_name]
         body = {"group_name": bucket.group_name, "buckets": plan}
+        if self.delta is not None:
+            body["delta"] = self.delta
         return "/receive_weights", {e.url: body for e in engines}
 
 

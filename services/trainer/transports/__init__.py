@@ -9,9 +9,9 @@ import queue
 
 
 class Transport:
-    def __init__(self, sender, version: int, requests: queue.Queue, responses, watchdog):
-        self.sender, self.version, self.requests, self.responses = sender, version, requests, responses
-        self.watchdog = watchdog
+    def __init__(self, sender, prepared, version: int, requests: queue.Queue, responses, watchdog):
+        self.sender, self.prepared, self.version, self.requests = sender, prepared, version, requests
+        self.responses, self.watchdog = responses, watchdog
 
     def send(self, index: int, specs: list, tensors) -> None:
         raise NotImplementedError
@@ -24,6 +24,10 @@ def choose(sender, prepared, version: int, requests: queue.Queue, responses, wat
     from services.trainer.transports.broadcast import Broadcast
     from services.trainer.transports.handles import Handles
     from services.trainer.transports.streamed import Streamed
+    from services.trainer.weight_sync import Unreachable
 
+    if sender.config.update_weight_mode == "delta" and not prepared.streamed:
+        raise Unreachable("--update-weight-mode delta needs a weight receiver beside each engine: start the gateway "
+                          "with --weight-receiver-port-offset (docs/rollout.md, 'Streamed weight sync')")  # fmt: skip
     kind = Handles if sender.config.colocate else Streamed if prepared.streamed else Broadcast
-    return kind(sender, version, requests, responses, watchdog)
+    return kind(sender, prepared, version, requests, responses, watchdog)

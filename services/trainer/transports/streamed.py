@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from services.common import weight_delta
 from services.common.weight_group import bucket_layout, flatten_aligned
 from services.trainer.transports import Transport
 from services.trainer.weight_sync import EnginesLeft
@@ -40,6 +41,12 @@ class Streamed(Transport):
         size = max((bucket_layout(*_types(specs))[1] for specs in layout or []), default=0)
         self.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.works: list = []  # each bucket's broadcast
+        # --update-weight-mode delta: a header before each bucket, which goes as the changes to the sender's copy of
+        # it where every engine holds that copy's version (the gateway's answer), else whole
+        self.delta = sender.config.update_weight_mode == "delta"
+        self.base = self.delta and sender.copies_version and sender.copies_version == self.prepared.delta_base_version
+        sender.copies_version = 0  # the copies change from now on
+        sender.timings.update(words=0, changed_words=0)
 
     def send(self, index: int, specs: list, tensors) -> None:
         if index >= 2:
@@ -55,7 +62,9 @@ class Streamed(Transport):
         flat = flatten_aligned(tensors, dtypes, shapes, self.staging[index % 2])
         self.sender.in_flight = True
         try:
-            self.works.append(dist.broadcast(flat, src=0, group=self.sender.group, async_op=True))
+            for tensor in self._delta(index, flat, dtypes, shapes) if self.delta else [flat]:
+                work = dist.broadcast(tensor, src=0, group=self.sender.group, async_op=True)
+            self.works.append(work)
         except RuntimeError as e:  # a member is gone
             self.sender._drop_group()
             raise EnginesLeft(f"at bucket {index}: {e}") from None
@@ -63,6 +72,25 @@ class Streamed(Transport):
         if not self.planned:
             self._wait(self.works[index], index)
             self._check(self._next_answer(None))
+
+    def _delta(self, index: int, flat: torch.Tensor, dtypes: list, shapes: list) -> list[torch.Tensor]:
+        """The header and the payload of bucket `index` (services/common/weight_delta.py); the bucket becomes the
+        sender's copy of it."""
+        copies, timings = self.sender.copies, self.sender.timings
+        sizes = [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in zip(dtypes, shapes, strict=True)]
+        sums = weight_delta.checksums(flat, bucket_layout(dtypes, shapes)[0], sizes)
+        if self.base and index < len(copies) and copies[index].numel() == flat.numel():
+            kind, changed, payload = weight_delta.encode(flat, copies[index])
+        else:
+            kind, changed, payload = weight_delta.FULL, flat.numel() // 2, flat
+        timings["words"] += flat.numel() // 2
+        timings["changed_words"] += changed
+        if index < len(copies) and copies[index].numel() == flat.numel():
+            copies[index].copy_(flat)
+        else:
+            del copies[index:]  # another layout: the copies are made anew
+            copies.append(flat.clone())
+        return [weight_delta.header(kind, changed, sums), payload]
 
     def finish(self) -> None:
         for index, work in enumerate(self.works):
