@@ -14,7 +14,6 @@ import grpc
 import prometheus_client
 from redis.exceptions import RedisError
 
-from services.buffer.groups import complete_in_redis
 from services.buffer.store import UPLOAD_TTL_S, BufferStore
 from services.common.errors import SlipstreamError
 from services.common.plugins import load_callable
@@ -23,6 +22,7 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, check_samples, generate_group
 from services.rollout.scoring import ScoreBatcher
+from services.rollout.submits import SubmitBatcher
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, common_pb2, reward_pb2
 
@@ -51,6 +51,7 @@ class Rollout:
         self.config, self.pool, self.buffer, self.reward, self.tokenizer = config, pool, buffer, reward, tokenizer
         self.redis = redis  # the buffer's Redis (--redis-url): training groups are completed or uploaded there
         self.scorer = ScoreBatcher(reward)
+        self.submitter = SubmitBatcher()
         self._stores: dict[str, BufferStore] = {}  # by the leases' submit_namespace
         self.custom = None
         if config.custom_generate_function_path:
@@ -199,14 +200,14 @@ class Rollout:
         return None
 
     async def _submit(self, lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> None:
-        """With the buffer's Redis at hand, a training group is completed there, in one round trip (the lease names
-        the run's namespace unless the buffer has a dynamic-sampling filter to run on it); or its arrays go there
-        and the buffer gets the rest. Either way the bulk crosses to Redis once and from there to the trainer
-        (docs/buffer.md, the data plane)."""
+        """With the buffer's Redis at hand, a training group is completed there, in one round trip with the other
+        groups finished at the same moment (the lease names the run's namespace unless the buffer has a
+        dynamic-sampling filter to run on it); or its arrays go there and the buffer gets the rest. Either way the
+        bulk crosses to Redis once and from there to the trainer (docs/buffer.md, the data plane)."""
         if self.redis is not None and lease.submit_namespace:
             if lease.submit_namespace not in self._stores:
                 self._stores[lease.submit_namespace] = BufferStore(self.redis, lease.submit_namespace)
-            await complete_in_redis(self._stores[lease.submit_namespace], lease, group)
+            await self.submitter.complete(self._stores[lease.submit_namespace], lease, group)
             return
         request = buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=group)
         if self.redis is not None and lease.upload_key and group.dataset == "train":

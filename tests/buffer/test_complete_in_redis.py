@@ -7,9 +7,11 @@ import pytest
 from redis.asyncio import Redis
 
 from services.buffer import core
+from services.buffer import store as store_module
 from services.buffer.groups import complete_in_redis
 from services.buffer.store import BufferStore
 from services.common.errors import InvalidArgument, NotFound
+from services.rollout.submits import SubmitBatcher
 from slipstream import samples
 from slipstream.v1 import buffer_pb2
 from tests.buffer.conftest import finish
@@ -113,3 +115,33 @@ async def test_a_redis_that_lost_its_scripts_is_given_them_again(make_buffer, wo
     await store.redis.script_flush()  # as after a restart of Redis
     assert await complete_in_redis(store, as_lease(buffer, leased), finish(leased.group, [0.0, 1.0]))
     assert (await buffer.state())["num_completed_groups"] == 1
+
+
+async def test_groups_finished_together_are_completed_in_one_call_each_once(make_buffer, worker_store, monkeypatch):
+    """A gateway's groups finished at the same moment go in one round trip (services/rollout/submits.py): small arrays
+    in the script's call, large ones uploaded first and renamed into place; each group is answered as on its own."""
+    monkeypatch.setattr(store_module, "INLINE_ARRAYS", 300)  # the long responses below are uploaded, the rest inline
+    buffer = await make_buffer(rollout_batch_size=6)
+    store = worker_store(buffer)
+    leases = (await buffer.lease(6, 0, "")).leases
+    sent = [finish(leased.group, [0.0, 1.0], response_len=3 if i % 2 else 40) for i, leased in enumerate(leases)]
+    expected = {g.group_id: [s.tokens for s in g.samples] for g in sent}
+    submitter = SubmitBatcher()
+    calls = []
+    monkeypatch.setattr(store, "complete", lambda groups, complete=store.complete: calls.append(len(groups))
+                        or complete(groups))  # fmt: skip
+    pairs = [*zip(leases, sent, strict=True), (leases[0], finish(leases[0].group, [0.0, 1.0]))]  # one submitted twice
+    completed = await asyncio.gather(*(submitter.complete(store, as_lease(buffer, leased), group)
+                                       for leased, group in pairs))  # fmt: skip
+    assert calls == [7] and completed == [True] * 6 + [False]
+    assert not await store.redis.keys(f"{store.ns}:upload:*")
+    unknown = buffer_pb2.Lease(lease_id="train:e9:b9:r9#1", group=leases[0].group)
+    with pytest.raises(NotFound, match="is unknown to the run"):
+        await submitter.complete(store, unknown, finish(leases[0].group, [0.0, 1.0]))
+    part = await buffer.get_batch(0, 0, 1, 5, arrays_from_redis=True)
+    groups = part.groups
+    samples.put_batch_arrays(groups, [await store.redis.get(key) for key in part.arrays_keys])
+    assert {g.group_id: [s.tokens for s in g.samples] for g in groups} == expected
+    counters = (await buffer.state())["counters"]
+    assert counters["completed"] == 6 and counters["duplicate_submits"] == 1
+    assert not await buffer.store.violations()

@@ -68,8 +68,8 @@ def test_a_gateway_on_the_buffers_redis_moves_the_arrays_there_and_the_trainer_r
     make_system, redis_url, redis_client, dynamic_filter
 ):
     """The data plane: without a dynamic-sampling filter in the buffer, the gateway completes each training group in
-    Redis itself (the arrays and the submit script in one round trip, no SubmitGroup); with one, it uploads the arrays
-    and submits the rest, and the buffer's filter sees the group. Either way the submit script takes the upload over,
+    Redis itself (small arrays in the submit script's call, no SubmitGroup); with one, it uploads the arrays and
+    submits the rest, the buffer's filter sees the group, and the submit script takes the upload over. Either way
     GetBatch hands out keys, and nothing is left behind."""
     renames = redis_client.info("commandstats").get("cmdstat_rename", {}).get("calls", 0)
     submits = RPC_REQUESTS.labels("buffer", "SubmitGroup", "OK")._value.get()
@@ -78,7 +78,7 @@ def test_a_gateway_on_the_buffers_redis_moves_the_arrays_there_and_the_trainer_r
     system.gateway.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=10)
     wait_completed(system.buffer, 4)
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
-    uploaded = redis_client.info("commandstats")["cmdstat_rename"]["calls"] - renames
+    uploaded = redis_client.info("commandstats").get("cmdstat_rename", {}).get("calls", 0) - renames
     submits = RPC_REQUESTS.labels("buffer", "SubmitGroup", "OK")._value.get() - submits
     state = system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10)
     if dynamic_filter is None:
@@ -87,7 +87,7 @@ def test_a_gateway_on_the_buffers_redis_moves_the_arrays_there_and_the_trainer_r
         assert submits >= 4  # (the server counts a call after answering it: the last may not be counted yet)
     ask = buffer_pb2.GetBatchRequest(step=0, dp_size=1, timeout_seconds=5, arrays_from_redis=True)
     batch = system.buffer.GetBatch(ask, timeout=30)
-    assert uploaded >= 4 and len(batch.arrays_keys) == 4 and not batch.arrays
+    assert (uploaded >= 4 or dynamic_filter is None) and len(batch.arrays_keys) == 4 and not batch.arrays
     samples.put_batch_arrays(batch.groups, redis_client.mget(batch.arrays_keys))
     for group in batch.groups:
         assert len({s.reward for s in group.samples}) == 2 or dynamic_filter is None
