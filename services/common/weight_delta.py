@@ -24,21 +24,37 @@ def payload_size(kind: int, changed: int, size: int) -> int:
     return {FULL: size, INDICES: 6 * changed, BITMASK: size // 16 + 2 * changed}[kind]
 
 
+def changes(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask of the changed words, their count as a one-element tensor), both left on the device: nothing waits."""
+    mask = new.view(torch.int16) != base.view(torch.int16)
+    return mask, mask.sum()
+
+
+def smallest(changed: int, size: int) -> int:
+    """The encoding with the smallest payload for `changed` words changed in a bucket of `size` bytes."""
+    return min((FULL, INDICES, BITMASK), key=lambda kind: payload_size(kind, changed, size))
+
+
+def payload(kind: int, new: torch.Tensor, mask: torch.Tensor, changed: int) -> torch.Tensor:
+    """The payload of encoding `kind` for `new`, whose changed words `mask` marks (`changed` of them, known on the
+    host: nothing waits for the device)."""
+    if kind == FULL:
+        return new
+    where = torch.nonzero_static(mask, size=changed).view(-1)
+    values = new.view(torch.int16)[where].view(torch.uint8)
+    if kind == INDICES:
+        return torch.cat([where.to(torch.int32).view(torch.uint8), values])
+    bits = (mask.view(-1, 8).to(torch.uint8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+    return torch.cat([bits, values])
+
+
 def encode(new: torch.Tensor, base: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     """(encoding, changed words, payload) that turns `base` into `new` (uint8 buckets of one size, a multiple of 16
-    bytes); the payload is `new` itself for FULL."""
-    new16, base16 = new.view(torch.int16), base.view(torch.int16)
-    mask = new16 != base16
-    changed = int(mask.sum())
-    kind = min((FULL, INDICES, BITMASK), key=lambda k: payload_size(k, changed, new.numel()))
-    if kind == FULL:
-        return kind, changed, new
-    values = new16[mask].view(torch.uint8)
-    if kind == INDICES:
-        where = mask.nonzero().view(-1).to(torch.int32).view(torch.uint8)
-    else:
-        where = (mask.view(-1, 8).to(torch.uint8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
-    return kind, changed, torch.cat([where, values])
+    bytes); the payload is `new` itself for FULL. Waits for the device (the count)."""
+    mask, count = changes(new, base)
+    changed = int(count)
+    kind = smallest(changed, new.numel())
+    return kind, changed, payload(kind, new, mask, changed)
 
 
 def apply(kind: int, changed: int, payload: torch.Tensor, base: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from services.common.config import StrictModel
 
 
 class ReceiverConfig(StrictModel):
-    """Joins the trainer's weight group for its engine, receives each sync's buckets into a double buffer on the
+    """Joins the trainer's weight group for its engine, receives each sync's buckets into a few buckets' room on the
     engine's GPUs and hands them to the engine through its /update_weights_from_ipc route."""
 
     engine_url: str
@@ -27,6 +27,10 @@ class ReceiverConfig(StrictModel):
     """The engine's GPUs (its --tp-size): each gets its own copy of every bucket."""
     gpu_id_step: int = Field(1, ge=1)
     """The step between the engine's GPUs (its --gpu-id-step)."""
+    buffer_slots: int = Field(3, ge=2)
+    """Buckets of room on each of the engine's GPUs: the engine loads one while the next ones arrive (with 2, a
+    bucket is received only once the engine loaded the one before last). Each costs a bucket of GPU memory
+    (the trainer's --update-weight-buffer-size)."""
     timeout_s: float = Field(300.0, gt=0)
     """Deadline of one sync's steps: a broadcast that has not arrived, or an engine that has not answered, by then
     ends the sync with an error, so the receiver never waits on a dead trainer or engine."""

@@ -30,7 +30,7 @@ class Receiver:
         step, first = config.gpu_id_step, config.base_gpu_id
         devices = [torch.device("cuda", first + i * step) for i in range(config.tp_size)] if config.device == "cuda" \
             else [torch.device("cpu")]  # fmt: skip
-        self.buffers = Buffers(devices)
+        self.buffers = Buffers(devices, config.buffer_slots)
         self.copies: dict[str, Copies] = {}  # --update-weight-mode delta: each group's buckets, the deltas' base
         self.groups: dict[str, tuple[object, threading.Event]] = {}  # name → (group, its cancel flag)
         self.syncing = asyncio.Lock()  # one sync at a time; a group is destroyed only between syncs

@@ -1,7 +1,8 @@
 """One sync's buckets, from the trainer's weight group to the engine: bucket k is received (one broadcast of its
-tensors at `bucket_layout` offsets) into half k % 2 of a buffer on the engine's GPU while the engine loads bucket
-k - 1 from the other half, over SGLang's /update_weights_from_ipc and checkpoint-engine's worker protocol (see
-services/rollout/engine/ipc.py for the engine's side). No control round trip between buckets: the plan came whole.
+tensors at `bucket_layout` offsets) into slot k % S of a buffer on the engine's GPU (S slots, --buffer-slots) while
+the engine loads bucket k - 1 from another, over SGLang's /update_weights_from_ipc and checkpoint-engine's worker
+protocol (see services/rollout/engine/ipc.py for the engine's side). No control round trip between buckets: the plan
+came whole.
 
 Every wait ends: at the broadcast's arrival, when the group is destroyed (the gateway gave up), at the deadline, or
 when the engine's call ended (it failed, or an older checkpoint-engine worker stopped at the first None)."""
@@ -50,20 +51,21 @@ class Bucket:
 
 
 class Buffers:
-    """A double buffer on each of the engine's devices, kept across syncs and grown when a sync's buckets need more."""
+    """`slots` buckets of room on each of the engine's devices, kept across syncs and grown when a sync's buckets need
+    more."""
 
-    def __init__(self, devices: list[torch.device]):
-        self.devices, self.half, self.tensors = devices, 0, []
+    def __init__(self, devices: list[torch.device], slots: int = 3):
+        self.devices, self.slots, self.slot, self.tensors = devices, slots, 0, []
 
     def fit(self, buckets: list[Bucket]) -> None:
-        half = max((bucket.layout[1] for bucket in buckets), default=0)
-        if half > self.half:
-            self.half = half
-            self._allocate(2 * half)
+        slot = max((bucket.layout[1] for bucket in buckets), default=0)
+        if slot > self.slot:
+            self.slot = slot
+            self._allocate(self.slots * slot)
 
     def start(self, index: int) -> int:
         """Where bucket `index` of a sync goes."""
-        return (index % 2) * self.half
+        return (index % self.slots) * self.slot
 
     def _allocate(self, size: int) -> None:
         self.tensors = []  # the old ones go first: GPU memory
@@ -83,7 +85,7 @@ class Copies(Buffers):
     the base of the next sync's deltas (services/common/weight_delta.py), and room for one bucket's payload."""
 
     def __init__(self, devices: list[torch.device]):
-        super().__init__(devices)
+        super().__init__(devices, slots=0)
         self.sizes: list[int] = []
         self.starts: list[int] = []
         self.version: int | None = None  # the version they hold, once a sync completed
@@ -122,6 +124,7 @@ class Sync:
         self.waiting: list[bool] = []  # per socket: a message is out and its answer not read yet
         self.call: Future | None = None
         self.waited = {"engine": 0.0, "broadcasts": 0.0}  # seconds this sync waited for each
+        self.posted: dict[int, object] = {}  # the receives posted ahead, by bucket
 
     def run(self) -> None:
         if self.buffers.devices[0].type == "cuda":  # this thread's collectives and copies run on the engine's GPU
@@ -162,14 +165,17 @@ class Sync:
             offsets, size = bucket.layout
             base = self.buffers.start(index)
             first, *others = (tensor[base : base + size] for tensor in self.buffers.tensors)
-            self._receive(bucket, first)
+            if self.delta is None:
+                self._receive_ahead(index)
+            else:
+                self._receive(bucket, first)
             for other in others:  # the engine's other GPUs: their own copy, from this one
                 other.copy_(first)
             for tensor in self.buffers.tensors:  # on the GPU before the engine reads it
                 if tensor.is_cuda:
                     torch.cuda.synchronize(tensor.device)
             if index:
-                self._answers()  # the engine loaded the previous bucket: this half is free again after the next
+                self._answers()  # the engine loaded the previous bucket: its slot is free for a receive
             specs = zip(bucket.names, bucket.dtypes, bucket.shapes, offsets, strict=True)
             metadata = [{"name": n, "dtype": d, "shape": torch.Size(s), "offset": base + o} for n, d, s, o in specs]
             self._send_all([metadata] * len(self.sockets))
@@ -179,6 +185,19 @@ class Sync:
         self._answers()
         self._send_all([None] * len(self.sockets))  # the post-load hook (checkpoint-engine 0.4.2)
         self._answers(or_done=True)  # an older worker (0.1.2) stopped at the first None: its call has ended
+
+    def _receive_ahead(self, index: int) -> None:
+        """Bucket `index`, whole; the receives of the buckets after it are posted too where their slots are free (the
+        engine answered the bucket a slot held: up to index + slots - 2, since the answer of index - 1 comes after
+        this receive), so the transfer goes on while the engine loads."""
+        for ahead in range(index, min(index + self.buffers.slots - 1, len(self.buckets))):
+            if ahead not in self.posted:
+                start, size = self.buffers.start(ahead), self.buckets[ahead].layout[1]
+                into = self.buffers.tensors[0][start : start + size]
+                self.posted[ahead] = dist.broadcast(into, src=0, group=self.group, async_op=True)
+        started = time.perf_counter()
+        wait_for([self.posted.pop(index)], self.cancelled, self.deadline)
+        self.waited["broadcasts"] += time.perf_counter() - started
 
     def _receive(self, bucket: Bucket, into: torch.Tensor) -> None:
         """Bucket `bucket`, whole or (delta) as the changes to what `into` holds; checked against the sender's

@@ -38,51 +38,87 @@ class Streamed(Transport):
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, name="weight-sync-answers", daemon=True).start()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        size = max((bucket_layout(*_types(specs))[1] for specs in layout or []), default=0)
-        self.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self.works: list = []  # each bucket's broadcast
         # --update-weight-mode delta: a header before each bucket, which goes as the changes to the sender's copy of
-        # it where every engine holds that copy's version (the gateway's answer), else whole
+        # it where every engine holds that copy's version (the gateway's answer), else whole. A bucket's changes are
+        # counted on the GPU and sent once the next bucket is converted, so the count never makes the CPU wait.
         self.delta = sender.config.update_weight_mode == "delta"
         self.base = self.delta and sender.copies_version and sender.copies_version == self.prepared.delta_base_version
+        self.pending: tuple | None = None  # delta: the bucket compared and not sent yet
         sender.copies_version = 0  # the copies change from now on
         sender.timings.update(words=0, changed_words=0)
+        self.stages = 3 if self.delta else 2  # staging buffers: one converting, (delta) one pending, one broadcast
+        size = max((bucket_layout(*_types(specs))[1] for specs in layout or []), default=0)
+        self.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.stages)]
+        self.works: list = []  # each bucket's broadcast
 
     def send(self, index: int, specs: list, tensors) -> None:
-        if index >= 2:
-            self._wait(self.works[index - 2], index - 2)  # its staging buffer is free again
+        if index >= self.stages:
+            self._wait(self.works[index - self.stages], index - self.stages)  # its staging buffer is free again
         dtypes, shapes = _types(specs)
+        staging = index % self.stages
         if not self.planned:  # a plan of its own, answered before the next
             self.requests.put(rollout_pb2.WeightBucket(version=self.version, bucket_index=index, tensors=specs,
                                                        group_name=self.sender.group_name))  # fmt: skip
             self.expected += 1
             size = bucket_layout(dtypes, shapes)[1]
-            if self.staging[index % 2].numel() < size:
-                self.staging[index % 2] = torch.empty(size, dtype=torch.uint8, device=self.device)
-        flat = flatten_aligned(tensors, dtypes, shapes, self.staging[index % 2])
+            if self.staging[staging].numel() < size:
+                self.staging[staging] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        flat = flatten_aligned(tensors, dtypes, shapes, self.staging[staging])
         self.sender.in_flight = True
+        if self.delta:
+            pending, self.pending = self.pending, self._compare(index, flat, dtypes, shapes)
+            if pending is not None:
+                self._broadcast(pending[0], self._delta(*pending))
+        else:
+            self._broadcast(index, [flat])
+        self.watchdog.progress(f"streaming bucket {index}")
+        if not self.planned:
+            self._flush()
+            self._wait(self.works[index], index)
+            self._check(self._next_answer(None))
+
+    def _broadcast(self, index: int, tensors: list[torch.Tensor]) -> None:
         try:
-            for tensor in self._delta(index, flat, dtypes, shapes) if self.delta else [flat]:
+            for tensor in tensors:
                 work = dist.broadcast(tensor, src=0, group=self.sender.group, async_op=True)
             self.works.append(work)
         except RuntimeError as e:  # a member is gone
             self.sender._drop_group()
             raise EnginesLeft(f"at bucket {index}: {e}") from None
-        self.watchdog.progress(f"streaming bucket {index}")
-        if not self.planned:
-            self._wait(self.works[index], index)
-            self._check(self._next_answer(None))
 
-    def _delta(self, index: int, flat: torch.Tensor, dtypes: list, shapes: list) -> list[torch.Tensor]:
-        """The header and the payload of bucket `index` (services/common/weight_delta.py); the bucket becomes the
-        sender's copy of it."""
-        copies, timings = self.sender.copies, self.sender.timings
+    def _flush(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._broadcast(pending[0], self._delta(*pending))
+
+    def _compare(self, index: int, flat: torch.Tensor, dtypes: list, shapes: list) -> tuple:
+        """Bucket `index`'s checksums and, against the sender's copy of it, its changes, counted on the GPU: the count
+        comes to the host when the GPU gets there, without waiting for it."""
+        copies = self.sender.copies
         sizes = [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in zip(dtypes, shapes, strict=True)]
         sums = weight_delta.checksums(flat, bucket_layout(dtypes, shapes)[0], sizes)
+        mask = count = None
         if self.base and index < len(copies) and copies[index].numel() == flat.numel():
-            kind, changed, payload = weight_delta.encode(flat, copies[index])
+            mask, on_device = weight_delta.changes(flat, copies[index])
+            count = torch.empty(1, dtype=on_device.dtype, pin_memory=flat.is_cuda)
+            count.copy_(on_device.view(1), non_blocking=True)
+        done = torch.cuda.Event() if flat.is_cuda else None
+        if done is not None:
+            done.record()
+        return index, flat, sums, mask, count, done
+
+    def _delta(self, index: int, flat: torch.Tensor, sums, mask, count, done) -> list[torch.Tensor]:
+        """The header and the payload of a compared bucket (services/common/weight_delta.py); the bucket becomes the
+        sender's copy of it."""
+        copies, timings = self.sender.copies, self.sender.timings
+        if mask is None:
+            kind, changed = weight_delta.FULL, flat.numel() // 2
         else:
-            kind, changed, payload = weight_delta.FULL, flat.numel() // 2, flat
+            if done is not None:
+                done.synchronize()  # long done: the next bucket was converted meanwhile
+            changed = int(count[0])
+            kind = weight_delta.smallest(changed, flat.numel())
+        payload = weight_delta.payload(kind, flat, mask, changed)
         timings["words"] += flat.numel() // 2
         timings["changed_words"] += changed
         if index < len(copies) and copies[index].numel() == flat.numel():
@@ -93,6 +129,7 @@ class Streamed(Transport):
         return [weight_delta.header(kind, changed, sums), payload]
 
     def finish(self) -> None:
+        self._flush()
         for index, work in enumerate(self.works):
             self._wait(work, index)
         started = time.perf_counter()
