@@ -15,7 +15,7 @@ from services.common.waits import logged_wait
 from services.reward.config import RewardConfig
 from services.reward.isolation import Failure, RewardSample, WorkerPool, run_builtin, run_custom, run_custom_group
 from services.reward.remote import GrpcRewardModel, HttpRewardModel
-from services.reward.verifiers import BUILT_IN, NEEDS_LABEL
+from services.reward.verifiers import BUILT_IN, NEEDS_LABEL, RM_TYPES, is_known
 from slipstream.v1 import reward_pb2
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,6 @@ ERRORS = prometheus_client.Counter(
     "Items whose reward failed, by kind (timeout, memory, exception, crash, invalid)",
     ["kind"],
 )
-REMOTE = {"remote_rm", "remote_grpc"}
 
 
 MAX_TIMEOUT_S = 3600.0
@@ -77,9 +76,8 @@ class Scorer:
         if not isinstance(chosen, str):
             raise InvalidArgument(f"items[{index}].metadata.rm_type", f"must be a string, got {chosen!r}")
         if not self.config.custom_rm_path:
-            known = chosen.removeprefix("boxed_") in BUILT_IN or chosen in REMOTE
-            if not known:
-                options = ", ".join([*BUILT_IN, *sorted(REMOTE)])
+            if not is_known(chosen):
+                options = ", ".join(RM_TYPES)
                 raise InvalidArgument(
                     f"items[{index}].rm_type", f"unknown reward type {chosen!r}; use one of {options}"
                 )

@@ -9,7 +9,7 @@ from services.reward.core import Scorer
 from services.reward.isolation import WorkerPool
 from services.reward.remote import Backoff, GrpcRewardModel, HttpRewardModel
 from services.reward.servicer import RewardServicer
-from services.reward.verifiers import BUILT_IN
+from services.reward.verifiers import RM_TYPES, is_known
 
 
 async def build(config: RewardConfig) -> Service:
@@ -35,6 +35,5 @@ async def build(config: RewardConfig) -> Service:
 
 
 def _check_rm_type(what: str, rm_type: str) -> None:
-    if rm_type.removeprefix("boxed_") not in BUILT_IN and rm_type not in ("remote_rm", "remote_grpc"):
-        raise StartupError(f"{what} {rm_type!r} is unknown; use one of {', '.join(BUILT_IN)}, remote_rm, "
-                           "remote_grpc, or pass --custom-rm-path")  # fmt: skip
+    if not is_known(rm_type):
+        raise StartupError(f"{what} {rm_type!r} is unknown; use one of {', '.join(RM_TYPES)}, or pass --custom-rm-path")

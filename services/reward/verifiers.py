@@ -169,6 +169,13 @@ BUILT_IN: dict[str, Callable] = {
     "random": random_reward,
 }
 NEEDS_LABEL = set(BUILT_IN) - {"random"}
+REMOTE = ("remote_rm", "remote_grpc")  # reward models elsewhere: --rm-url's (HTTP) and --rm-grpc-addr's
+RM_TYPES = (*BUILT_IN, *REMOTE)  # the valid rm_type values, besides the built-ins' boxed_ forms
+
+
+def is_known(rm_type: str) -> bool:
+    """Whether `rm_type` names a reward: a built-in, its `boxed_` form (\\boxed{} extracted first) or a remote one."""
+    return rm_type.removeprefix("boxed_") in BUILT_IN or rm_type in REMOTE
 
 
 def resolve(rm_type: str) -> tuple[Callable, bool]:
