@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from services.common.errors import StartupError
+from services.trainer.families import MOE_MODEL_TYPES
 
-# transformers' routers of these families return (router_logits, top-k weights, top-k expert ids); the experts are
+# transformers' routers of the MoE families return (router_logits, top-k weights, top-k expert ids); the experts are
 # run on exactly those ids, so they are what the hooks record.
-MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 TOPK_IDS_OUTPUT = 2
 
 

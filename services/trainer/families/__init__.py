@@ -1,16 +1,15 @@
 """The model families the trainer builds, by config.json's `model_type`: one module per family (`base.Family`: its
-megatron-core settings and its tensors' HF names), all on megatron-core's own layers."""
+megatron-core settings and its tensors' HF names), all on megatron-core's own layers, in `registry.FAMILIES`.
 
-from services.trainer.families import deepseek_v3, dense, glm4, glm4_moe, qwen3_moe
-from services.trainer.families.base import Family, Rule
+The registry is imported on first use (`FAMILIES`, `ALL_RULES`), so that which families have routed experts is read
+here without megatron-core: the reference engine's routing capture hooks the routers of those families."""
 
-FAMILIES: dict[str, Family] = {
-    "llama": dense.LLAMA,
-    "qwen2": dense.QWEN2,
-    "qwen3": dense.QWEN3,
-    "qwen3_moe": qwen3_moe.FAMILY,
-    "glm4": glm4.FAMILY,
-    "glm4_moe": glm4_moe.FAMILY,
-    "deepseek_v3": deepseek_v3.FAMILY,
-}
-ALL_RULES: dict[str, Rule] = {name: rule for family in FAMILIES.values() for name, rule in family.rules.items()}
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3")  # the families built with base.MOE's rules
+
+
+def __getattr__(name: str):
+    if name in ("FAMILIES", "ALL_RULES", "Family", "Rule"):
+        from services.trainer.families import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
