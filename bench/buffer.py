@@ -35,8 +35,7 @@ import redis.asyncio
 import uvloop
 from redis.connection import Encoder, PythonRespSerializer
 
-from services.buffer.groups import complete_in_redis
-from services.buffer.store import UPLOAD_TTL_S, BufferStore
+from services.buffer.dataplane import UPLOAD_TTL_S, DataPlane, complete_in_redis
 from services.common.clients import channel_options, wait_until_serving
 from services.common.redis_connection import EmbeddedRedis
 from services.common.tiny_checkpoint import write_tokenizer
@@ -84,7 +83,7 @@ async def submit_all(address: str, url: str, leases: list, groups: list, path: s
     asyncio, several groups finishing at once. Returns the seconds taken, clients connected beforehand."""
     client = redis.asyncio.Redis.from_url(url)
     await asyncio.gather(*(client.ping() for _ in range(SUBMITTING)))  # a running gateway's pool is connected
-    store = BufferStore(client, leases[0].submit_namespace)
+    store = DataPlane(client, leases[0].submit_namespace)
     slots = asyncio.Semaphore(SUBMITTING)
 
     async def submit(lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> bool:

@@ -34,6 +34,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gateway import start_instant_engines
+from services.buffer import dataplane
 from services.common.clients import wait_until_serving
 from services.common.processes import free_port
 from services.common.redis_connection import EmbeddedRedis
@@ -116,7 +117,8 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         time.sleep(args.warm_up)
         pids = {kind: [p.pid for p in found] for kind, found in procs.items()}
         pids |= {"redis": [server.pid], "engines": engine_pids}
-        counters, done = f"slipstream:{{{RUN}}}:counters", f"slipstream:{{{RUN}}}:done"
+        ns = dataplane.namespace("slipstream", RUN)
+        counters, done = dataplane.counters_key(ns), dataplane.waiting_key(ns)
         before, info0, cpu0, t0 = (
             int(client.hget(counters, "completed") or 0),
             client.info(),
@@ -136,7 +138,7 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         window = [gid.decode() for gid in client.zrangebyscore(done, before + 1, after)]  # completed in the window
         latencies = []
         for gid in window[:: max(1, len(window) // 2000)]:
-            group = common_pb2.PromptGroup.FromString(client.get(f"slipstream:{{{RUN}}}:done:{gid}") or b"")
+            group = common_pb2.PromptGroup.FromString(client.get(dataplane.completed_key(ns, gid)) or b"")
             if "scored" in group.timings and "leased" in group.timings:
                 latencies.append(group.timings["scored"] - group.timings["leased"])
         latencies.sort()

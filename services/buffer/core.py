@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from services.buffer.config import BufferConfig
+from services.buffer.dataplane import submitted_channel
 from services.buffer.filters import read_verdict
 from services.buffer.groups import check_group, group_id_of, leased_group_id, min_version, num_tokens
 from services.buffer.prompts import Skipped
@@ -86,7 +87,9 @@ class Buffer:
         self._eval_samples = self.config.samples_per_eval_prompt()
 
     async def start(self) -> None:
-        """Positions every stream at the cursor stored in Redis (where the previous process stopped)."""
+        """Declares the data plane's layout in the run's keys (refusing a run of another layout), then positions every
+        stream at the cursor stored in Redis (where the previous process stopped)."""
+        await self.store.declare_layout()
         for name, stream in self.streams.items():
             stream.reset(Cursor.decode(await self.store.cursor(name)))
 
@@ -489,7 +492,7 @@ class Buffer:
             await self._wanted.wait()
             try:
                 async with self.store.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(self.store.key("submitted"))
+                    await pubsub.subscribe(submitted_channel(self.store.ns))
                     self._following.set()
                     while self._wanted.is_set():
                         if await pubsub.get_message(ignore_subscribe_messages=True, timeout=FOLLOW_IDLE_S):

@@ -1,10 +1,9 @@
-"""What a finished prompt group must be, and how it is completed: shared by the buffer's SubmitGroup and a worker that
-completes its training groups in the buffer's Redis itself (a lease with `submit_namespace`, docs/buffer.md)."""
+"""What a finished prompt group must be: checked by the buffer's SubmitGroup and by a worker that completes its
+training groups in the buffer's Redis itself (dataplane.completion, a lease with `submit_namespace`)."""
 
-from services.buffer.store import BufferStore, Completion
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import InvalidArgument
 from slipstream import samples
-from slipstream.v1 import buffer_pb2, common_pb2
+from slipstream.v1 import common_pb2
 
 
 def group_id_of(lease_id: str) -> str | None:
@@ -69,33 +68,3 @@ def check_group(
                 raise InvalidArgument(
                     f"{where}.{name}", f"has {size} entries; it needs one per response token ({sample.response_length})"
                 )
-
-
-def completion(lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> Completion:
-    """A finished training group as a worker completes it in Redis itself, checked as SubmitGroup checks it. Takes
-    the arrays out of `group`."""
-    group_id = leased_group_id(lease.lease_id)
-    arrays, sizes = samples.take_sized_arrays(group)  # checked once taken out: each array is copied once
-    check_group(group, group.n_samples or None, arrays_in_redis=False, sizes=sizes)
-    group.group_id, group.min_weight_version = group_id, min_version(group)
-    return Completion(lease.lease_id, arrays, group.SerializeToString(), group.min_weight_version, num_tokens(group))
-
-
-def completed_now(store: BufferStore, lease_id: str, result: str) -> bool:
-    """What the submit script answered for a worker's group: True when the group was completed now, False when it had
-    been already; raises for an unknown lease or a refusal."""
-    if result == "unknown":
-        raise NotFound(f"lease {lease_id!r} is unknown to the run under {store.ns!r}")
-    if result not in ("accepted", "duplicate"):
-        raise FailedPrecondition(f"the buffer's submit of lease {lease_id!r} answered {result!r}")
-    return result == "accepted"
-
-
-async def complete_in_redis(store: BufferStore, lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> bool:
-    """A worker's submit of a finished training group without the buffer in between: checked as SubmitGroup checks
-    it, then its arrays and the buffer's submit transition in one round trip to Redis (store.complete). The lease
-    must have a `submit_namespace` (the buffer runs no dynamic-sampling filter, which needs the group). Takes the
-    arrays out of `group`. True when the group was completed now, False when it had been already. A gateway completes
-    the groups finished together in one call (services/rollout/submits.py)."""
-    (result,) = await store.complete([completion(lease, group)])
-    return completed_now(store, lease.lease_id, result)

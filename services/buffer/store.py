@@ -17,15 +17,14 @@ import json
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
-UPLOAD_TTL_S = 3600  # an upload not taken over by a submit (its worker died in between) is gone after an hour
-INLINE_ARRAYS = 64 * 1024  # a worker's arrays up to this size go in its submit script's call, larger ones uploaded
+from services.buffer.dataplane import LAYOUT_VERSION, SUBMIT_FUNCTIONS, DataPlane, check_layout, layout_key, namespace
 
-# Prepended to every script: a group id starts with its dataset's name; how many more groups the bounds allow (cap:
-# leased plus completed groups, -1 for none; limit: live training groups, started minus dropped, -1 for none).
+# Prepended to every script, after the submit transition (dataplane.SUBMIT_FUNCTIONS): how many more groups the bounds
+# allow (cap: leased plus completed groups, -1 for none; limit: live training groups, started minus dropped, -1 for
+# none).
 _PRELUDE = """
-local function dataset_of(gid) return string.match(gid, '^([^:]*):') end
 local function room(ns, cap, limit)
   local free = 1073741824
   if tonumber(cap) >= 0 then
@@ -75,51 +74,6 @@ local function lease_pending(ns, dataset, want, lease_ms, cap, limit)
     end
   end
   return deadline, out
-end
--- A finished group's transition: completed with its arrays (given, or the worker's upload taken over), dropped or
--- kept as an evaluation's. Returns the answer ('accepted', 'duplicate', 'unknown', 'no_arrays') and the group id when
--- it was completed now.
-local function submit(ns, lease_id, outcome, payload, version, tokens, arrays, uploaded)
-  local upload = ns .. ':upload:' .. lease_id
-  local gid = string.match(lease_id, '^(.*)#%d+$')
-  local status = gid and redis.call('HGET', ns .. ':status', gid)
-  if not status then
-    redis.call('DEL', upload)
-    return 'unknown'
-  end
-  if status ~= 'leased' and status ~= 'pending' then
-    redis.call('DEL', upload)
-    redis.call('HINCRBY', ns .. ':counters', 'duplicate_submits', 1)
-    return 'duplicate'
-  end
-  if uploaded and redis.call('EXISTS', upload) == 0 then return 'no_arrays' end
-  redis.call('ZREM', ns .. ':leases', gid)
-  if status == 'pending' then redis.call('LREM', ns .. ':pending:' .. dataset_of(gid), 0, gid) end
-  redis.call('DEL', ns .. ':group:' .. gid)
-  redis.call('HSET', ns .. ':status', gid, outcome)
-  if outcome == 'completed' then
-    local seq = redis.call('HINCRBY', ns .. ':counters', 'completed', 1)
-    redis.call('SET', ns .. ':done:' .. gid, payload)
-    if uploaded then
-      redis.call('RENAME', upload, ns .. ':arrays:' .. gid)
-      redis.call('PERSIST', ns .. ':arrays:' .. gid)
-    else
-      redis.call('SET', ns .. ':arrays:' .. gid, arrays)
-    end
-    redis.call('ZADD', ns .. ':done', seq, gid)
-    redis.call('HSET', ns .. ':done_version', gid, version)
-    redis.call('HSET', ns .. ':done_tokens', gid, tokens)
-    return 'accepted', gid
-  end
-  redis.call('DEL', upload)
-  if string.sub(outcome, 1, 5) == 'eval:' then
-    redis.call('HSET', ns .. ':' .. outcome, gid, payload)
-    redis.call('HINCRBY', ns .. ':counters', 'eval_completed', 1)
-  else
-    redis.call('HINCRBY', ns .. ':counters', 'dropped', 1)
-    redis.call('HINCRBY', ns .. ':counters', outcome, 1)
-  end
-  return 'accepted'
 end
 -- `command` over (key and) `args` in parts: Lua's unpack takes a few thousand values at most. Parts are of an even
 -- size, so pairs stay together.
@@ -232,21 +186,6 @@ _SUBMIT = """
 local result, completed = submit(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8] == '1')
 if completed then redis.call('PUBLISH', ARGV[1] .. ':submitted', completed) end
 return result
-"""
-
-# A worker's training groups completed together. ARGV: ns, then for each group: lease id, payload, min version,
-# tokens, arrays ('' when uploaded), uploaded. Returns each group's answer as `_SUBMIT`'s; one message on
-# <ns>:submitted for them all.
-_SUBMIT_MANY = """
-local ns, results, last = ARGV[1], {}, nil
-for i = 2, #ARGV, 6 do
-  local result, completed = submit(ns, ARGV[i], 'completed', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4],
-                                   ARGV[i + 5] == '1')
-  table.insert(results, result)
-  last = completed or last
-end
-if last then redis.call('PUBLISH', ns .. ':submitted', last) end
-return results
 """
 
 # ARGV: ns, step, chosen gids... Returns 0 when the step has a batch already (another buffer process made it).
@@ -381,31 +320,20 @@ class LeaseStart:
     leased: list[tuple[str, str, bytes]]  # (group id, lease id, payload) of the returned groups leased
 
 
-@dataclass
-class Completion:
-    """A training group a worker completes itself (BufferStore.complete)."""
-
-    lease_id: str
-    arrays: bytes  # its samples' arrays (samples.take_arrays' form)
-    payload: bytes  # the group without them
-    version: int  # the oldest weight version of its samples
-    num_tokens: int
-
-
 class Contended(Exception):
     """The state a transition was computed from moved under it (another buffer process): look again and retry."""
 
 
-class BufferStore:
-    """Typed access to one run's keys; every multi-key change is one atomic script."""
+class BufferStore(DataPlane):
+    """Typed access to one run's keys; every multi-key change is one atomic script. The data plane's keys and the
+    workers' submit are DataPlane's; the rest is the buffer's own."""
 
     def __init__(self, redis: Redis, prefix: str, run_id: str | None = None):
         """The run's keys are under `<prefix>:{<run_id>}`; without `run_id`, `prefix` is that namespace (a lease's
         submit_namespace)."""
-        self.redis = redis
-        self.ns = prefix if run_id is None else f"{prefix}:{{{run_id}}}"
+        super().__init__(redis, prefix if run_id is None else namespace(prefix, run_id))
         self._scripts = {
-            name: redis.register_script(_PRELUDE + code)
+            name: redis.register_script(SUBMIT_FUNCTIONS + _PRELUDE + code)
             for name, code in [
                 ("lease_new", _LEASE_NEW),
                 ("lease_start", _LEASE_START),
@@ -413,7 +341,6 @@ class BufferStore:
                 ("release", _RELEASE),
                 ("expire", _EXPIRE),
                 ("submit", _SUBMIT),
-                ("submit_many", _SUBMIT_MANY),
                 ("record_batch", _RECORD_BATCH),
                 ("drop", _DROP),
                 ("commit", _COMMIT),
@@ -422,8 +349,13 @@ class BufferStore:
             ]
         }
 
-    def key(self, name: str) -> str:
-        return f"{self.ns}:{name}"
+    async def declare_layout(self) -> None:
+        """Writes the data plane's layout version into a new run's keys; in a run's that has one, checks it (a buffer
+        of another layout must not continue the run)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(layout_key(self.ns), LAYOUT_VERSION, nx=True).get(layout_key(self.ns))
+            _, found = await pipe.execute()
+        check_layout(self.ns, found)
 
     async def _run(self, script: str, *args) -> object:
         try:
@@ -493,37 +425,6 @@ class BufferStore:
         args = [lease_id, outcome, payload, version, num_tokens, b"" if uploaded else arrays, int(uploaded)]
         return (await self._run("submit", *args)).decode()
 
-    async def complete(self, groups: list["Completion"]) -> list[str]:
-        """A worker's own submit of training groups (no dynamic-sampling filter), in one round trip: arrays up to
-        INLINE_ARRAYS bytes go in the script's call, larger ones to their lease's upload key first, pipelined on one
-        connection (Redis runs them in order, so the script finds them: a script's arguments are copied, megabytes
-        are cheaper renamed into place). Answers each as `submit`."""
-        args, uploads, seen = [self.ns], [], set()
-        for group in groups:
-            # A lease named again in the call is answered as the first (a duplicate) and must not overwrite its upload.
-            again = group.lease_id in seen
-            seen.add(group.lease_id)
-            upload = not again and len(group.arrays) > INLINE_ARRAYS
-            uploads += [group] if upload else []
-            arrays = b"" if upload or again else group.arrays
-            args += [group.lease_id, group.payload, group.version, group.num_tokens, arrays, int(upload)]
-        script = self._scripts["submit_many"]
-        # The script is loaded on the first NOSCRIPT (a new or restarted Redis), then sent again: redis-py's Script in
-        # a pipeline would ask SCRIPT EXISTS first, a round trip more on every submit.
-        for _ in range(2):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for group in uploads:
-                    pipe.set(self.upload_key(group.lease_id), group.arrays, ex=UPLOAD_TTL_S)
-                pipe.evalsha(script.sha, 1, self.key("meta"), *args)
-                *uploaded, results = await pipe.execute(raise_on_error=False)
-            if not isinstance(results, NoScriptError):
-                break
-            await self.redis.script_load(script.script)
-        for answer in (*uploaded, results):
-            if isinstance(answer, Exception):
-                raise answer
-        return [result.decode() for result in results]
-
     async def leased_group(self, group_id: str) -> bytes | None:
         """The stored prompt group (with its partial samples) of a group that is leased or waiting for a worker."""
         return await self.redis.get(self.key(f"group:{group_id}"))
@@ -563,13 +464,6 @@ class BufferStore:
         if not gids:
             return []
         return await self.redis.mget([self.key(f"done:{gid}") for gid in gids])
-
-    def upload_key(self, lease_id: str) -> str:
-        """Where a worker may write a group's arrays before its SubmitGroup with arrays_in_redis."""
-        return self.key(f"upload:{lease_id}")
-
-    def arrays_keys(self, gids: list[str]) -> list[str]:
-        return [self.key(f"arrays:{gid}") for gid in gids]
 
     async def arrays(self, gids: list[str]) -> list[bytes | None]:
         """The samples' arrays of completed groups (samples.take_arrays' form)."""

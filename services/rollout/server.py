@@ -23,6 +23,7 @@ from slipstream.v1 import buffer_pb2_grpc, reward_pb2_grpc
 async def build(config: RolloutConfig) -> Service:
     pool = EnginePool(config)
     fleet, redis_handle = None, None
+    failed = asyncio.get_running_loop().create_future()  # what must stop the gateway (rollout.failed)
     if config.redis.url:
         redis_handle = open_redis(config.redis, Path("."))
         me = config.advertise_addr or own_address(config.host, config.port)
@@ -56,6 +57,7 @@ async def build(config: RolloutConfig) -> Service:
             reward_pb2_grpc.RewardServiceStub(reward_channel),
             tokenizer=_tokenizer(config.hf_checkpoint),
             redis=fleet.redis if fleet is not None else None,
+            failed=failed,
         )
     except BaseException as e:
         await stop(children)
@@ -91,7 +93,7 @@ async def build(config: RolloutConfig) -> Service:
 
     sync = WeightSync(config, pool, buffer_pb2_grpc.BufferServiceStub(version_channel), fleet)
     servicer = Servicer.of(RolloutServicer(pool, rollout, sync, config, fleet))
-    return Service("rollout", config, [servicer], ready=ready, on_stop=[close])
+    return Service("rollout", config, [servicer], ready=ready, on_stop=[close], finished=failed)
 
 
 def _tokenizer(path: str):

@@ -1,5 +1,5 @@
 """A gateway's training groups completed in the buffer's Redis, those finished at the same moment in one round trip
-(services/buffer/groups.py): at thousands of groups a second, a round trip per group costs the gateway more than
+(services/buffer/dataplane.py): at thousands of groups a second, a round trip per group costs the gateway more than
 its groups' other Redis work.
 
 As for scores (scoring.py), nothing waits for a batch to fill: the groups submitted while the event loop runs one
@@ -9,8 +9,7 @@ it joins a batch; a failed round trip fails each of its groups, which go back to
 
 import asyncio
 
-from services.buffer.groups import completed_now, completion
-from services.buffer.store import BufferStore, Completion
+from services.buffer.dataplane import Completion, DataPlane, completed_now, completion
 from slipstream.v1 import buffer_pb2, common_pb2
 
 MAX_GROUPS = 256  # a round trip's groups at most
@@ -18,11 +17,11 @@ MAX_GROUPS = 256  # a round trip's groups at most
 
 class SubmitBatcher:
     def __init__(self):
-        self._waiting: dict[BufferStore, list[tuple[Completion, asyncio.Future]]] = {}
+        self._waiting: dict[DataPlane, list[tuple[Completion, asyncio.Future]]] = {}
         self._sending: set[asyncio.Task] = set()
 
-    async def complete(self, store: BufferStore, lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> bool:
-        """As groups.complete_in_redis: True when the group was completed now, False when it had been already."""
+    async def complete(self, store: DataPlane, lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> bool:
+        """As dataplane.complete_in_redis: True when the group was completed now, False when it had been already."""
         entry = completion(lease, group)
         future = asyncio.get_running_loop().create_future()
         batch = self._waiting.setdefault(store, [])
@@ -33,14 +32,14 @@ class SubmitBatcher:
             self._flush(store)
         return completed_now(store, lease.lease_id, await future)
 
-    def _flush(self, store: BufferStore) -> None:
+    def _flush(self, store: DataPlane) -> None:
         batch = self._waiting.pop(store, None)
         if batch:
             task = asyncio.create_task(self._send(store, batch))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
-    async def _send(self, store: BufferStore, batch: list) -> None:
+    async def _send(self, store: DataPlane, batch: list) -> None:
         try:
             results = await store.complete([entry for entry, _ in batch])
         except Exception as e:  # Redis failed: each group goes back to the buffer

@@ -14,7 +14,7 @@ import grpc
 import prometheus_client
 from redis.exceptions import RedisError
 
-from services.buffer.store import UPLOAD_TTL_S, BufferStore
+from services.buffer import dataplane
 from services.common.errors import SlipstreamError
 from services.common.plugins import load_callable
 from services.common.waits import logged_wait
@@ -47,12 +47,16 @@ THROUGHPUT = prometheus_client.Gauge(
 
 
 class Rollout:
-    def __init__(self, config: RolloutConfig, pool: EnginePool, buffer, reward, tokenizer=None, redis=None):
+    def __init__(
+        self, config: RolloutConfig, pool: EnginePool, buffer, reward, tokenizer=None, redis=None, failed=None
+    ):
+        """`failed`: a future that is given the error that must stop the gateway (another data-plane layout)."""
         self.config, self.pool, self.buffer, self.reward, self.tokenizer = config, pool, buffer, reward, tokenizer
         self.redis = redis  # the buffer's Redis (--redis-url): training groups are completed or uploaded there
+        self.failed: asyncio.Future | None = failed
         self.scorer = ScoreBatcher(reward)
         self.submitter = SubmitBatcher()
-        self._stores: dict[str, BufferStore] = {}  # by the leases' submit_namespace
+        self._planes: dict[str, dataplane.DataPlane] = {}  # by the run's namespace, its layout checked
         self.custom = None
         if config.custom_generate_function_path:
             self.custom = load_callable(config.custom_generate_function_path, "--custom-generate-function-path")
@@ -205,15 +209,28 @@ class Rollout:
         dynamic-sampling filter to run on it); or its arrays go there and the buffer gets the rest. Either way the
         bulk crosses to Redis once and from there to the trainer (docs/buffer.md, the data plane)."""
         if self.redis is not None and lease.submit_namespace:
-            if lease.submit_namespace not in self._stores:
-                self._stores[lease.submit_namespace] = BufferStore(self.redis, lease.submit_namespace)
-            await self.submitter.complete(self._stores[lease.submit_namespace], lease, group)
+            await self.submitter.complete(await self._plane(lease.submit_namespace), lease, group)
             return
         request = buffer_pb2.SubmitGroupRequest(lease_id=lease.lease_id, group=group)
         if self.redis is not None and lease.upload_key and group.dataset == "train":
-            await self.redis.set(lease.upload_key, samples.take_arrays(request.group), ex=UPLOAD_TTL_S)
+            await self._plane(dataplane.namespace_of(lease.upload_key))
+            await self.redis.set(lease.upload_key, samples.take_arrays(request.group), ex=dataplane.UPLOAD_TTL_S)
             request.arrays_in_redis = True
         await self.buffer.SubmitGroup(request, timeout=60)
+
+    async def _plane(self, ns: str) -> dataplane.DataPlane:
+        """The run's data plane in the buffer's Redis; the first time, its layout is checked: another one stops the
+        gateway (its group goes back to the buffer)."""
+        if ns not in self._planes:
+            plane = dataplane.DataPlane(self.redis, ns)
+            try:
+                await plane.check_layout()
+            except dataplane.LayoutMismatch as e:
+                if self.failed is not None and not self.failed.done():
+                    self.failed.set_exception(e)
+                raise
+            self._planes[ns] = plane
+        return self._planes[ns]
 
     async def _generate(self, group: common_pb2.PromptGroup, sampling: dict) -> list:
         ctx = GenerateContext(self.pool, sampling, self.config, self.tokenizer, self.reward, affinity=group.group_id)

@@ -14,6 +14,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from services.buffer import dataplane
 from services.common.clients import Credentials, open_channel
 from services.common.redis_connection import open_redis
 from services.trainer import checkpoint, data_parallel
@@ -158,6 +159,7 @@ class Trainer:
         self.buffer = buffer_pb2_grpc.BufferServiceStub(self.channel)
         # The batches' arrays, values of megabytes: read a megabyte at a time (a third faster than redis-py's 64 KiB).
         self.redis = open_redis(config.redis, Path(".")).client(socket_read_size=1 << 20) if config.redis.url else None
+        self.layout_checked = False  # the data plane's layout in the buffer's Redis, at the first keys read
         if config.load:
             self._resume(Path(config.load))
         self.weights = None
@@ -404,6 +406,10 @@ class Trainer:
             return None
         # The groups come without their arrays: they are in the reply, or read here from Redis (two hops, not four).
         # One GET a group: for values of megabytes, twice as fast as an MGET or a pipeline of them (BENCHMARKS.md).
+        if reply.arrays_keys and not self.layout_checked:  # another layout stops the trainer
+            ns = dataplane.namespace_of(reply.arrays_keys[0])
+            dataplane.check_layout(ns, self.redis.get(dataplane.layout_key(ns)))
+            self.layout_checked = True
         arrays = [self.redis.get(key) for key in reply.arrays_keys] if reply.arrays_keys else reply.arrays
         samples.put_batch_arrays(reply.groups, arrays)
         del reply.arrays[:], reply.arrays_keys[:]

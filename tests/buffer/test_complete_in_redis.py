@@ -1,4 +1,4 @@
-"""A worker completing its training groups in the buffer's Redis itself (services.buffer.groups.complete_in_redis),
+"""A worker completing its training groups in the buffer's Redis itself (services.buffer.dataplane.complete_in_redis),
 against a real Redis and a real buffer: the same transition as SubmitGroup, once per group, with the buffer told."""
 
 import asyncio
@@ -7,8 +7,8 @@ import pytest
 from redis.asyncio import Redis
 
 from services.buffer import core
-from services.buffer import store as store_module
-from services.buffer.groups import complete_in_redis
+from services.buffer import dataplane as store_module
+from services.buffer.dataplane import complete_in_redis
 from services.buffer.store import BufferStore
 from services.common.errors import InvalidArgument, NotFound
 from services.rollout.submits import SubmitBatcher
