@@ -124,7 +124,6 @@ class Sync:
         self.waiting: list[bool] = []  # per socket: a message is out and its answer not read yet
         self.call: Future | None = None
         self.waited = {"engine": 0.0, "broadcasts": 0.0}  # seconds this sync waited for each
-        self.posted: dict[int, object] = {}  # the receives posted ahead, by bucket
 
     def run(self) -> None:
         if self.buffers.devices[0].type == "cuda":  # this thread's collectives and copies run on the engine's GPU
@@ -161,49 +160,93 @@ class Sync:
     def _stream(self) -> None:
         self._send_all([self.buffers.handle(i) for i in range(len(self.sockets))])
         self._answers()
-        for index, bucket in enumerate(self.buckets):
-            offsets, size = bucket.layout
-            base = self.buffers.start(index)
-            first, *others = (tensor[base : base + size] for tensor in self.buffers.tensors)
-            if self.delta is None:
-                self._receive_ahead(index)
-            else:
-                self._receive(bucket, first)
-            for other in others:  # the engine's other GPUs: their own copy, from this one
-                other.copy_(first)
-            for tensor in self.buffers.tensors:  # on the GPU before the engine reads it
-                if tensor.is_cuda:
-                    torch.cuda.synchronize(tensor.device)
-            if index:
-                self._answers()  # the engine loaded the previous bucket: its slot is free for a receive
-            specs = zip(bucket.names, bucket.dtypes, bucket.shapes, offsets, strict=True)
-            metadata = [{"name": n, "dtype": d, "shape": torch.Size(s), "offset": base + o} for n, d, s, o in specs]
-            self._send_all([metadata] * len(self.sockets))
-        if self.buckets:
-            self._answers()
+        if self.delta is None:
+            self._stream_whole()
+        else:
+            self._stream_deltas()
         self._send_all([None] * len(self.sockets))  # the buffer is let go
         self._answers()
         self._send_all([None] * len(self.sockets))  # the post-load hook (checkpoint-engine 0.4.2)
         self._answers(or_done=True)  # an older worker (0.1.2) stopped at the first None: its call has ended
 
-    def _receive_ahead(self, index: int) -> None:
-        """Bucket `index`, whole; the receives of the buckets after it are posted too where their slots are free (the
-        engine answered the bucket a slot held: up to index + slots - 2, since the answer of index - 1 comes after
-        this receive), so the transfer goes on while the engine loads."""
-        for ahead in range(index, min(index + self.buffers.slots - 1, len(self.buckets))):
-            if ahead not in self.posted:
-                start, size = self.buffers.start(ahead), self.buckets[ahead].layout[1]
+    def _stream_whole(self) -> None:
+        """Every bucket whole, into the slots: a receive is posted once the engine loaded what its slot held, and
+        the engine is handed every bucket received since its last answer in one message (the protocol answers each
+        message before the next), so the transfer goes on while it loads and an exchange costs once per batch."""
+        count, slots = len(self.buckets), self.buffers.slots
+        posted, received, loading = {}, [], []
+        loaded = posted_up_to = -1  # every bucket up to `loaded` is in the engine; receives posted up to the other
+        while loaded < count - 1:
+            while posted_up_to + 1 < count and posted_up_to + 1 - slots <= loaded:  # its slot is free
+                posted_up_to += 1
+                start, size = self.buffers.start(posted_up_to), self.buckets[posted_up_to].layout[1]
                 into = self.buffers.tensors[0][start : start + size]
-                self.posted[ahead] = dist.broadcast(into, src=0, group=self.group, async_op=True)
+                posted[posted_up_to] = dist.broadcast(into, src=0, group=self.group, async_op=True)
+            arrived = min(posted, default=None)
+            if loading and self._answered():
+                loaded, loading = loading[-1], []
+            elif arrived is not None and posted[arrived].is_completed():
+                posted.pop(arrived).wait()
+                received.append(arrived)
+            elif received and not loading:
+                self._hand_over(received)
+                loading, received = received, []
+            else:
+                self._idle("engine" if loading else "broadcasts")
+
+    def _stream_deltas(self) -> None:
+        """Bucket by bucket: each one's header says how much follows."""
+        for index, bucket in enumerate(self.buckets):
+            start, size = self.buffers.start(index), bucket.layout[1]
+            self._receive(bucket, self.buffers.tensors[0][start : start + size])
+            if index:
+                self._answers()  # the engine loaded the previous bucket
+            self._hand_over([index])
+        if self.buckets:
+            self._answers()
+
+    def _hand_over(self, indices: list[int]) -> None:
+        """Tells the engine of received buckets, once they are on every one of its GPUs."""
+        for index in indices:
+            start, size = self.buffers.start(index), self.buckets[index].layout[1]
+            first, *others = (tensor[start : start + size] for tensor in self.buffers.tensors)
+            for other in others:  # the engine's other GPUs: their own copy, from this one
+                other.copy_(first)
+        for tensor in self.buffers.tensors:
+            if tensor.is_cuda:
+                torch.cuda.synchronize(tensor.device)
+        metadata = []
+        for index in indices:
+            bucket, start = self.buckets[index], self.buffers.start(index)
+            specs = zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.layout[0], strict=True)
+            metadata += [{"name": n, "dtype": d, "shape": torch.Size(s), "offset": start + o} for n, d, s, o in specs]
+        self._send_all([metadata] * len(self.sockets))
+
+    def _answered(self) -> bool:
+        """Whether every engine GPU answered the last message (read if so), without waiting."""
+        for i, socket in enumerate(self.sockets):
+            if self.waiting[i] and socket.poll(0):
+                answer = socket.recv()
+                self.waiting[i] = False
+                if answer:
+                    raise RuntimeError(f"the engine could not load a bucket: {answer.decode(errors='replace')}")
+        return not any(self.waiting)
+
+    def _idle(self, waiting_for: str) -> None:
+        if self.call.done():
+            raise RuntimeError(f"the engine's update ended early: {self.call.result().get('message')}")
+        if self.cancelled.is_set():
+            raise RuntimeError("the weight update group was destroyed while streaming")
+        if time.monotonic() > self.deadline:
+            raise RuntimeError(f"nothing came from the {'engine' if waiting_for == 'engine' else 'trainer'} within "
+                               f"{self.timeout_s:.0f} s")  # fmt: skip
         started = time.perf_counter()
-        wait_for([self.posted.pop(index)], self.cancelled, self.deadline)
-        self.waited["broadcasts"] += time.perf_counter() - started
+        time.sleep(0.0001)
+        self.waited[waiting_for] += time.perf_counter() - started
 
     def _receive(self, bucket: Bucket, into: torch.Tensor) -> None:
-        """Bucket `bucket`, whole or (delta) as the changes to what `into` holds; checked against the sender's
-        checksums after a delta."""
-        if self.delta is None:
-            return self._broadcast(into)
+        """Bucket `bucket`, whole or as the changes to what `into` holds (its header says which); checked against the
+        sender's checksums after a delta."""
         head = torch.empty(2 + len(bucket.names), dtype=torch.int64, device=into.device)
         self._broadcast(head)
         kind, changed = head[:2].tolist()
@@ -232,7 +275,12 @@ class Sync:
 
     def _send_all(self, payloads: list) -> None:
         for i, (socket, payload) in enumerate(zip(self.sockets, payloads, strict=True)):
-            socket.send_pyobj(payload)
+            while True:  # a REQ socket's send waits for a peer: one that never connects, or died, must end it
+                try:
+                    socket.send_pyobj(payload, flags=zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    self._idle("engine")
             self.waiting[i] = True
 
     def _answers(self, or_done: bool = False) -> None:
