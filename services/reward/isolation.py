@@ -233,16 +233,15 @@ class WorkerPool:
             raise
 
     def _dispatch(self) -> None:
-        """Gives the queued items to the idle workers, a message each of 1/num_workers of what is queued (guided
-        self-scheduling: the messages get smaller as the queue empties, so that no worker is left with a long tail
-        while the others wait)."""
-        for worker in [w for w in self._workers if w.ready.done() and not w.items]:
+        """Gives the queued items to the idle workers, a message each (spread over them all where there are several)."""
+        idle = [w for w in self._workers if w.ready.done() and not w.items]
+        for i, worker in enumerate(idle):
             while self._queue and self._queue[0].future.done():  # cancelled
                 self._queue.popleft()
             if not self._queue:
                 return
-            size = min(MAX_ITEMS_A_MESSAGE, -(-len(self._queue) // self.num_workers))
-            self._send(worker, [self._queue.popleft() for _ in range(size)])
+            size = min(MAX_ITEMS_A_MESSAGE, -(-len(self._queue) // (len(idle) - i)))
+            self._send(worker, [self._queue.popleft() for _ in range(min(size, len(self._queue)))])
 
     def _send(self, worker: _Worker, items: list[_Item]) -> None:
         try:
