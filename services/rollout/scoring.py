@@ -10,34 +10,20 @@ import asyncio
 
 import grpc
 
+from services.rollout.rounds import RoundBatcher
 from slipstream.v1 import reward_pb2
 
 MAX_ITEMS = 256  # a Score call's items at most (a 64k-token response is ~256 KB of text: well under the message cap)
 
 
-class ScoreBatcher:
+class ScoreBatcher(RoundBatcher):
     def __init__(self, reward, timeout_s: float = 600.0):
+        super().__init__()
         self.reward, self.timeout_s = reward, timeout_s
-        self._waiting: dict[str, list[tuple[list[reward_pb2.RewardItem], asyncio.Future]]] = {}
-        self._sending: set[asyncio.Task] = set()
 
     async def score(self, items: list[reward_pb2.RewardItem], rm_type: str) -> list[reward_pb2.RewardResult]:
         """The results of `items`, in order (raises the call's AioRpcError when the reward service fails)."""
-        future = asyncio.get_running_loop().create_future()
-        batch = self._waiting.setdefault(rm_type, [])
-        if not batch:
-            asyncio.get_running_loop().call_soon(self._flush, rm_type)
-        batch.append((items, future))
-        if sum(len(i) for i, _ in batch) >= MAX_ITEMS:
-            self._flush(rm_type)
-        return await future
-
-    def _flush(self, rm_type: str) -> None:
-        batch = self._waiting.pop(rm_type, None)
-        if batch:
-            task = asyncio.create_task(self._send(rm_type, batch))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+        return await self._add(rm_type, items, lambda batch: sum(len(i) for i, _ in batch) >= MAX_ITEMS)
 
     async def _send(self, rm_type: str, batch: list) -> None:
         try:

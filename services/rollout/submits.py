@@ -7,37 +7,18 @@ round go out at the end of that round, so a lone group is sent at once. A group 
 it joins a batch; a failed round trip fails each of its groups, which go back to the buffer.
 """
 
-import asyncio
-
-from services.buffer.dataplane import Completion, DataPlane, completed_now, completion
+from services.buffer.dataplane import DataPlane, completed_now, completion
+from services.rollout.rounds import RoundBatcher
 from slipstream.v1 import buffer_pb2, common_pb2
 
 MAX_GROUPS = 256  # a round trip's groups at most
 
 
-class SubmitBatcher:
-    def __init__(self):
-        self._waiting: dict[DataPlane, list[tuple[Completion, asyncio.Future]]] = {}
-        self._sending: set[asyncio.Task] = set()
-
+class SubmitBatcher(RoundBatcher):
     async def complete(self, store: DataPlane, lease: buffer_pb2.Lease, group: common_pb2.PromptGroup) -> bool:
         """As dataplane.complete_in_redis: True when the group was completed now, False when it had been already."""
-        entry = completion(lease, group)
-        future = asyncio.get_running_loop().create_future()
-        batch = self._waiting.setdefault(store, [])
-        if not batch:
-            asyncio.get_running_loop().call_soon(self._flush, store)
-        batch.append((entry, future))
-        if len(batch) >= MAX_GROUPS:
-            self._flush(store)
+        future = self._add(store, completion(lease, group), lambda batch: len(batch) >= MAX_GROUPS)
         return completed_now(store, lease.lease_id, await future)
-
-    def _flush(self, store: DataPlane) -> None:
-        batch = self._waiting.pop(store, None)
-        if batch:
-            task = asyncio.create_task(self._send(store, batch))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
 
     async def _send(self, store: DataPlane, batch: list) -> None:
         try:

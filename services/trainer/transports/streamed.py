@@ -98,7 +98,7 @@ class Streamed(Transport):
         sizes = [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in zip(dtypes, shapes, strict=True)]
         sums = weight_delta.checksums(flat, bucket_layout(dtypes, shapes)[0], sizes)
         mask = count = None
-        if self.base and index < len(copies) and copies[index].numel() == flat.numel():
+        if self.base and _has_copy(copies, index, flat):
             mask, on_device = weight_delta.changes(flat, copies[index])
             count = torch.empty(1, dtype=on_device.dtype, pin_memory=flat.is_cuda)
             count.copy_(on_device.view(1), non_blocking=True)
@@ -121,7 +121,7 @@ class Streamed(Transport):
         payload = weight_delta.payload(kind, flat, mask, changed)
         timings["words"] += flat.numel() // 2
         timings["changed_words"] += changed
-        if index < len(copies) and copies[index].numel() == flat.numel():
+        if _has_copy(copies, index, flat):
             copies[index].copy_(flat)
         else:
             del copies[index:]  # another layout: the copies are made anew
@@ -170,6 +170,11 @@ class Streamed(Transport):
             self.answers.put(e)
         else:  # answers still awaited never come
             self.answers.put(EnginesLeft("the gateway ended the bucket stream before answering every bucket"))
+
+
+def _has_copy(copies: list[torch.Tensor], index: int, flat: torch.Tensor) -> bool:
+    """Whether the sender holds a copy of bucket `index` as laid out now."""
+    return index < len(copies) and copies[index].numel() == flat.numel()
 
 
 def _types(specs: list) -> tuple[list[torch.dtype], list[list[int]]]:
