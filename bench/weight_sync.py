@@ -192,6 +192,7 @@ def main() -> None:
     if cuda and torch.cuda.device_count() < 2 and not args.colocate:
         sys.exit("needs 2 GPUs: the trainer on GPU 0, the engine on GPU 1")
     from services.common.config import AuthConfig, TlsConfig
+    from services.rollout.launch import gpu_ids
     from services.trainer.models import hf_weights_of, load_gpt_model
     from services.trainer.parallel import init_parallel
     from services.trainer.weight_sync import WeightSender
@@ -203,7 +204,8 @@ def main() -> None:
         moe_step.write_model(model_dir, shape)
     else:
         write_model(model_dir, shape, "cuda" if cuda else "cpu", tie=True)
-    url, gateway, procs = start_system(model_dir, folder, cuda, "0" if args.colocate else "1", args.streamed)
+    engine_gpu = gpu_ids()[0 if args.colocate else 1] if cuda else ""  # this process's GPU 0 or 1, as CUDA names it
+    url, gateway, procs = start_system(model_dir, folder, cuda, engine_gpu, args.streamed)
     try:
         init_parallel(1, 1)
         model, gpt = load_gpt_model(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)

@@ -165,9 +165,23 @@ async def wait_workers(router: Child, urls: list[str], timeout_s: float = 60.0) 
     raise StartupError(f"the router did not take the engines {urls} within {timeout_s:.0f} s; see {router.log_path}")
 
 
+def gpu_ids() -> list[str]:
+    """The GPUs this process may use, as CUDA names them to a child process: CUDA_VISIBLE_DEVICES's entries up to the
+    first hidden one ("-1" or empty), else every GPU of the machine; none without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+        return [str(i) for i in range(sum(line.startswith("GPU ") for line in result.stdout.splitlines()))]
+    ids = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry in ("", "-1"):
+            break
+        ids.append(entry)
+    return ids
+
+
 def num_gpus() -> int:
-    """The machine's GPUs; none where CUDA_VISIBLE_DEVICES hides them all (empty or -1: a CPU run)."""
-    if shutil.which("nvidia-smi") is None or os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
-        return 0
-    result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
-    return sum(line.startswith("GPU ") for line in result.stdout.splitlines())
+    """How many GPUs this process may use (none where CUDA_VISIBLE_DEVICES hides them all: a CPU run)."""
+    return len(gpu_ids())

@@ -22,7 +22,7 @@ from services.common.errors import StartupError
 from services.common.logs import setup_logging
 from services.common.processes import free_port
 from services.common.redis_connection import open_redis
-from services.rollout.launch import Child, num_gpus, start, stop
+from services.rollout.launch import Child, gpu_ids, num_gpus, start, stop
 from services.train import report, wandb_log
 from services.train.options import Plan, parse
 from services.train.stall import RunStalled, StallWatch, last_error
@@ -105,9 +105,9 @@ class Run:
         if "rollout" in self.addr:
             own += ["--rollout-addr", self.addr["rollout"]]
         env = {}
-        if num_gpus() and not trainer.colocate and self._launched_engines() and not o.rollout_addr:
-            first = self._launched_engines()  # the engines have GPUs 0..n-1, the trainer the next ones
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(o.actor_num_gpus_per_node))
+        if gpu_ids() and not trainer.colocate and self._launched_engines() and not o.rollout_addr:
+            first = self._launched_engines()  # the engines have the first GPUs, the trainer the next ones
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids()[first : first + o.actor_num_gpus_per_node])
         self.addr["trainer"] = self._service("trainer", own, nproc=o.actor_num_gpus_per_node, env=env)
         self._wait_serving("trainer")
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._channel(self.addr["trainer"]))
@@ -139,7 +139,8 @@ class Run:
         need = max(engines, trainer) if self.plan.configs["trainer"].colocate else engines + trainer
         if need > gpus:
             raise StartupError(f"this run needs {need} GPUs ({engines} for the engines: --rollout-num-gpus; "
-                               f"{trainer} for the trainer: --actor-num-gpus-per-node) but this machine has {gpus}; "
+                               f"{trainer} for the trainer: --actor-num-gpus-per-node) but only {gpus} are visible "
+                               "(CUDA_VISIBLE_DEVICES); "
                                "lower them")  # fmt: skip
 
     def _launched_engines(self) -> int:
