@@ -38,7 +38,7 @@ from redis.connection import Encoder, PythonRespSerializer
 from services.buffer.dataplane import UPLOAD_TTL_S, DataPlane, complete_in_redis
 from services.common.clients import channel_options, wait_until_serving
 from services.common.redis_connection import EmbeddedRedis
-from services.common.tiny_checkpoint import write_tokenizer
+from services.train.tiny_checkpoint import write_tokenizer
 from slipstream.samples import decode_tokens, encode_logprobs, encode_mask, encode_tokens, put_batch_arrays, take_arrays
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 

@@ -20,7 +20,7 @@ import httpx
 import torch
 
 from services.common.processes import free_port
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 
 # "0.5b" has Qwen3-0.6B's layers (the vocabulary is the test tokenizer's, so the embeddings are small).
 SIZES = {

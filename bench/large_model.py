@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.tiny_checkpoint import write_tokenizer
 from services.train.demo import write_data
+from services.train.tiny_checkpoint import write_tokenizer
 
 SHAPES = {  # Qwen3-8B: 36 layers, untied embeddings; the tiny one, like it, has more embedding rows than tokens
     "qwen3-8b": dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,

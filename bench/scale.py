@@ -38,7 +38,7 @@ from services.buffer import dataplane
 from services.common.clients import wait_until_serving
 from services.common.processes import free_port
 from services.common.redis_connection import EmbeddedRedis
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 RUN = "scale"

@@ -192,7 +192,7 @@ def main() -> None:
     if cuda and torch.cuda.device_count() < 2 and not args.colocate:
         sys.exit("needs 2 GPUs: the trainer on GPU 0, the engine on GPU 1")
     from services.common.config import AuthConfig, TlsConfig
-    from services.rollout.launch import gpu_ids
+    from services.common.launch import gpu_ids
     from services.trainer.models import hf_weights_of, load_gpt_model
     from services.trainer.parallel import init_parallel
     from services.trainer.weight_sync import WeightSender

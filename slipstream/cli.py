@@ -12,7 +12,7 @@ COMMANDS = {
     "rollout": ("services.rollout.__main__", "run the rollout gateway (engines, rollout workers, weight sync; 50052)"),
     "reward": ("services.reward.__main__", "run the reward service (verifiers, custom and remote rewards; 50053)"),
     "trainer": ("services.trainer.__main__", "run the trainer's control service (50054)"),
-    "engine": ("services.rollout.engine.__main__", "run the reference engine (SGLang's HTTP API on HF models; 30000)"),
+    "engine": ("services.engine.__main__", "run the reference engine (SGLang's HTTP API on HF models; 30000)"),
     "receiver": ("services.receiver.__main__", "run the weight receiver beside an engine (streamed weights; 30100)"),
     "train": ("services.train.run", "start the whole system locally (or join running services) and train"),
     "demo": ("services.train.demo", "train a tiny model on a toy task and show that it learns"),

@@ -13,7 +13,7 @@ import yaml
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.common.clients import health_status
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]

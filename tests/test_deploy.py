@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 from tests.redis_servers import check_redis_password_from_file
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 from tests.redis_servers import check_redis_password, skip_without_containers
 
 REPO = Path(__file__).resolve().parents[1]

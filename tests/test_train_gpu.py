@@ -32,8 +32,8 @@ needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs
 
 @pytest.fixture(scope="module")
 def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
-    from services.common.tiny_checkpoint import QWEN3_0_6B, write_tiny_model
     from services.train.demo import write_data
+    from services.train.tiny_checkpoint import QWEN3_0_6B, write_tiny_model
 
     folder = tmp_path_factory.mktemp("qwen3-0.6b")
     model = write_tiny_model(folder / "model", dtype="bfloat16", lm_head_scale=1.0, **QWEN3_0_6B)

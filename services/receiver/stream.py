@@ -1,7 +1,7 @@
 """One sync's buckets, from the trainer's weight group to the engine: bucket k is received (one broadcast of its
 tensors at `bucket_layout` offsets) into slot k % S of a buffer on the engine's GPU (S slots, --buffer-slots) while
 the engine loads bucket k - 1 from another, over SGLang's /update_weights_from_ipc and checkpoint-engine's worker
-protocol (see services/rollout/engine/ipc.py for the engine's side). No control round trip between buckets: the plan
+protocol (see services/engine/ipc.py for the engine's side). No control round trip between buckets: the plan
 came whole.
 
 Every wait ends: at the broadcast's arrival, when the group is destroyed (the gateway gave up), at the deadline, or
@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from services.common import weight_delta
 from services.common.weight_group import bucket_layout, wait_for
-from services.rollout.engine.ipc import device_key
+from services.engine.ipc import device_key
 
 log = logging.getLogger(__name__)
 

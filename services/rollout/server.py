@@ -7,13 +7,14 @@ from pathlib import Path
 
 from services.common.clients import Credentials, open_aio_channel
 from services.common.errors import StartupError
+from services.common.launch import stop
 from services.common.plugins import PluginError
 from services.common.redis_connection import open_redis
 from services.common.server import Service, Servicer
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool, normalize
 from services.rollout.fleet import Fleet, follow, own_address, reconcile
-from services.rollout.launch import launch_engines, launch_router, stop, wait_workers
+from services.rollout.launch import launch_engines, launch_router, wait_workers
 from services.rollout.servicer import RolloutServicer
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout

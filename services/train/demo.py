@@ -46,7 +46,7 @@ def _row(a: int, b: int) -> dict:
 
 def prepare(folder: Path, arch: str = "qwen3") -> tuple[Path, Path, Path]:
     """The tiny model (of family `arch`) and the data under `folder` (built once): (model, train.jsonl, eval.jsonl)."""
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
 
     model = folder / "model"
     if not (model / "config.json").exists():

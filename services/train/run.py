@@ -19,10 +19,10 @@ from services.common.auth import ROLES
 from services.common.clients import PLAINTEXT, Credentials, health_status, open_channel
 from services.common.config import AuthConfig, ConfigError
 from services.common.errors import StartupError
+from services.common.launch import Child, gpu_ids, num_gpus, start, stop
 from services.common.logs import setup_logging
 from services.common.processes import free_port
 from services.common.redis_connection import open_redis
-from services.rollout.launch import Child, gpu_ids, num_gpus, start, stop
 from services.train import report, wandb_log
 from services.train.options import Plan, parse
 from services.train.stall import RunStalled, StallWatch, last_error

@@ -12,7 +12,7 @@ from services.buffer.core import Buffer
 from services.buffer.server import build_streams
 from services.buffer.store import BufferStore
 from services.common.plugins import load_callable
-from services.common.tiny_checkpoint import write_tokenizer
+from services.train.tiny_checkpoint import write_tokenizer
 from slipstream import samples
 from slipstream.v1 import common_pb2
 from tests.redis_servers import redis_url_on_both  # noqa: F401  (the buffer's tests run on both Redis servers)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from services.rollout import launch
+from services.common import launch
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, generate_group

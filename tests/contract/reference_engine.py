@@ -5,7 +5,7 @@ helpers it calls), and the `sampling_params` keys it accepts."""
 import ast
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parents[2] / "services" / "rollout" / "engine"
+ENGINE = Path(__file__).resolve().parents[2] / "services" / "engine"
 SOURCES = ("api.py", "weights.py", "ipc.py")  # the route tables and their handlers
 
 

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from services.common.config import ConfigError
+from services.engine.config import EngineConfig
 from services.rollout import launch, sglang_options
 from services.rollout.config import RolloutConfig
-from services.rollout.engine.config import EngineConfig
 from services.train.options import route
 from tests.contract.sglang_release import router_options
 from tools.sglang_server_args import listing
@@ -135,7 +135,7 @@ def launcher_options() -> list[tuple[str, str]]:
 
 def reference_engine_options() -> list[tuple[str, str]]:
     flags = {"--" + name.replace("_", "-") for name in EngineConfig.model_fields} - ENGINES_OWN
-    return [(flag, "services/rollout/engine/config.py") for flag in sorted(flags)]
+    return [(flag, "services/engine/config.py") for flag in sorted(flags)]
 
 
 def _literal_args(function) -> list:

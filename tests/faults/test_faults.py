@@ -66,7 +66,7 @@ CASES = {
 IN_MAKE_TEST = {"engine-sigstop"}
 FAULTS = pytest.mark.faults
 MODULES = {"buffer": "services.buffer", "rollout": "services.rollout", "reward": "services.reward",
-           "engine": "services.rollout.engine", "trainer": "services.trainer"}  # fmt: skip
+           "engine": "services.engine", "trainer": "services.trainer"}  # fmt: skip
 
 
 def argv(pid: int) -> list[str]:

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from services.buffer.store import BufferStore
 from services.common.clients import wait_until_serving
 from services.common.processes import free_port
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 from slipstream.v1 import buffer_pb2, reward_pb2, rollout_pb2, trainer_pb2
 from tests.conftest import ServiceProcess
 from tests.trainer.conftest import trainer_args

@@ -5,7 +5,7 @@ import pytest
 from google.protobuf.struct_pb2 import Struct
 
 from services.common.clients import health_status
-from services.common.tiny_checkpoint import write_classifier
+from services.train.tiny_checkpoint import write_classifier
 from slipstream.v1 import reward_pb2, reward_pb2_grpc
 from tests.reward.conftest import error_code, items, score
 

@@ -14,11 +14,11 @@ import pytest
 from services.buffer.config import BufferConfig
 from services.buffer.server import build as build_buffer
 from services.common.processes import free_port, free_port_pair
-from services.common.tiny_checkpoint import write_tiny_model
 from services.reward.config import RewardConfig
 from services.reward.server import build as build_reward
 from services.rollout.config import RolloutConfig
 from services.rollout.server import build as build_rollout
+from services.train.tiny_checkpoint import write_tiny_model
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 

@@ -39,9 +39,9 @@ def _unreachable_store(host, port, *args, **kwargs):
 
 
 def _one_at_a_time() -> None:
-    from services.rollout.engine.api import EngineAPI
-    from services.rollout.engine.responses import control, json_response
-    from services.rollout.engine.weights import WeightReceiver
+    from services.engine.api import EngineAPI
+    from services.engine.responses import control, json_response
+    from services.engine.weights import WeightReceiver
 
     info, update = EngineAPI.server_info, WeightReceiver.update_from_distributed
 

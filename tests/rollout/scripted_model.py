@@ -6,7 +6,7 @@ away from 0 (the margin is modest), which makes token-for-token alignment checks
 import itertools
 from pathlib import Path
 
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 
 
 def write_scripted_model(path: Path, chain: list[int], margin: float = 6.0) -> Path:

@@ -24,7 +24,7 @@ from sandbox import calculate, evaluate  # noqa: E402
 def calculator_model(tmp_path_factory):
     """Greedily, after "assistant\\n" this model writes <tool_call>12*7</tool_call>, turn after turn."""
     path = tmp_path_factory.mktemp("scripted")
-    from services.common.tiny_checkpoint import write_tokenizer
+    from services.train.tiny_checkpoint import write_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(write_tokenizer(path))
     prompt_end = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)[-1]

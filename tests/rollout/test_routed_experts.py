@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13]]
 MAX_NEW_TOKENS = 8

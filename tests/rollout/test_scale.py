@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.gateway import start_instant_engines
 from bench.scale import measure
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 
 
 def test_replicas_serve_at_once_and_no_group_waits_a_second(tmp_path: Path):

@@ -23,10 +23,10 @@ from safetensors.torch import load_file
 
 from services.common.config import AuthConfig, TlsConfig
 from services.common.processes import free_port_pair
-from services.common.tiny_checkpoint import write_tiny_model
 from services.common.weight_group import abort_group, init_custom_process_group
 from services.rollout.engines import Engine
 from services.rollout.transports.handles import _handed_over
+from services.train.tiny_checkpoint import write_tiny_model
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
 from tests.rollout.conftest import get_batch, wait_completed, wait_healthy, weights_of

@@ -9,7 +9,7 @@ import torch
 
 from services.buffer.config import BufferConfig
 from services.buffer.server import build as build_buffer
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc
 

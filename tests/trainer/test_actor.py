@@ -94,7 +94,7 @@ def test_grpo_steps_raise_the_rewarded_responses_and_lower_the_loss():
 def test_a_few_steps_on_the_megatron_model_lower_the_loss(tmp_path):
     """The same on the real model: a Qwen3 checkpoint as a Megatron GPTModel (TP=1, this process), a fixed batch and
     a fixed old policy; with recompute on, as --recompute-activations runs it."""
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
     from services.trainer.models import load_gpt_model
     from services.trainer.parallel import init_parallel
 
@@ -117,7 +117,7 @@ def test_a_few_steps_on_the_megatron_model_lower_the_loss(tmp_path):
 def test_ppo_trains_the_critic_first_then_the_policy(tmp_path):
     """PPO on the Megatron model: GAE from the critic's values; during --num-critic-only-steps only the critic moves,
     and its value loss falls."""
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
     from services.trainer.critic import Critic, load_critic
     from services.trainer.models import load_gpt_model
     from services.trainer.parallel import init_parallel
@@ -172,7 +172,7 @@ def test_routing_replay_trains_through_the_experts_the_old_policy_chose(tmp_path
     """Qwen3-MoE, two optimizer steps on one rollout with a large learning rate: with --use-routing-replay every
     training forward (the second step's too, after the first moved the routers) sends each token to the experts the
     old policy chose; without it the second step's routing has moved."""
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
     from services.trainer.models import load_gpt_model
     from services.trainer.parallel import init_parallel
 
@@ -208,7 +208,7 @@ def test_rollout_routing_replay_routes_every_forward_as_the_engine_did(tmp_path)
     would choose."""
     import numpy as np
 
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
     from services.trainer.models import load_gpt_model
     from services.trainer.parallel import init_parallel
 

@@ -73,7 +73,7 @@ def _merged(folder, name: str) -> dict:
 def test_distributed_optimizer_with_experts_trains_like_one_process(layout, filled_buffer, service_process, tmp_path):
     """Qwen3-MoE at DP=2: without expert parallelism megatron shards the experts with the other weights; with EP=2
     (each rank four of the eight experts) they have their own optimizer, and the norm it clips by spans both."""
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
     from tests.trainer.test_parallel_training import _experts_merged
 
     moe = write_tiny_model(tmp_path / "qwen3_moe", arch="qwen3_moe")

@@ -19,7 +19,7 @@ def test_the_moe_families_are_those_built_with_routed_experts():
 
 def test_the_engine_reads_them_without_megatron():
     code = (
-        "import sys; from services.rollout.engine.routing import MOE_MODEL_TYPES; "
+        "import sys; from services.engine.routing import MOE_MODEL_TYPES; "
         "assert 'megatron' not in ' '.join(sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -31,7 +31,7 @@ def _run(model: Path, out: Path, layout: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_sequence_parallel_trains_like_tensor_parallel(tmp_path):
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model", hidden_size=128)
     _run(model, tmp_path / "tp", "tp2")
@@ -45,7 +45,7 @@ def test_sequence_parallel_trains_like_tensor_parallel(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_pipeline_stages_train_like_one_gpu(tmp_path):
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model", hidden_size=128)
     _run(model, tmp_path / "one", "single")
@@ -64,7 +64,7 @@ def test_two_pipeline_stages_train_like_one_gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_expert_parallel_ranks_train_like_one_gpu(tmp_path):
     """Each rank trains the same batch (so the step equals one GPU's) with four of the eight experts of each layer."""
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model", hidden_size=128, arch="qwen3_moe")
     _run(model, tmp_path / "one", "single")
@@ -87,7 +87,7 @@ def test_two_expert_parallel_ranks_train_like_one_gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_ranks_with_the_distributed_optimizer_train_like_one_gpu(tmp_path):
     """Each rank trains the same batch, so the step equals one GPU's; each keeps and steps half of AdamW's state."""
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model", hidden_size=128)
     _run(model, tmp_path / "one", "single")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from services.common.processes import free_port
-from services.common.tiny_checkpoint import write_tiny_model
-from services.rollout.engine.checkpoint_names import parameter_view
+from services.engine.checkpoint_names import parameter_view
+from services.train.tiny_checkpoint import write_tiny_model
 from services.trainer.hf_names import hf_to_megatron, megatron_to_hf, merge_tp_shards
 from services.trainer.models import (
     SafetensorsWeights,

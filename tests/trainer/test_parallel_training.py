@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from services.common.tiny_checkpoint import write_tiny_model
+from services.train.tiny_checkpoint import write_tiny_model
 from services.trainer.hf_names import merge_tp_shards
 from tests.trainer.conftest import trainer_args, weights
 
@@ -85,7 +85,7 @@ def _assert_pp2_equals(single: dict, model, buffer: str, tmp_path, torchrun) -> 
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
 
     root = tmp_path_factory.mktemp("moe-models")
     return {arch: write_tiny_model(root / arch, arch=arch) for arch in ("qwen3_moe", "glm4_moe", "deepseek_v3")}

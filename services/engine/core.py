@@ -10,9 +10,9 @@ from concurrent.futures import Future
 
 import torch
 
-from services.rollout.engine.batch import Batcher, Sequence
-from services.rollout.engine.routing import RoutingCapture
-from services.rollout.engine.sampling import choose_batch
+from services.engine.batch import Batcher, Sequence
+from services.engine.routing import RoutingCapture
+from services.engine.sampling import choose_batch
 
 log = logging.getLogger(__name__)
 

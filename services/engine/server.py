@@ -7,7 +7,7 @@ import torch
 
 from services.common.errors import StartupError
 from services.common.weight_group import apply_nccl_settings
-from services.rollout.engine.config import EngineConfig
+from services.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -15,8 +15,8 @@ log = logging.getLogger(__name__)
 def load(config: EngineConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.rollout.engine.engine import Engine
-    from services.rollout.engine.routing import RoutingCapture
+    from services.engine.core import Engine
+    from services.engine.routing import RoutingCapture
 
     if config.device == "cuda" and not torch.cuda.is_available():
         raise StartupError("--device cuda was asked for but CUDA is not available; pass --device cpu")
@@ -54,7 +54,7 @@ def serve(config: EngineConfig) -> int:
     apply_nccl_settings()  # as SGLang's server does, and the trainer: both ends of the weight group must agree
     import uvicorn
 
-    from services.rollout.engine.api import EngineAPI
+    from services.engine.api import EngineAPI
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
     try:

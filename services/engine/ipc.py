@@ -20,7 +20,7 @@ import zmq
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.rollout.engine.responses import control
+from services.engine.responses import control
 
 
 def device_key(device: torch.device) -> str:

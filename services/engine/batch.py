@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from services.rollout.engine.routing import RoutingCapture
-from services.rollout.engine.sampling import SamplingParams
+from services.engine.routing import RoutingCapture
+from services.engine.sampling import SamplingParams
 
 
 @dataclass

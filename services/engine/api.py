@@ -14,13 +14,13 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.rollout.engine.batch import Sequence
-from services.rollout.engine.engine import Engine
-from services.rollout.engine.ipc import IpcUpdates
-from services.rollout.engine.responses import SSE_DONE, error, generate_output, json_response, sse
-from services.rollout.engine.routing import check_start_len
-from services.rollout.engine.sampling import BadRequest, parse_sampling
-from services.rollout.engine.weights import WeightReceiver
+from services.engine.batch import Sequence
+from services.engine.core import Engine
+from services.engine.ipc import IpcUpdates
+from services.engine.responses import SSE_DONE, error, generate_output, json_response, sse
+from services.engine.routing import check_start_len
+from services.engine.sampling import BadRequest, parse_sampling
+from services.engine.weights import WeightReceiver
 
 HEALTH_TIMEOUT_S = 20.0
 

@@ -26,8 +26,8 @@ from services.common.weight_group import (
     unflatten,
     wait_for,
 )
-from services.rollout.engine.checkpoint_names import checkpoint_tensors, parameter_view
-from services.rollout.engine.responses import control, error, json_response
+from services.engine.checkpoint_names import checkpoint_tensors, parameter_view
+from services.engine.responses import control, error, json_response
 
 POLL_S = 0.0001  # how often a receive looks at its broadcasts, the cancel flag and the deadline
 

@@ -155,7 +155,7 @@ def test_unknown_sampling_key(engine_url):
 def test_other_model_families(arch, service_process, free_port, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from services.common.tiny_checkpoint import write_tiny_model
+    from services.train.tiny_checkpoint import write_tiny_model
     from tests.rollout.conftest import wait_healthy
 
     path = write_tiny_model(tmp_path / arch, arch=arch)

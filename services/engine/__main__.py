@@ -3,14 +3,14 @@
 import sys
 
 from services.common.config import command_config
-from services.rollout.engine.config import EngineConfig
+from services.engine.config import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     config = command_config(EngineConfig, argv, "engine")
     if config is None:
         return 2
-    from services.rollout.engine.server import serve  # torch: after the settings are read, so that --help is instant
+    from services.engine.server import serve  # torch: after the settings are read, so that --help is instant
 
     return serve(config)
 

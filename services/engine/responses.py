@@ -4,8 +4,8 @@ import json
 
 from starlette.responses import Response
 
-from services.rollout.engine import routing
-from services.rollout.engine.batch import Sequence
+from services.engine import routing
+from services.engine.batch import Sequence
 
 
 def dumps(value) -> bytes:
