@@ -92,6 +92,8 @@ class Buffer:
         await self.store.declare_layout()
         for name, stream in self.streams.items():
             stream.reset(Cursor.decode(await self.store.cursor(name)))
+            if isinstance(stream, PromptStream):
+                stream.share(self.store.redis, self.store.key("prepared"))
 
     # Leases
 
@@ -210,6 +212,7 @@ class Buffer:
             count_started=dataset == TRAIN,
             bounds=bounds,
         )
+        await stream.forget(items)
         leased = [LeasedGroup(lid, g, deadline) for lid, g in zip(lease_ids, groups, strict=True)]
         return leased, None if leased else "exhausted"
 

@@ -2,17 +2,20 @@
 
 Positions are cursors (epoch, block position, row position) that the store keeps in Redis, so after a restart the
 stream resumes exactly where the last committed lease left it. Tokenization runs in data worker processes, a few
-chunks ahead of the leases, so a lease rarely waits for the tokenizer and never for the whole file.
+chunks ahead of the leases, so a lease rarely waits for the tokenizer and never for the whole file. The buffer
+processes of a run share what they tokenized (services/buffer/prepared.py): each chunk is tokenized by one of them.
 """
 
 import asyncio
 import collections
+import hashlib
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.buffer.datasets import Block, RawRow, epoch_order, read_block
+from services.buffer.prepared import SharedChunks
 from services.buffer.prompts import RowSpec, Skipped, load_tokenizer, prepare_rows
 from services.common.processes import die_with_parent
 
@@ -67,6 +70,7 @@ class Item:
     group_id: str
     payload: bytes | Skipped
     after: Cursor
+    ends_chunk: str = ""  # the chunk this item is the last of (leasing it finishes the chunk)
 
 
 class PromptStream:
@@ -91,6 +95,18 @@ class PromptStream:
         self._cursor = Cursor()
         # A dataset read eagerly is one block: keep its rows instead of reading the file again every epoch.
         self._rows_cache: dict[int, list[RawRow]] = {}
+        self._shared: SharedChunks | None = None
+
+    def share(self, redis, prefix: str) -> None:
+        """Shares tokenized chunks with the run's other buffer processes under `prefix`, in a part of it that only
+        processes that turn rows into the same prompts share."""
+        how = repr((self.blocks, self.spec, self.seed, self.shuffle, self.chunk_rows)).encode()
+        self._shared = SharedChunks(redis, f"{prefix}:{self.name}:{hashlib.sha256(how).hexdigest()[:16]}")
+
+    async def forget(self, items: list[Item]) -> None:
+        """Called once `items` are leased: the chunks they finish are needed by no process any more."""
+        if self._shared is not None:
+            await self._shared.forget({item.ends_chunk for item in items if item.ends_chunk})
 
     def rows(self, block_index: int) -> list[RawRow]:
         if block_index in self._rows_cache:
@@ -137,51 +153,58 @@ class PromptStream:
 
     async def _generate(self, cursor: Cursor) -> AsyncIterator[Item]:
         in_flight: collections.deque = collections.deque()
-        for chunk in self._chunks(cursor):
-            in_flight.append((chunk, self._prepare(chunk)))
+        for chunk_id, chunk in self._chunks(cursor):
+            in_flight.append((chunk_id, chunk, self._prepare(chunk_id, chunk)))
             if len(in_flight) >= self.chunks_ahead:
-                async for item in self._finish(in_flight.popleft()):
+                async for item in self._finish(in_flight.popleft(), cursor):
                     yield item
         while in_flight:
-            async for item in self._finish(in_flight.popleft()):
+            async for item in self._finish(in_flight.popleft(), cursor):
                 yield item
 
-    def _prepare(self, chunk: list[tuple[RawRow, str, Cursor]]) -> asyncio.Future:
+    def _prepare(self, chunk_id: str, chunk: list[tuple[RawRow, str, Cursor]]) -> asyncio.Future:
         rows = [raw for raw, _, _ in chunk]
-        executor = self.executor or _TOKENIZE_THREAD
-        return asyncio.get_running_loop().run_in_executor(executor, prepare_rows, rows, self.spec)
+        loop = asyncio.get_running_loop()
 
-    async def _finish(self, entry) -> AsyncIterator[Item]:
-        chunk, future = entry
+        def tokenize() -> asyncio.Future:
+            return loop.run_in_executor(self.executor or _TOKENIZE_THREAD, prepare_rows, rows, self.spec)
+
+        if self._shared is None:
+            return tokenize()
+        return asyncio.ensure_future(self._shared.prepare(chunk_id, tokenize))
+
+    async def _finish(self, entry, start: Cursor) -> AsyncIterator[Item]:
+        """The chunk's items from `start` on (a stream that starts inside a chunk prepares all of it, for sharing)."""
+        chunk_id, chunk, future = entry
         payloads = await future
-        for (_, group_id, after), payload in zip(chunk, payloads, strict=True):
-            yield Item(group_id, payload, after)
+        for k, ((_, group_id, after), payload) in enumerate(zip(chunk, payloads, strict=True)):
+            if after > start:
+                yield Item(group_id, payload, after, chunk_id if k == len(chunk) - 1 else "")
 
     def _chunks(self, cursor: Cursor):
-        """Chunks of (row, group id, cursor after it), from `cursor` to the end of the last epoch.
+        """Chunks of (row, group id, cursor after it), from the one that holds `cursor` to the end of the last epoch,
+        each with its id: chunks are `chunk_rows` row positions of one block, the same for every process.
 
         Reading a block is synchronous file I/O: streaming blocks are a few MiB, and an eagerly read dataset is read
         once at start-up (`rows`) and cached."""
-        chunk: list[tuple[RawRow, str, Cursor]] = []
         epoch, block_pos, row_pos = cursor.epoch, cursor.block, cursor.row
         while self.num_epoch is None or epoch < self.num_epoch:
             block_order = epoch_order(len(self.blocks), self.seed, epoch, 0, self.shuffle)
             while block_pos < len(self.blocks):
-                block_index = int(block_order[block_pos])
-                rows = self.rows(block_index)
-                row_order = epoch_order(len(rows), self.seed, epoch, block_index + 1, self.shuffle)
-                for pos in range(row_pos, len(rows)):
-                    row_index = int(row_order[pos])
-                    after = Cursor(epoch, block_pos, pos + 1) if pos + 1 < len(rows) else Cursor(epoch, block_pos + 1)
-                    group_id = f"{self.name}:e{epoch}:b{block_index}:r{row_index}"
-                    chunk.append((rows[row_index], group_id, after))
-                    if len(chunk) == self.chunk_rows:
-                        yield chunk
-                        chunk = []
+                yield from self._block_chunks(epoch, block_pos, int(block_order[block_pos]), row_pos)
                 block_pos, row_pos = block_pos + 1, 0
             epoch, block_pos = epoch + 1, 0
-        if chunk:
-            yield chunk
+
+    def _block_chunks(self, epoch: int, block_pos: int, block_index: int, row_pos: int):
+        rows = self.rows(block_index)
+        row_order = epoch_order(len(rows), self.seed, epoch, block_index + 1, self.shuffle)
+        for first in range(row_pos - row_pos % self.chunk_rows, len(rows), self.chunk_rows):
+            chunk = []
+            for pos in range(first, min(first + self.chunk_rows, len(rows))):
+                row_index = int(row_order[pos])
+                after = Cursor(epoch, block_pos, pos + 1) if pos + 1 < len(rows) else Cursor(epoch, block_pos + 1)
+                chunk.append((rows[row_index], f"{self.name}:e{epoch}:b{block_index}:r{row_index}", after))
+            yield f"{epoch}:{block_pos}:{first // self.chunk_rows}", chunk
 
 
 class CustomPromptStream:
@@ -201,6 +224,9 @@ class CustomPromptStream:
 
     async def seek(self, cursor: Cursor) -> None:
         self._cursor = cursor
+
+    async def forget(self, items: list[Item]) -> None:
+        """Nothing is shared: the source lives in one process."""
 
     async def take(self, num_groups: int) -> list[Item]:
         groups = await asyncio.to_thread(self.source.get_samples, num_groups)

@@ -3,6 +3,7 @@ and turns what it returned into a reward, numeric details and text details — o
 """
 
 import asyncio
+import collections
 import logging
 import math
 from dataclasses import dataclass
@@ -63,12 +64,30 @@ class Scorer:
             answered = await self.grpc.score_items([_remote_item(items[i], samples[i]) for i in remote_grpc])
             for k, i in enumerate(remote_grpc):
                 outcomes[i] = answered if isinstance(answered, Failure) else answered[k]
-        others = [i for i in range(len(samples)) if outcomes[i] is None]
-        with logged_wait(log, "%d items to be scored by the workers", len(others)):
-            scored = await asyncio.gather(*(self._one(samples[i], timeout_s) for i in others))
-        for i, outcome in zip(others, scored, strict=True):
-            outcomes[i] = outcome
+        await self._score_here(samples, outcomes, timeout_s)
         return [self._result(sample, outcome) for sample, outcome in zip(samples, outcomes, strict=True)]
+
+    async def _score_here(self, samples: list[RewardSample], outcomes: list, timeout_s: float) -> None:
+        """Fills in the outcomes not known yet: the workers' items go to the pool together (`WorkerPool.run_many`),
+        while the HTTP reward model scores its own."""
+        todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        for rm_type, count in collections.Counter(samples[i].rm_type for i in todo).items():
+            ITEMS.labels(rm_type).inc(count)
+        over_http, pooled, calls = [], [], []
+        for i in todo:
+            if samples[i].rm_type == "remote_rm" and not self.config.custom_rm_path:
+                over_http.append(i)
+            elif isinstance(call := self._call(samples[i]), Failure):
+                outcomes[i] = call
+            else:
+                pooled.append(i)
+                calls.append(call)
+        with logged_wait(log, "%d items to be scored by the workers", len(pooled)):
+            scored = await asyncio.gather(
+                self.pool.run_many(timeout_s, calls), *(self.http.score(samples[i]) for i in over_http)
+            )
+        for i, outcome in zip(pooled + over_http, [*scored[0], *scored[1:]], strict=True):
+            outcomes[i] = outcome
 
     def _sample(self, index: int, item: reward_pb2.RewardItem, rm_type: str) -> RewardSample:
         metadata = MessageToDict(item.metadata) if item.HasField("metadata") else {}
@@ -88,17 +107,13 @@ class Scorer:
         response = item.response.decode("utf-8", errors="replace")
         return RewardSample(item.prompt, response, item.label, metadata, chosen, item.item_id or str(index))
 
-    async def _one(self, sample: RewardSample, timeout_s: float):
-        ITEMS.labels(sample.rm_type).inc()
+    def _call(self, sample: RewardSample) -> tuple | Failure:
+        """What a worker runs for the item, as (function, *args), or why it need not run."""
         if self.config.custom_rm_path:
-            return await self.pool.run(timeout_s, run_custom, self.config.custom_rm_path, self.config, sample)
-        if sample.rm_type == "remote_rm":
-            return await self.http.score(sample)
+            return (run_custom, self.config.custom_rm_path, self.config, sample)
         if sample.rm_type.removeprefix("boxed_") in NEEDS_LABEL and not sample.label.strip():
             return Failure("invalid", f"label is empty; rm_type {sample.rm_type} compares the response with a label")
-        return await self.pool.run(
-            timeout_s, run_builtin, sample.rm_type, sample.response, sample.label, sample.metadata
-        )
+        return (run_builtin, sample.rm_type, sample.response, sample.label, sample.metadata)
 
     async def _score_group(self, samples: list[RewardSample], timeout_s: float):
         ITEMS.labels("custom_group").inc(len(samples))

@@ -1,9 +1,10 @@
-"""Runs verifiers and user reward functions in worker processes, one item per task, each with a deadline and a
-memory limit.
+"""Runs verifiers and user reward functions in worker processes, each item with a deadline and a memory limit.
 
-A verifier that hangs is killed when its deadline passes and its worker replaced; one that allocates past the limit
-ends its worker, which is replaced; one that raises or crashes its process costs only its own item. The service keeps
-serving either way.
+A call's items go to the workers a chunk per pebble task (a task costs about as much CPU as a fast verifier's item),
+and an item keeps its own guarantees through a fallback: a chunk that does not finish in time, or whose worker dies,
+is run again one item per task. So a verifier that hangs is killed when its deadline passes and its worker replaced;
+one that allocates past the limit ends its worker, which is replaced; one that raises or crashes its process costs
+only its own item. The service keeps serving either way.
 """
 
 import asyncio
@@ -85,6 +86,22 @@ def _call(function, *args) -> Any:
     return asyncio.run(result) if inspect.isawaitable(result) else result
 
 
+def run_chunk(calls: list[tuple], budget_s: float) -> list:
+    """Runs in a worker: the calls `(function, *args)` in order, until they took `budget_s` (the caller sends the
+    rest again); a function's exception is its item's `Failure`, and a MemoryError ends the worker as in `_limited`."""
+    outcomes, start = [], time.monotonic()
+    for function, *args in calls:
+        try:
+            outcomes.append(function(*args))
+        except MemoryError:
+            os._exit(OUT_OF_MEMORY)
+        except Exception as e:
+            outcomes.append(Failure("exception", f"{type(e).__name__}: {e}"))
+        if time.monotonic() - start >= budget_s:
+            break
+    return outcomes
+
+
 def run_builtin(rm_type: str, response: str, label: str, metadata: dict) -> Any:
     return score_builtin(rm_type, response, label, metadata)
 
@@ -98,6 +115,8 @@ def run_custom_group(path: str, args, samples: list[RewardSample]) -> Any:
 
 
 STUCK_GRACE_S = 10.0  # past an item's deadline by this much, the pool itself is stuck (a hung worker holds its lock)
+MAX_CHUNK = 64  # items a pool task at most
+CHUNK_BUDGET = 0.25  # a chunk's worker takes no further item after this share of an item's deadline
 
 
 class WorkerPool:
@@ -154,6 +173,26 @@ class WorkerPool:
             return Failure("crash", f"the workers' pool broke ({e}); it was replaced")
         except Exception as e:  # the reward function's own error, re-raised here by the pool
             return Failure("exception", f"{type(e).__name__}: {e}")
+
+    async def run_many(self, timeout_s: float, calls: list[tuple]) -> list:
+        """Each call `(function, *args)` as `run` would run it, in chunks of a task each, shared among the workers.
+        A chunk's task has the deadline of its last item (its worker starts no item past CHUNK_BUDGET of one item's
+        deadline, and that one may take the whole deadline), so only an item at fault makes it fail."""
+        size = max(1, min(MAX_CHUNK, -(-len(calls) // self.num_workers)))
+        chunks = [calls[i : i + size] for i in range(0, len(calls), size)]
+        done = await asyncio.gather(*(self._run_chunk(timeout_s, chunk) for chunk in chunks))
+        return [outcome for outcomes in done for outcome in outcomes]
+
+    async def _run_chunk(self, timeout_s: float, calls: list[tuple]) -> list:
+        budget_s = CHUNK_BUDGET * timeout_s
+        outcomes: list = []
+        while len(calls) > 1:
+            done = await self.run(timeout_s + budget_s, run_chunk, calls, budget_s)
+            if isinstance(done, Failure):  # which item hung, crashed or ran out of memory is for its own task to say
+                break
+            outcomes += done
+            calls = calls[len(done) :]
+        return outcomes + list(await asyncio.gather(*(self.run(timeout_s, *call) for call in calls)))
 
     async def _replace(self, stuck: ProcessPool) -> None:
         if self._pool is not stuck:  # another item replaced it already

@@ -101,3 +101,29 @@ async def test_a_rewind_amid_leases_on_other_replicas_keeps_the_state_whole(make
     status = await store.redis.hgetall(store.key("status"))
     assert await store.violations() == []
     assert (await store.counters())["started"] == len(status), "every started group has one status"
+
+
+async def test_replicas_tokenize_each_prompt_once(make_buffer, tmp_path, monkeypatch):
+    """Each replica reads the stream ahead of the leases; what one tokenized, the others read from Redis, and a chunk
+    is deleted once its last prompt is leased."""
+    import services.buffer.source as source
+
+    tokenized: list[str] = []
+
+    def counted(rows, spec):
+        tokenized.extend(raw.data.decode() for raw in rows)
+        return source_prepare_rows(rows, spec)
+
+    source_prepare_rows = source.prepare_rows
+    monkeypatch.setattr(source, "prepare_rows", counted)
+    rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(300)]
+    config = {"prompt_data": str(write_jsonl(tmp_path / "p.jsonl", rows)), "run_id": "r" + uuid.uuid4().hex[:8],
+              "num_epoch": 1, "max_staleness": 1000, "rollout_shuffle": True}  # fmt: skip
+    replicas = [await make_buffer(**config) for _ in range(REPLICAS)]
+    leased, rng = [], random.Random(3)
+    while len(leased) < len(rows):
+        result = await rng.choice(replicas).lease(rng.randint(1, 9), 0, "")
+        leased += [leased.group.prompt_text for leased in result.leases]
+    assert sorted(leased) == sorted(row["prompt"] for row in rows)
+    assert len(tokenized) == len(set(tokenized)) == len(rows), "each prompt tokenized once"
+    assert not await replicas[0].store.redis.keys(f"{replicas[0].store.ns}:prepared:*")

@@ -59,3 +59,37 @@ async def test_a_stopped_worker_costs_its_item_and_the_next_item_is_scored():
         assert await pool.run(30, _pid) != worker
     finally:
         pool.close()
+
+
+def _hang() -> None:
+    while True:
+        time.sleep(1)
+
+
+def _refuse() -> None:
+    raise ValueError("refused")
+
+
+async def test_in_a_chunk_an_item_that_hangs_raises_or_crashes_costs_only_itself():
+    """A call's items go to a worker together; one that hangs, raises or ends its worker still fails alone, with the
+    failure it would have had in a task of its own, and the items after it are scored."""
+    pool = WorkerPool(1)
+    try:
+        calls = [(_slow, 0.0), (_hang,), (_slow, 0.1), (_refuse,), (os._exit, 3), (_slow, 0.2)]
+        start = time.monotonic()
+        outcomes = await pool.run_many(1.0, calls)
+        assert outcomes[0] == 0.0 and outcomes[2] == 0.1 and outcomes[5] == 0.2
+        assert outcomes[1].kind == "timeout" and "did not finish within 1s" in outcomes[1].message
+        assert outcomes[3].kind == "exception" and outcomes[3].message == "ValueError: refused"
+        assert outcomes[4].kind == "crash"
+        assert time.monotonic() - start < 10  # the chunk's deadline, then the hung item's own
+    finally:
+        pool.close()
+
+
+async def test_items_slower_together_than_one_deadline_are_each_scored():
+    pool = WorkerPool(1)
+    try:
+        assert await pool.run_many(1.0, [(_slow, 0.4)] * 4) == [0.4] * 4
+    finally:
+        pool.close()
