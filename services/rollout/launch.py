@@ -63,8 +63,9 @@ def receiver_command(config: RolloutConfig, engine_port: int, tp_size: int, on_g
     args = ["--engine-url", f"http://127.0.0.1:{engine_port}", "--port", str(port),
             "--device", "cuda" if on_gpu else "cpu", "--base-gpu-id", str(base_gpu_id), "--tp-size", str(tp_size),
             "--timeout-s", str(config.weight_sync_timeout_s)]  # fmt: skip
-    if config.engine_api_key_file is not None:
-        args += ["--engine-api-key", config.engine_api_key()]
+    if config.engine_api_key_file is not None:  # the key from its file, on no command line; the gateway sends it
+        key = str(config.engine_api_key_file)
+        args += ["--engine-api-key-file", key, "--api-key-file", key]
     return [sys.executable, "-m", "services.receiver", *args]
 
 

@@ -61,3 +61,16 @@ def test_launch_settings_are_checked_first(service_process, tmp_path):
     assert proc.wait() != 0
     assert "rollout_num_gpus 3 is not a multiple of rollout_num_gpus_per_engine 2" in proc.log
     assert "Traceback" not in proc.log
+
+
+def test_a_launched_receiver_reads_the_engines_key_from_its_file(tmp_path):
+    """The key is on no command line (any local user can read those): the receiver is given the file, and checks the
+    key the gateway sends with the same file."""
+    from services.rollout.config import RolloutConfig
+    from services.rollout.launch import receiver_command
+
+    (key := tmp_path / "engine-api-key").write_text("k3y-0123456789\n")
+    config = RolloutConfig(engine_api_key_file=key, weight_receiver_port_offset=1)
+    args = receiver_command(config, 30000, 1, False, 0)
+    assert "k3y-0123456789" not in " ".join(args)
+    assert args[args.index("--engine-api-key-file") + 1] == args[args.index("--api-key-file") + 1] == str(key)
