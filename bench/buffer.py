@@ -44,7 +44,7 @@ from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 
 SUBMITTING = 8  # groups a gateway submits at once
 PATHS = ("buffer", "upload", "inline")
-READ_SIZE = 1 << 20  # the trainer reads values of megabytes (services/trainer/loop.py)
+READ_SIZE = 1 << 20  # the trainer reads values of megabytes (services/trainer/assembly.py, data_plane)
 
 
 def make_group(lease: buffer_pb2.Lease, samples: int, tokens: int, rng: np.random.Generator) -> common_pb2.PromptGroup:

@@ -14,13 +14,18 @@ from services.trainer.cpu_shims import apply_cpu_shims, cuda_available, seed_mod
 
 @dataclass(frozen=True)
 class ParallelInfo:
-    """Where this process sits: its global rank, the world size, and its tensor-parallel rank and size."""
+    """Where this process sits: its global rank, the world size, its tensor-parallel rank and size, its pipeline
+    stage, its data-parallel rank and size, and its expert-parallel rank (None without expert parallelism)."""
 
     rank: int
     world_size: int
     tp_rank: int
     tp_size: int
     device: torch.device
+    pp_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    ep_rank: int | None = None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -86,6 +91,10 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         device=device,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank() if ep_size > 1 else None,
     )
 
 
