@@ -47,6 +47,7 @@ class Engine:
     requests: set = field(default_factory=set)  # the tasks of its requests in flight, cancelled when it is evicted
     evicting: set = field(default_factory=set)  # those of them cancelled by its eviction (not by their callers)
     generates: bool = True  # False: another gateway of the fleet generates on it, this one only syncs its weights
+    paused: bool = False  # told to pause (around a weight sync) and not yet to continue
 
     changes = 0  # of any engine's state or share, process-wide: the pools' cached choices are rebuilt after one
 
@@ -143,6 +144,9 @@ class EnginePool:
     async def check(self, engine: Engine) -> None:
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.rollout_health_check_timeout)
+            if engine.paused and engine.state == EVICTED:  # evicted mid-sync: paused, it would stay out for good
+                await self._control(engine, "/continue_generation", {})
+                engine.paused = False
             async with self.session.get(f"{engine.url}/health_generate", timeout=timeout) as response:
                 if response.status != 200:
                     raise EngineFailure(f"/health_generate answered {response.status}")
@@ -199,10 +203,14 @@ class EnginePool:
         """Pauses every engine: `abort` ends in-flight requests now (their samples come back ABORTED with the tokens
         so far), `retract` and `in_place` keep them to continue after `resume`. New requests wait in the gateway."""
         self.running.clear()
+        for engine in self.healthy():
+            engine.paused = True
         await self.control("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
         await self.control("/continue_generation", {})
+        for engine in self.healthy():
+            engine.paused = False
         self.running.set()
 
     async def control(self, path: str, payload: dict) -> dict[str, str]:

@@ -331,6 +331,9 @@ def test_a_hung_engine_is_evicted_and_the_others_get_the_weights(make_system, st
     for name in sent:
         assert torch.equal(weights_of(survivor, name), sent[name])
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 2
+    # Let go, it comes back (told to continue when it was left paused mid-sync), on weights that are not version 2
+    _wait(lambda: _engines(system)[victim].state == rollout_pb2.ENGINE_STATE_HEALTHY)
+    assert _engines(system)[victim].weight_version != "2"
 
 
 @pytest.mark.parametrize("second", ["reference", "one-at-a-time"])
