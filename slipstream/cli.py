@@ -74,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     module, extra = COMMANDS[name][0], NEEDS.get(name)
     missing = [m for m in EXTRAS.get(extra, ()) if not _installed(m)]
     if missing:
-        print(f"slipstream {name} needs the {extra!r} extra ({', '.join(missing)} not installed): "
-              f"pip install 'slipstream[{extra}]'", file=sys.stderr)  # fmt: skip
+        print(
+            f"slipstream {name} needs the {extra!r} extra ({', '.join(missing)} not installed): "
+            f"pip install 'slipstream[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     return importlib.import_module(module).main(rest)
 

@@ -44,9 +44,13 @@ def options_of(source: str, fields: bool) -> set[str]:
         if fields and isinstance(node, ast.ClassDef):
             for item in node.body:
                 annotation = getattr(item, "annotation", None)
-                if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
-                        and isinstance(annotation, ast.Subscript) and isinstance(annotation.slice, ast.Tuple)
-                        and getattr(annotation.value, "id", "") in ("A", "Annotated")):  # fmt: skip
+                if (
+                    isinstance(item, ast.AnnAssign)
+                    and isinstance(item.target, ast.Name)
+                    and isinstance(annotation, ast.Subscript)
+                    and isinstance(annotation.slice, ast.Tuple)
+                    and getattr(annotation.value, "id", "") in ("A", "Annotated")
+                ):
                     found.update(_arg_options(item.target.id, annotation.slice.elts[-1]))
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
             found.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--"))

@@ -32,13 +32,29 @@ CALLERS: dict[str, tuple[str, ...]] = {
     **{f"{V1}BufferService/{m}": ("worker",) for m in ("LeasePrompts", "ExtendLease", "ReleaseLease", "SubmitGroup")},
     **{f"{V1}BufferService/{m}": ("trainer",) for m in ("GetBatch", "CommitBatch", "SetPolicyVersion", "Rewind")},
     **{f"{V1}RewardService/{m}": ("worker",) for m in ("Score", "ScoreGroup")},
-    **{f"{V1}RolloutService/{m}": ("trainer",) for m in (
-        "PrepareWeightSync", "SyncWeightBuckets", "CommitWeightSync", "AbortWeightSync", "ReleaseEngineMemory",
-        "StartRollout", "StopRollout", "Evaluate")},
-    **{method: ("worker", "trainer") for method in (
-        f"{V1}BufferService/GetState", f"{V1}RewardService/ListRewardFunctions", f"{V1}RolloutService/ListEngines",
-        f"{V1}TrainerService/GetStatus")},
-}  # fmt: skip
+    **{
+        f"{V1}RolloutService/{m}": ("trainer",)
+        for m in (
+            "PrepareWeightSync",
+            "SyncWeightBuckets",
+            "CommitWeightSync",
+            "AbortWeightSync",
+            "ReleaseEngineMemory",
+            "StartRollout",
+            "StopRollout",
+            "Evaluate",
+        )
+    },
+    **{
+        method: ("worker", "trainer")
+        for method in (
+            f"{V1}BufferService/GetState",
+            f"{V1}RewardService/ListRewardFunctions",
+            f"{V1}RolloutService/ListEngines",
+            f"{V1}TrainerService/GetStatus",
+        )
+    },
+}
 OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes and tooling need no token
 
 REFUSED = prometheus_client.Counter(
@@ -89,8 +105,10 @@ class TokenFile:
             token = next((t for r, t in self._tokens if r == wanted), None)
             if token is not None:
                 return token
-        raise StartupError(f"--auth-token-file {self.path} has no token of role {role!r} (or admin), which this "
-                           f"service's calls need; add a line `{role} <token>`")  # fmt: skip
+        raise StartupError(
+            f"--auth-token-file {self.path} has no token of role {role!r} (or admin), which this "
+            f"service's calls need; add a line `{role} <token>`"
+        )
 
 
 def parse_tokens(text: str, path: Path) -> list[tuple[str, str]]:
@@ -103,8 +121,10 @@ def parse_tokens(text: str, path: Path) -> list[tuple[str, str]]:
         if len(words) != 2 or words[0] not in ROLES:
             raise StartupError(f"{where}: expected `role token` with role one of {', '.join(ROLES)}")
         if len(words[1]) < MIN_TOKEN_CHARS:
-            raise StartupError(f"{where}: the token is shorter than {MIN_TOKEN_CHARS} characters; use a random one "
-                               "such as `openssl rand -hex 32` gives")  # fmt: skip
+            raise StartupError(
+                f"{where}: the token is shorter than {MIN_TOKEN_CHARS} characters; use a random one "
+                "such as `openssl rand -hex 32` gives"
+            )
         tokens.append((words[0], words[1]))
     if not tokens:
         raise StartupError(f"--auth-token-file {path} holds no `role token` line")
@@ -130,8 +150,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         role = self.tokens.role_of(token.strip()) if scheme.lower() == "bearer" else None
         if role is None:
             why = "no token" if not header else "an unknown token" if scheme.lower() == "bearer" else "no Bearer token"
-            message = (f"{details.method} needs `authorization: Bearer <token>` metadata with a token of the run's "
-                       f"--auth-token-file; the call had {why}")  # fmt: skip
+            message = (
+                f"{details.method} needs `authorization: Bearer <token>` metadata with a token of the run's "
+                f"--auth-token-file; the call had {why}"
+            )
             return self._refuse(handler, details.method, grpc.StatusCode.UNAUTHENTICATED, message)
         if not allowed(role, details.method):
             roles = " or ".join((*CALLERS.get(details.method, ()), "admin"))
@@ -145,8 +167,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             REFUSED.labels(self.service, method.rsplit("/", 1)[-1], code.name).inc()
             await context.abort(code, message)
 
-        kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming
-                                                                              else "unary")  # fmt: skip
+        kind = (
+            ("stream" if handler.request_streaming else "unary")
+            + "_"
+            + ("stream" if handler.response_streaming else "unary")
+        )
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         return make(refuse, handler.request_deserializer, handler.response_serializer)
 
@@ -205,6 +230,10 @@ class _AioBearerToken:
 
 
 def aio_bearer_tokens(tokens: TokenFile, role: str) -> list:
-    kinds = (grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-             grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor)  # fmt: skip
+    kinds = (
+        grpc.aio.UnaryUnaryClientInterceptor,
+        grpc.aio.UnaryStreamClientInterceptor,
+        grpc.aio.StreamUnaryClientInterceptor,
+        grpc.aio.StreamStreamClientInterceptor,
+    )
     return [type(f"AioBearerToken{kind.__name__}", (_AioBearerToken, kind), {})(tokens, role) for kind in kinds]

@@ -35,10 +35,18 @@ UNSUPPORTED = {
     "eval_early_stop_idle_timeout": "every prompt of a set is evaluated",
 }
 # The settings the gateway samples with, by their names in the file → SGLang's.
-SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_response_len": "max_new_tokens",
-            "stop": "stop", "stop_token_ids": "stop_token_ids", "min_new_tokens": "min_new_tokens",
-            "repetition_penalty": "repetition_penalty", "skip_special_tokens": "skip_special_tokens",
-            "no_stop_trim": "no_stop_trim"}  # fmt: skip
+SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "max_response_len": "max_new_tokens",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "min_new_tokens": "min_new_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "no_stop_trim",
+}
 
 
 class EvalSet(StrictModel):

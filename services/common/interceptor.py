@@ -73,8 +73,12 @@ def _guarded(deserializer, method: str, limit_mib: int | None):
 
     def take(data: bytes):
         if limit is not None and len(data) > limit:
-            return Refused(ResourceExhausted(f"{method}: the request is {len(data):,} bytes, over this method's "
-                                             f"limit of {limit_mib} MiB; send less per call"))  # fmt: skip
+            return Refused(
+                ResourceExhausted(
+                    f"{method}: the request is {len(data):,} bytes, over this method's "
+                    f"limit of {limit_mib} MiB; send less per call"
+                )
+            )
         try:
             return deserializer(data)
         except Exception as e:  # protobuf's DecodeError, or anything a malformed message raises

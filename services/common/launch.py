@@ -40,9 +40,13 @@ def start(name: str, args: list[str], port: int, log_dir: Path, env: dict | None
     setpriv = shutil.which("setpriv")
     with log_path.open("ab") as out:
         proc = subprocess.Popen(
-            [setpriv, "--pdeathsig", "TERM", "--", *args] if setpriv else args, stdin=subprocess.DEVNULL,
-            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=None if setpriv else die_with_parent,
-        )  # fmt: skip
+            [setpriv, "--pdeathsig", "TERM", "--", *args] if setpriv else args,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=None if setpriv else die_with_parent,
+        )
     log.info("%s starting on port %d (log %s)", name, port, log_path)
     return Child(name, f"http://127.0.0.1:{port}", proc, log_path)
 

@@ -54,8 +54,11 @@ class RedisConfig(StrictModel):
                 raise StartupError(f"--redis-password-file {self.password_file} is empty; write Redis's password in it")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise StartupError("--redis-tls-cert-file and --redis-tls-key-file go together: give both, or neither")
-        files = {"ca-file": ("ssl_ca_certs", self.tls_ca_file), "cert-file": ("ssl_certfile", self.tls_cert_file),
-                 "key-file": ("ssl_keyfile", self.tls_key_file)}  # fmt: skip
+        files = {
+            "ca-file": ("ssl_ca_certs", self.tls_ca_file),
+            "cert-file": ("ssl_certfile", self.tls_cert_file),
+            "key-file": ("ssl_keyfile", self.tls_key_file),
+        }
         for flag, (option, path) in files.items():
             if path is not None:
                 _read(f"--redis-tls-{flag}", path)  # here, so that a missing file is not blamed on the server

@@ -127,8 +127,14 @@ class GrpcServer:
             await self.health.set(name, SERVING)
         security = ("mutual TLS" if cfg.tls.ca_file else "TLS") if cfg.tls.enabled else "plaintext"
         security += ", bearer tokens" if cfg.auth.token_file else ", no authentication"
-        log.info("%s serving on %s:%d, %s (metrics port %s)", self.service.name, cfg.host, self.port, security,
-                 self.metrics_port or "off")  # fmt: skip
+        log.info(
+            "%s serving on %s:%d, %s (metrics port %s)",
+            self.service.name,
+            cfg.host,
+            self.port,
+            security,
+            self.metrics_port or "off",
+        )
         return self.port
 
     async def stop(self) -> None:

@@ -68,15 +68,23 @@ def samples_of(groups: list[common_pb2.PromptGroup]) -> list[Sample]:
         metadata = metadata_of(group)
         for sample in group.samples:
             extra = metadata_of(sample)
-            out.append(Sample(
-                group_index=g, index=len(out), prompt=group.prompt_text,
-                tokens=arrays.decode_tokens(sample.tokens).tolist(), response=sample.response_text,
-                response_length=sample.response_length, label=group.label, reward=sample.reward,
-                loss_mask=arrays.decode_mask(sample.loss_mask).tolist() if sample.loss_mask else None,
-                weight_versions=[span.version for span in sample.weight_versions],
-                rollout_log_probs=arrays.decode_logprobs(sample.rollout_logprobs).tolist() or None,
-                status=FROM_PROTO.get(sample.status, Status.COMPLETED), metadata={**metadata, **extra},
-            ))  # fmt: skip
+            out.append(
+                Sample(
+                    group_index=g,
+                    index=len(out),
+                    prompt=group.prompt_text,
+                    tokens=arrays.decode_tokens(sample.tokens).tolist(),
+                    response=sample.response_text,
+                    response_length=sample.response_length,
+                    label=group.label,
+                    reward=sample.reward,
+                    loss_mask=arrays.decode_mask(sample.loss_mask).tolist() if sample.loss_mask else None,
+                    weight_versions=[span.version for span in sample.weight_versions],
+                    rollout_log_probs=arrays.decode_logprobs(sample.rollout_logprobs).tolist() or None,
+                    status=FROM_PROTO.get(sample.status, Status.COMPLETED),
+                    metadata={**metadata, **extra},
+                )
+            )
     return out
 
 

@@ -31,15 +31,25 @@ def apply_nccl_settings(environ: dict | None = None) -> dict:
     for name, value in NCCL_SETTINGS.items():
         environ.setdefault(name, value)
         if environ[name] != value:
-            log.warning("%s=%s is set; SGLang's engines use %s unless their environment says the same", name,
-                        environ[name], value)  # fmt: skip
+            log.warning(
+                "%s=%s is set; SGLang's engines use %s unless their environment says the same",
+                name,
+                environ[name],
+                value,
+            )
     return environ
 
 
 def init_custom_process_group(
-    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout: timedelta | None = None,
-    collective_timeout: timedelta | None = None, listen_fd: int | None = None,
-):  # fmt: skip
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta | None = None,
+    collective_timeout: timedelta | None = None,
+    listen_fd: int | None = None,
+):
     """Joins (rank 0 hosts the TCP store) and returns the process group `group_name`; blocks until all ranks joined,
     for at most `timeout`. `collective_timeout` (default `timeout`) is torch's own deadline for each collective.
     `listen_fd`: rank 0's socket, bound to the port of `init_method` and listening, which the store takes over (and
@@ -59,9 +69,15 @@ def init_custom_process_group(
         default.bound_device_id = None
     try:
         group, _ = c10d._new_process_group_helper(
-            world_size, rank, [], c10d.Backend(backend), store, group_name=group_name,
-            timeout=collective_timeout or timeout, device_id=None,
-        )  # fmt: skip
+            world_size,
+            rank,
+            [],
+            c10d.Backend(backend),
+            store,
+            group_name=group_name,
+            timeout=collective_timeout or timeout,
+            device_id=None,
+        )
     finally:
         if bound is not None:
             default.bound_device_id = bound
@@ -157,8 +173,9 @@ def bucket_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[l
     return offsets, size
 
 
-def flatten_aligned(tensors: Iterable[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]],
-                    out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def flatten_aligned(
+    tensors: Iterable[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]], out: torch.Tensor
+) -> torch.Tensor:
     """Writes the tensors (of `dtypes` and `shapes`, produced one at a time) at their `bucket_layout` offsets into
     `out` (uint8, at least the bucket's size); returns the bucket's part of it."""
     offsets, size = bucket_layout(dtypes, shapes)

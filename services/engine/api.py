@@ -103,8 +103,10 @@ class EngineAPI:
         sequences = []
         for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
             if len(prompt) >= self.engine.max_context:
-                raise ValueError(f"The input ({len(prompt)} tokens) is longer than the model's context length "
-                                 f"({self.engine.max_context} tokens).")  # fmt: skip
+                raise ValueError(
+                    f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                    f"({self.engine.max_context} tokens)."
+                )
             for j in range(sampling.n):
                 rid = self._rid(rids, i, single) if sampling.n == 1 else uuid.uuid4().hex
                 sequences.append(self._sequence(rid, prompt, sampling, body, i, j))
@@ -123,8 +125,14 @@ class EngineAPI:
         generator = None
         if sampling.sampling_seed is not None:
             generator = torch.Generator().manual_seed(sampling.sampling_seed + sample)
-        seq = Sequence(rid, list(prompt), sampling, bool(pick("return_logprob", False)),
-                       int(pick("logprob_start_len", -1)), generator)  # fmt: skip
+        seq = Sequence(
+            rid,
+            list(prompt),
+            sampling,
+            bool(pick("return_logprob", False)),
+            int(pick("logprob_start_len", -1)),
+            generator,
+        )
         if pick("return_routed_experts", False):  # checked even without the server option, as SGLang does
             seq.routed_experts_start_len = check_start_len(pick("routed_experts_start_len", 0) or 0, len(prompt))
             seq.return_routed_experts = self.engine.routing is not None  # else the answer lacks the key, as SGLang's
@@ -160,12 +168,20 @@ class EngineAPI:
 
     async def model_info(self, request: Request) -> Response:
         config = self.engine.model.config
-        return json_response({
-            "model_path": self.info["model_path"], "tokenizer_path": self.info["model_path"], "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
-            "has_image_understanding": False, "has_audio_understanding": False, "model_type": config.model_type,
-            "architectures": getattr(config, "architectures", None), "served_model_name": self.info["model_path"],
-        })  # fmt: skip
+        return json_response(
+            {
+                "model_path": self.info["model_path"],
+                "tokenizer_path": self.info["model_path"],
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.engine.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": config.model_type,
+                "architectures": getattr(config, "architectures", None),
+                "served_model_name": self.info["model_path"],
+            }
+        )
 
     async def server_info(self, request: Request) -> Response:
         states = {
@@ -173,19 +189,30 @@ class EngineAPI:
             "num_running_reqs": len(self.engine.batcher.rows),
             "num_waiting_reqs": len(self.engine.waiting),
         }
-        return json_response({
-            **self.info, "tp_size": 1, "dp_size": 1, "weight_version": self.engine.weight_version,
-            "max_total_num_tokens": self.engine.max_context * self.engine.max_batch_size,
-            "max_req_input_len": self.engine.max_context - 1, "startup_time": self.started,
-            "status": "ready", "internal_states": [states], "version": "0.5.23", "engine": "slipstream-reference",
-            "ordered_weight_buckets": True,  # update_weights_from_distributed takes `sequence`: docs/engine.md
-        })  # fmt: skip
+        return json_response(
+            {
+                **self.info,
+                "tp_size": 1,
+                "dp_size": 1,
+                "weight_version": self.engine.weight_version,
+                "max_total_num_tokens": self.engine.max_context * self.engine.max_batch_size,
+                "max_req_input_len": self.engine.max_context - 1,
+                "startup_time": self.started,
+                "status": "ready",
+                "internal_states": [states],
+                "version": "0.5.23",
+                "engine": "slipstream-reference",
+                "ordered_weight_buckets": True,  # update_weights_from_distributed takes `sequence`: docs/engine.md
+            }
+        )
 
     async def flush_cache(self, request: Request) -> Response:
         if self.engine.running():
             return PlainTextResponse("Cache not flushed because there are pending requests.", status_code=400)
-        message = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
-                   "requests, the operation will not be performed.)\n")  # fmt: skip
+        message = (
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+            "requests, the operation will not be performed.)\n"
+        )
         return PlainTextResponse(message)
 
     # Pause, continue, memory
@@ -238,17 +265,22 @@ class EngineAPI:
     def routes(self) -> list[Route]:
         post, get, both = ["POST", "PUT"], ["GET"], ["GET", "POST"]
         table = [
-            ("/generate", self.generate, post), ("/abort_request", self.abort_request, ["POST"]),
-            ("/health", self.health, get), ("/health_generate", self.health, get),
-            ("/model_info", self.model_info, get), ("/get_model_info", self.model_info, get),
-            ("/server_info", self.server_info, get), ("/get_server_info", self.server_info, get),
-            ("/flush_cache", self.flush_cache, both), ("/pause_generation", self.pause_generation, ["POST"]),
+            ("/generate", self.generate, post),
+            ("/abort_request", self.abort_request, ["POST"]),
+            ("/health", self.health, get),
+            ("/health_generate", self.health, get),
+            ("/model_info", self.model_info, get),
+            ("/get_model_info", self.model_info, get),
+            ("/server_info", self.server_info, get),
+            ("/get_server_info", self.server_info, get),
+            ("/flush_cache", self.flush_cache, both),
+            ("/pause_generation", self.pause_generation, ["POST"]),
             ("/continue_generation", self.continue_generation, ["POST"]),
             ("/release_memory_occupation", self.release_memory, both),
             ("/resume_memory_occupation", self.resume_memory, both),
             *self.weights.routes(),
             *self.ipc.routes(),
-        ]  # fmt: skip
+        ]
         return [Route(path, handler, methods=methods) for path, handler, methods in table]
 
     def app(self) -> Starlette:
@@ -273,9 +305,12 @@ def _listener(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int)
 def _prefix(seq: Sequence, count: int) -> Sequence:
     """The sequence as it was after `count` output tokens (unfinished)."""
     return dataclasses.replace(
-        seq, output_ids=seq.output_ids[:count], output_logprobs=seq.output_logprobs[:count],
-        versions=seq.versions[:count], finish=None,
-    )  # fmt: skip
+        seq,
+        output_ids=seq.output_ids[:count],
+        output_logprobs=seq.output_logprobs[:count],
+        versions=seq.versions[:count],
+        finish=None,
+    )
 
 
 async def _body(request: Request) -> dict:

@@ -20,8 +20,15 @@ Listener = Callable[[Sequence, bool], None]  # called after each new token; the 
 
 
 class Engine:
-    def __init__(self, model, tokenizer, device: torch.device, max_batch_size: int, weight_version: str,
-                 routing: RoutingCapture | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        device: torch.device,
+        max_batch_size: int,
+        weight_version: str,
+        routing: RoutingCapture | None = None,
+    ):
         self.model, self.tokenizer, self.device, self.routing = model, tokenizer, device, routing
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version

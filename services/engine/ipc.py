@@ -42,8 +42,11 @@ class IpcUpdates:
         key = device_key(self.engine.device)
         if not isinstance(handles, dict) or not isinstance(handles.get(key), str):
             given = sorted(handles) if isinstance(handles, dict) else handles
-            return control(False, f"Failed to update weights: zmq_handles has no address for this engine's device "
-                                  f"{key!r} (it has {given!r}).")  # fmt: skip
+            return control(
+                False,
+                f"Failed to update weights: zmq_handles has no address for this engine's device "
+                f"{key!r} (it has {given!r}).",
+            )
         if not handles[key].startswith("ipc://"):
             return control(False, f"Failed to update weights: zmq_handles[{key!r}] must be a local ipc:// address.")
         async with self.updating:

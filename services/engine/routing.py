@@ -31,8 +31,10 @@ class RoutingCapture:
         routers = {i: getattr(layer.mlp, "gate", None) for i, layer in enumerate(model.model.layers)}
         routers = {i: r for i, r in routers.items() if hasattr(r, "top_k")}  # dense layers' MLPs have no router
         if not routers:
-            raise StartupError(f"--enable-return-routed-experts found no MoE router (layers[i].mlp.gate) in this "
-                               f"{config.model_type} model; drop the flag")  # fmt: skip
+            raise StartupError(
+                f"--enable-return-routed-experts found no MoE router (layers[i].mlp.gate) in this "
+                f"{config.model_type} model; drop the flag"
+            )
         for layer_id, router in routers.items():
             router.register_forward_hook(self._hook(layer_id))
 
@@ -68,11 +70,14 @@ def check_start_len(start_len, prompt_len: int) -> int:
     if isinstance(start_len, bool) or not isinstance(start_len, int):
         raise ValueError(f"routed_experts_start_len must be an integer, got {start_len!r}")
     if start_len < 0:
-        raise ValueError(f"routed_experts_start_len={start_len} is lower than 0. "
-                         "Please use a non-negative routed_experts_start_len.")  # fmt: skip
+        raise ValueError(
+            f"routed_experts_start_len={start_len} is lower than 0. Please use a non-negative routed_experts_start_len."
+        )
     if start_len > prompt_len:
-        raise ValueError(f"routed_experts_start_len={start_len} is higher than the number of input tokens "
-                         f"({prompt_len}). Please use a smaller routed_experts_start_len.")  # fmt: skip
+        raise ValueError(
+            f"routed_experts_start_len={start_len} is higher than the number of input tokens "
+            f"({prompt_len}). Please use a smaller routed_experts_start_len."
+        )
     return start_len
 
 

@@ -74,8 +74,10 @@ def parse_sampling(raw: dict | None) -> SamplingParams:
     values = {k: v for k, v in raw.items() if k in _FIELDS and v is not None}
     for key in ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed"):
         if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int)):
-            raise BadRequest(f"invalid type: {key} must be an integer, got {values[key]!r}",
-                             {"error": f"invalid type: floating point `{values[key]}`, expected i64"})  # fmt: skip
+            raise BadRequest(
+                f"invalid type: {key} must be an integer, got {values[key]!r}",
+                {"error": f"invalid type: floating point `{values[key]}`, expected i64"},
+            )
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
     if "stop_token_ids" in values:
@@ -92,11 +94,13 @@ def _verify(p: SamplingParams) -> None:
         (0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}."),
         (p.top_k == -1 or p.top_k >= 1, f"top_k must be -1 (disable), or at least 1, got {p.top_k}."),
         (0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}."),
-        (0 <= p.min_new_tokens <= p.max_new_tokens,
-         f"min_new_tokens must be in [0, max_new_tokens], got {p.min_new_tokens}."),
+        (
+            0 <= p.min_new_tokens <= p.max_new_tokens,
+            f"min_new_tokens must be in [0, max_new_tokens], got {p.min_new_tokens}.",
+        ),
         (len(p.stop) <= 32, "stop may hold at most 32 strings."),
         (p.n >= 1, f"n must be at least 1, got {p.n}."),
-    ]  # fmt: skip
+    ]
     for ok, message in checks:
         if not ok:
             raise BadRequest(message)

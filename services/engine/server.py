@@ -29,8 +29,9 @@ def load(config: EngineConfig):
         raise StartupError(f"cannot load a model from --model-path {config.model_path}: {e}") from None
     device = torch.device("cuda", config.base_gpu_id) if config.device == "cuda" else torch.device("cpu")
     routing = RoutingCapture(model) if config.enable_return_routed_experts else None
-    return Engine(model.to(device).eval(), tokenizer, device, config.max_running_requests, config.weight_version,
-                  routing)  # fmt: skip
+    return Engine(
+        model.to(device).eval(), tokenizer, device, config.max_running_requests, config.weight_version, routing
+    )
 
 
 def require_api_key(app, key: str):
@@ -62,9 +63,15 @@ def serve(config: EngineConfig) -> int:
     except StartupError as e:
         log.error("%s", e)
         return 1
-    info = {"model_path": config.model_path, "host": config.host, "port": config.port, "device": config.device,
-            "max_running_requests": config.max_running_requests, "base_gpu_id": config.base_gpu_id,
-            "gpu_id_step": 1}  # fmt: skip
+    info = {
+        "model_path": config.model_path,
+        "host": config.host,
+        "port": config.port,
+        "device": config.device,
+        "max_running_requests": config.max_running_requests,
+        "base_gpu_id": config.base_gpu_id,
+        "gpu_id_step": 1,
+    }
     app = EngineAPI(engine, info, config.weight_update_timeout_s).app()
     if config.api_key:
         app = require_api_key(app, config.api_key)

@@ -96,8 +96,9 @@ class WeightReceiver:
         if joined is None:
             return control(False, "Failed to update weights: the weight update group does not exist.")
         if not self.session_open:
-            return control(False, "update_weights_from_distributed must run between begin_weight_update() and "
-                                   "end_weight_update().")  # fmt: skip
+            return control(
+                False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()."
+            )
         if not len(names) == len(dtypes) == len(shapes):
             return control(False, "Failed to update weights: names, dtypes and shapes differ in length.")
         try:
@@ -152,12 +153,16 @@ class WeightReceiver:
         the sender's memory), one payload per TP rank; this engine has one rank."""
         body = await request.json()
         if not self.session_open:
-            return control(False, "update_weights_from_tensor must run between begin_weight_update() and "
-                                   "end_weight_update().")  # fmt: skip
+            return control(
+                False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()."
+            )
         payloads = body.get("serialized_named_tensors") or []
         if body.get("load_format") or not payloads:
-            return control(False, "Failed to update weights: send serialized_named_tensors, one per TP rank "
-                                  "(flattened buckets are not supported here).")  # fmt: skip
+            return control(
+                False,
+                "Failed to update weights: send serialized_named_tensors, one per TP rank "
+                "(flattened buckets are not supported here).",
+            )
         try:
             named = ForkingPickler.loads(base64.b64decode(payloads[0]))
             names, tensors = [n for n, _ in named], [t for _, t in named]

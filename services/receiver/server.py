@@ -28,8 +28,11 @@ class Receiver:
     def __init__(self, config: ReceiverConfig):
         self.config = config
         step, first = config.gpu_id_step, config.base_gpu_id
-        devices = [torch.device("cuda", first + i * step) for i in range(config.tp_size)] if config.device == "cuda" \
-            else [torch.device("cpu")]  # fmt: skip
+        devices = (
+            [torch.device("cuda", first + i * step) for i in range(config.tp_size)]
+            if config.device == "cuda"
+            else [torch.device("cpu")]
+        )
         self.buffers = Buffers(devices, config.buffer_slots)
         self.copies: dict[str, Copies] = {}  # --update-weight-mode delta: each group's buckets, the deltas' base
         self.groups: dict[str, tuple[object, threading.Event]] = {}  # name → (group, its cancel flag)
@@ -71,17 +74,28 @@ class Receiver:
         try:
             buckets = [_bucket(b) for b in body["buckets"]]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            return control(False, f"Failed to receive weights: buckets must be a list of {{names, dtypes, shapes}} "
-                                  f"of equal lengths ({type(e).__name__}: {e}).")  # fmt: skip
+            return control(
+                False,
+                f"Failed to receive weights: buckets must be a list of {{names, dtypes, shapes}} "
+                f"of equal lengths ({type(e).__name__}: {e}).",
+            )
         async with self.syncing:
             joined = self.groups.get(name)
             if joined is None:
                 return control(False, f"Failed to receive weights: no weight group {name!r}; join it first.")
             version, delta = body.get("weight_version"), body.get("delta")
             buffers = self.buffers if delta is None else self.copies.setdefault(name, Copies(self.buffers.devices))
-            sync = Sync(*joined, buckets, buffers, self.config.engine_url, self.client,
-                        None if version is None else str(version), bool(body.get("flush_cache", False)),
-                        self.config.timeout_s, delta)  # fmt: skip
+            sync = Sync(
+                *joined,
+                buckets,
+                buffers,
+                self.config.engine_url,
+                self.client,
+                None if version is None else str(version),
+                bool(body.get("flush_cache", False)),
+                self.config.timeout_s,
+                delta,
+            )
             started = time.perf_counter()
             try:
                 await asyncio.to_thread(sync.run)
@@ -95,18 +109,25 @@ class Receiver:
             if delta is not None:
                 buffers.version = delta["version"]
             took, waited = time.perf_counter() - started, sync.waited
-        log.info("sync of %d buckets (%.2f GB) loaded in %.1f ms: %.1f ms waiting for broadcasts, %.1f ms for the "
-                 "engine", len(buckets), sum(b.layout[1] for b in buckets) / 1e9, took * 1e3,
-                 waited["broadcasts"] * 1e3, waited["engine"] * 1e3)  # fmt: skip
+        log.info(
+            "sync of %d buckets (%.2f GB) loaded in %.1f ms: %.1f ms waiting for broadcasts, %.1f ms for the engine",
+            len(buckets),
+            sum(b.layout[1] for b in buckets) / 1e9,
+            took * 1e3,
+            waited["broadcasts"] * 1e3,
+            waited["engine"] * 1e3,
+        )
         return control(True, f"Succeeded to receive {len(buckets)} buckets.")
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/health", self.health, methods=["GET"]),
-            Route("/init_weights_update_group", self.init_group, methods=["POST"]),
-            Route("/destroy_weights_update_group", self.destroy_group, methods=["POST"]),
-            Route("/receive_weights", self.receive_weights, methods=["POST"]),
-        ])  # fmt: skip
+        return Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/init_weights_update_group", self.init_group, methods=["POST"]),
+                Route("/destroy_weights_update_group", self.destroy_group, methods=["POST"]),
+                Route("/receive_weights", self.receive_weights, methods=["POST"]),
+            ]
+        )
 
 
 def _bucket(body: dict) -> Bucket:

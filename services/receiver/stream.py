@@ -112,9 +112,19 @@ class Sync:
     """Streams one sync's `buckets` from `group` into the engine at `engine_url`; `run()` returns when the engine
     has loaded them all, or raises saying why not."""
 
-    def __init__(self, group, cancelled: threading.Event, buckets: list[Bucket], buffers: Buffers, engine_url: str,
-                 client: httpx.Client, version: str | None, flush_cache: bool, timeout_s: float,
-                 delta: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        group,
+        cancelled: threading.Event,
+        buckets: list[Bucket],
+        buffers: Buffers,
+        engine_url: str,
+        client: httpx.Client,
+        version: str | None,
+        flush_cache: bool,
+        timeout_s: float,
+        delta: dict | None = None,
+    ):
         self.group, self.cancelled, self.buckets, self.buffers = group, cancelled, buckets, buffers
         self.delta = delta  # {version, base_version}: the buckets come as deltas to `buffers` (Copies) or whole
         self.engine_url, self.client, self.version, self.flush_cache = engine_url, client, version, flush_cache
@@ -131,8 +141,10 @@ class Sync:
         self.buffers.fit(self.buckets)
         base = (self.delta or {}).get("base_version", 0)
         if base and self.buffers.version != base:
-            raise RuntimeError(f"this receiver holds version {self.buffers.version} as its base, not {base}, which "
-                               "the sync's deltas are against")  # fmt: skip
+            raise RuntimeError(
+                f"this receiver holds version {self.buffers.version} as its base, not {base}, which "
+                "the sync's deltas are against"
+            )
         context = zmq.Context.instance()
         handles = {}
         for device in self.buffers.devices:
@@ -238,8 +250,10 @@ class Sync:
         if self.cancelled.is_set():
             raise RuntimeError("the weight update group was destroyed while streaming")
         if time.monotonic() > self.deadline:
-            raise RuntimeError(f"nothing came from the {'engine' if waiting_for == 'engine' else 'trainer'} within "
-                               f"{self.timeout_s:.0f} s")  # fmt: skip
+            raise RuntimeError(
+                f"nothing came from the {'engine' if waiting_for == 'engine' else 'trainer'} within "
+                f"{self.timeout_s:.0f} s"
+            )
         started = time.perf_counter()
         time.sleep(0.0001)
         self.waited[waiting_for] += time.perf_counter() - started
@@ -257,8 +271,10 @@ class Sync:
         weight_delta.apply(kind, changed, payload, into)
         wrong = (weight_delta.checksums(into, bucket.layout[0], bucket.sizes) != head[2:]).nonzero().view(-1)
         if wrong.numel():
-            raise RuntimeError(f"{bucket.names[int(wrong[0])]} differs from the trainer's after its delta: this "
-                               f"receiver's base was not version {self.delta['base_version']}")  # fmt: skip
+            raise RuntimeError(
+                f"{bucket.names[int(wrong[0])]} differs from the trainer's after its delta: this "
+                f"receiver's base was not version {self.delta['base_version']}"
+            )
 
     def _broadcast(self, into: torch.Tensor) -> None:
         started = time.perf_counter()

@@ -53,8 +53,9 @@ class Scorer:
     async def score(self, items: list[reward_pb2.RewardItem], rm_type: str, timeout_s: float, group: bool = False):
         samples = [self._sample(i, item, rm_type) for i, item in enumerate(items)]
         if not 0 <= timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN
-            raise InvalidArgument("timeout_seconds", f"must be 0 (the service's --rm-timeout-s) to {MAX_TIMEOUT_S}, "
-                                                     f"got {timeout_s}")  # fmt: skip
+            raise InvalidArgument(
+                "timeout_seconds", f"must be 0 (the service's --rm-timeout-s) to {MAX_TIMEOUT_S}, got {timeout_s}"
+            )
         timeout_s = timeout_s or self.config.rm_timeout_s
         if group and self.config.custom_rm_path and self.config.group_rm:
             return await self._score_group(samples, timeout_s)

@@ -137,8 +137,12 @@ class WorkerPool:
         self._pool.schedule(os.getpid)  # pebble starts its workers with the first task
         for started in range(self.num_workers):
             if not await asyncio.to_thread(self._started.acquire, True, max(0.0, deadline - time.monotonic())):
-                log.warning("%d of %d reward workers started within %.0f s; serving with them", started,
-                            self.num_workers, timeout_s)  # fmt: skip
+                log.warning(
+                    "%d of %d reward workers started within %.0f s; serving with them",
+                    started,
+                    self.num_workers,
+                    timeout_s,
+                )
                 return
 
     async def run(self, timeout_s: float, function, *args) -> Any:
@@ -157,16 +161,19 @@ class WorkerPool:
         if not done:
             waiting.cancel()
             await self._replace(pool)
-            return Failure("timeout", f"not started within {timeout_s:g}s: a worker hung, and the workers were "
-                                      "replaced")  # fmt: skip
+            return Failure(
+                "timeout", f"not started within {timeout_s:g}s: a worker hung, and the workers were replaced"
+            )
         try:
             return waiting.result()
         except FutureTimeout:
             return Failure("timeout", f"did not finish within {timeout_s:g}s (raise --rm-timeout-s if it is slow)")
         except ProcessExpired as e:
             if e.exitcode == OUT_OF_MEMORY:
-                return Failure("memory", f"needed more than the worker's {self.memory_mb} MiB (raise "
-                                         "--reward-worker-memory-mb if it must)")  # fmt: skip
+                return Failure(
+                    "memory",
+                    f"needed more than the worker's {self.memory_mb} MiB (raise --reward-worker-memory-mb if it must)",
+                )
             return Failure("crash", f"the worker process died (exit code {e.exitcode})")
         except BrokenProcessPool as e:  # pebble lost track of a worker that died (it fails every item from then on)
             await self._replace(pool)

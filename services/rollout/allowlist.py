@@ -42,9 +42,11 @@ class HostList:
         if addresses and all(any(a in net for net in self.networks) for a in addresses):
             return
         listed = ", ".join(self.entries) or "nothing"
-        raise PermissionDenied(f"{what}: the host {host} is not allowed by the gateway's --{self.setting} "
-                               f"({listed}); add a CIDR such as 10.0.0.0/8 or a host pattern such as engine-*.svc "
-                               "to it")  # fmt: skip
+        raise PermissionDenied(
+            f"{what}: the host {host} is not allowed by the gateway's --{self.setting} "
+            f"({listed}); add a CIDR such as 10.0.0.0/8 or a host pattern such as engine-*.svc "
+            "to it"
+        )
 
 
 def url_host(url: str, field: str) -> str:

@@ -174,8 +174,10 @@ class RolloutConfig(ServiceConfig):
                 "(not 0) or --advertise-addr"
             )
         if self.rollout_function_path and self.custom_generate_function_path:
-            raise ValueError("--rollout-function-path replaces the workers that call --custom-generate-function-path: "
-                             "give one of them")  # fmt: skip
+            raise ValueError(
+                "--rollout-function-path replaces the workers that call --custom-generate-function-path: "
+                "give one of them"
+            )
         if self.eval_config is not None:  # a bad file stops here, naming the set and the key
             self._eval_sets = {s.name: s for s in eval_sets.load(self.eval_config)}
         if self.use_router and self.redis.url:

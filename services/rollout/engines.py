@@ -171,8 +171,13 @@ class EnginePool:
                 task.cancel()
             self._tell_router(engine.url, joined=False)
         else:
-            log.warning("engine %s failed (%d of %d before eviction): %s", engine.url, engine.failures,
-                        self.config.rollout_health_check_failures, error)  # fmt: skip
+            log.warning(
+                "engine %s failed (%d of %d before eviction): %s",
+                engine.url,
+                engine.failures,
+                self.config.rollout_health_check_failures,
+                error,
+            )
 
     def _tell_router(self, url: str, joined: bool) -> None:
         if self.router is not None:

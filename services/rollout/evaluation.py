@@ -21,8 +21,14 @@ LEASE_CHUNK = 16
 
 MAX_SAMPLES_PER_PROMPT = 1024
 # Each override's bounds (SGLang's own checks, made here so that a bad value is the caller's error, not the engine's).
-LIMITS = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "top_k": (-1, 1 << 20),
-          "max_new_tokens": (0, 1 << 20), "min_new_tokens": (0, 1 << 20)}  # fmt: skip
+LIMITS = {
+    "temperature": (0.0, 100.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "top_k": (-1, 1 << 20),
+    "max_new_tokens": (0, 1 << 20),
+    "min_new_tokens": (0, 1 << 20),
+}
 
 
 def check_sampling(overrides: common_pb2.SamplingParams) -> None:

@@ -129,9 +129,14 @@ class DataSource:
 
     @staticmethod
     def _sample(group: common_pb2.PromptGroup, index: int, j: int) -> Sample:
-        return Sample(group_index=index, index=index * group.n_samples + j, prompt=group.prompt_text,
-                      tokens=arrays.decode_tokens(group.prompt_tokens).tolist(), label=group.label,
-                      metadata=metadata_of(group))  # fmt: skip
+        return Sample(
+            group_index=index,
+            index=index * group.n_samples + j,
+            prompt=group.prompt_text,
+            tokens=arrays.decode_tokens(group.prompt_tokens).tolist(),
+            label=group.label,
+            metadata=metadata_of(group),
+        )
 
 
 async def run(rollout, function) -> None:
@@ -217,11 +222,15 @@ def _group(leased: common_pb2.PromptGroup, samples: list[Sample], oldest: str) -
     for s in samples:
         n = s.response_length
         sample = common_pb2.Sample(
-            tokens=arrays.encode_tokens(s.tokens), prompt_length=len(s.tokens) - n, response_length=n,
-            response_text=s.response, loss_mask=arrays.encode_mask(s.loss_mask if s.loss_mask is not None else [1] * n),
-            rollout_logprobs=arrays.encode_logprobs(s.rollout_log_probs or []), reward=_reward(s.reward),
+            tokens=arrays.encode_tokens(s.tokens),
+            prompt_length=len(s.tokens) - n,
+            response_length=n,
+            response_text=s.response,
+            loss_mask=arrays.encode_mask(s.loss_mask if s.loss_mask is not None else [1] * n),
+            rollout_logprobs=arrays.encode_logprobs(s.rollout_log_probs or []),
+            reward=_reward(s.reward),
             status=TO_PROTO[s.status if s.status != Status.PENDING else Status.COMPLETED],
-        )  # fmt: skip
+        )
         for version in dict.fromkeys(s.weight_versions or ([oldest] if oldest else [])):
             sample.weight_versions.add(version=str(version), start=0, end=n)
         if s.metadata:

@@ -146,12 +146,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await self.master_hosts.check(address, "master_address")
         if (answer := await self._forward("PrepareWeightSync", request, context)) is not None:
             return answer
-        prepared = await self.sync.prepare(request.version, sources, request.backend or "nccl", request.delta,
-                                           request.delta_base_version)  # fmt: skip
+        prepared = await self.sync.prepare(
+            request.version, sources, request.backend or "nccl", request.delta, request.delta_base_version
+        )
         world_size, ranks, created, streamed, base = prepared
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
-        return rollout_pb2.PrepareWeightSyncResponse(world_size=world_size, engines=engines, group_created=created,
-                                                     streamed=streamed, delta_base_version=base)  # fmt: skip
+        return rollout_pb2.PrepareWeightSyncResponse(
+            world_size=world_size, engines=engines, group_created=created, streamed=streamed, delta_base_version=base
+        )
 
     async def SyncWeightBuckets(self, request_iterator, context):
         if (coordinator := self._coordinator()) is not None:
@@ -177,11 +179,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             while (bucket := await self._next_bucket(following, context)) is not None:
                 following = asyncio.ensure_future(anext(requests, None))
-                loading = await self.sync.bucket(Bucket(
-                    bucket.bucket_index, [t.name for t in bucket.tensors], [t.dtype for t in bucket.tensors],
-                    [list(t.shape) for t in bucket.tensors], bucket.load_format,
-                    tuple(bucket.serialized_named_tensors), bucket.group_name, bucket.num_buckets,
-                ))  # fmt: skip
+                loading = await self.sync.bucket(
+                    Bucket(
+                        bucket.bucket_index,
+                        [t.name for t in bucket.tensors],
+                        [t.dtype for t in bucket.tensors],
+                        [list(t.shape) for t in bucket.tensors],
+                        bucket.load_format,
+                        tuple(bucket.serialized_named_tensors),
+                        bucket.group_name,
+                        bucket.num_buckets,
+                    )
+                )
                 answers.put_nowait((bucket.bucket_index, loading))
         finally:
             answers.put_nowait(None)

@@ -70,8 +70,9 @@ class WeightSync:
         self.deliveries: set[asyncio.Future] = set()  # buckets being loaded: a Prepare waits for them (below)
         self.transport: Transport = choose("nccl", [], None)  # of the open sync
 
-    async def prepare(self, version: int, sources: list[tuple[str, str, int]], backend: str, delta: bool = False,
-                      delta_base: int = 0):  # fmt: skip
+    async def prepare(
+        self, version: int, sources: list[tuple[str, str, int]], backend: str, delta: bool = False, delta_base: int = 0
+    ):
         """`sources`: (group name, master address, port) of each sender; `delta`: the senders send deltas against
         version `delta_base` where every engine holds it. Returns (world size, [(url, rank offset, ranks)], whether
         the senders must join new groups, whether the sync is streamed, the delta's base version or 0). Called again
@@ -342,8 +343,14 @@ class WeightSync:
 
         async def join(engine: Engine, offset: int) -> Result:
             for name, address, port in self.group.sources:
-                body = {"master_address": address, "master_port": port, "world_size": world_size, "group_name": name,
-                        "backend": self.group.backend, "rank_offset": offset}  # fmt: skip
+                body = {
+                    "master_address": address,
+                    "master_port": port,
+                    "world_size": world_size,
+                    "group_name": name,
+                    "backend": self.group.backend,
+                    "rank_offset": offset,
+                }
                 result = await self._call(engine, "/init_weights_update_group", body, self.transport.member(engine)[0])
                 if not result.success:
                     return result
@@ -355,8 +362,9 @@ class WeightSync:
         """Each engine leaves the groups (its member: the engine, or its receiver)."""
         for name in (group or self.group).names:
             body = {"group_name": name}
-            await asyncio.gather(*(self._call(e, "/destroy_weights_update_group", body, self.transport.member(e)[0])
-                                   for e in engines))  # fmt: skip
+            await asyncio.gather(
+                *(self._call(e, "/destroy_weights_update_group", body, self.transport.member(e)[0]) for e in engines)
+            )
 
     def _members(self) -> list[Engine]:
         return [self.pool.engines[url] for url, _ in self.group.members if url in self.pool.engines]

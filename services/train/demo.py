@@ -50,14 +50,17 @@ def prepare(folder: Path, arch: str = "qwen3") -> tuple[Path, Path, Path]:
 
     model = folder / "model"
     if not (model / "config.json").exists():
-        text = [f"<|im_start|>user\n{a} {b}<|im_end|>\n<|im_start|>assistant\n{max(a, b)}<|im_end|>\n"
-                for a, b in itertools.permutations(range(10), 2)]  # fmt: skip
+        text = [
+            f"<|im_start|>user\n{a} {b}<|im_end|>\n<|im_start|>assistant\n{max(a, b)}<|im_end|>\n"
+            for a, b in itertools.permutations(range(10), 2)
+        ]
         write_tiny_model(model, num_layers=2, hidden_size=64, corpus=text, vocab_size=64, lm_head_scale=1.0, arch=arch)
     return (model, *write_data(folder / "data"))
 
 
-def train_args(folder: Path, steps: int, async_buffer_size: int = 0, run_id: str = "demo", arch: str = "qwen3"
-               ) -> list[str]:  # fmt: skip
+def train_args(
+    folder: Path, steps: int, async_buffer_size: int = 0, run_id: str = "demo", arch: str = "qwen3"
+) -> list[str]:
     """The `slipstream train` command line of the demo."""
     model, train, evaluation = prepare(folder, arch)
     args = ["--hf-checkpoint", str(model), "--prompt-data", str(train), "--input-key", "prompt", "--label-key",

@@ -109,8 +109,18 @@ class TrainOptions(StrictModel):
 
 SERVICES = {"buffer": BufferConfig, "reward": RewardConfig, "rollout": RolloutConfig, "trainer": TrainerConfig}
 # Set by `slipstream train` for each service it starts.
-OWN = {"host", "port", "metrics_port", "grace_period_s", "max_message_mb", "keepalive_time_s", "keepalive_timeout_s",
-       "steps_file", "engine_log_dir", "log_level"}  # fmt: skip
+OWN = {
+    "host",
+    "port",
+    "metrics_port",
+    "grace_period_s",
+    "max_message_mb",
+    "keepalive_time_s",
+    "keepalive_timeout_s",
+    "steps_file",
+    "engine_log_dir",
+    "log_level",
+}
 _SHAPE = "the model's shape is read from --hf-checkpoint's config.json"
 # Flags of slime's scripts that are accepted and ignored, with the reason (said in a warning).
 IGNORED = {
@@ -196,8 +206,11 @@ def route(argv: list[str]) -> dict[str, list[str]]:
     for item in ignored:
         log.warning("ignored %s", item)
     if not any(a.split("=")[0] == "--n-samples-per-prompt" for a in argv):  # the buffer's default is 1
-        routed["buffer"] = ["--n-samples-per-prompt", str(TrainerConfig.model_fields["n_samples_per_prompt"].default),
-                            *routed["buffer"]]  # fmt: skip
+        routed["buffer"] = [
+            "--n-samples-per-prompt",
+            str(TrainerConfig.model_fields["n_samples_per_prompt"].default),
+            *routed["buffer"],
+        ]
     options = load_config(TrainOptions, routed["train"], prog="slipstream train")
     if options.async_buffer_size:
         routed["buffer"] += ["--max-staleness", str(options.async_buffer_size)]
@@ -251,11 +264,15 @@ def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
     """The model folder and the data files, before any service starts (each would stop its service, one by one)."""
     model = Path(trainer.hf_checkpoint)
     if not model.exists() and not HUB_ID.match(trainer.hf_checkpoint):
-        raise ConfigError(f"--hf-checkpoint {model}: no such folder; pass the folder of an HF checkpoint "
-                          "(config.json, the weights and the tokenizer)")  # fmt: skip
+        raise ConfigError(
+            f"--hf-checkpoint {model}: no such folder; pass the folder of an HF checkpoint "
+            "(config.json, the weights and the tokenizer)"
+        )
     if model.is_dir() and not (model / "config.json").exists():
-        raise ConfigError(f"--hf-checkpoint {model} has no config.json; pass the folder of an HF checkpoint "
-                          "(config.json, the weights and the tokenizer)")  # fmt: skip
+        raise ConfigError(
+            f"--hf-checkpoint {model} has no config.json; pass the folder of an HF checkpoint "
+            "(config.json, the weights and the tokenizer)"
+        )
     specs = [("--prompt-data", buffer.prompt_data)] if buffer.prompt_data else []
     source = "--eval-config" if buffer.eval_config else "--eval-prompt-data"
     specs += [(source, eval_set.path) for eval_set in buffer.eval_sets()]
@@ -271,15 +288,19 @@ def _check_ranks(options: TrainOptions, trainer: TrainerConfig) -> None:
     ranks, model_parallel = options.actor_num_gpus_per_node, trainer.tensor_model_parallel_size
     model_parallel *= trainer.pipeline_model_parallel_size
     if ranks % model_parallel:
-        raise ConfigError(f"--actor-num-gpus-per-node {ranks} is not a multiple of --tensor-model-parallel-size "
-                          f"times --pipeline-model-parallel-size = {model_parallel}")  # fmt: skip
+        raise ConfigError(
+            f"--actor-num-gpus-per-node {ranks} is not a multiple of --tensor-model-parallel-size "
+            f"times --pipeline-model-parallel-size = {model_parallel}"
+        )
     experts = trainer.expert_model_parallel_size * (
         trainer.expert_tensor_parallel_size or trainer.tensor_model_parallel_size
     )
     experts *= trainer.pipeline_model_parallel_size
     if ranks % experts:
-        raise ConfigError(f"--actor-num-gpus-per-node {ranks} is not a multiple of --expert-model-parallel-size "
-                          f"x --expert-tensor-parallel-size x --pipeline-model-parallel-size = {experts}")  # fmt: skip
+        raise ConfigError(
+            f"--actor-num-gpus-per-node {ranks} is not a multiple of --expert-model-parallel-size "
+            f"x --expert-tensor-parallel-size x --pipeline-model-parallel-size = {experts}"
+        )
     try:
         trainer.batch_sizes(ranks // model_parallel).check()
     except BatchSizeError as e:

@@ -61,8 +61,12 @@ def summary_line(line: dict) -> str:
 def split_times(m: dict) -> dict[str, float]:
     """A step's time as rollout, reward, train, sync and the rest (the services' glue: RPC, Redis, serialisation).
     Rollout and reward count only while the trainer waits for them: with overlap they hide behind training."""
-    parts = {"rollout": m.get("rollout_s", 0.0), "reward": m.get("reward_s", 0.0), "train": m.get("train_s", 0.0),
-             "sync": m.get("sync_s", 0.0)}  # fmt: skip
+    parts = {
+        "rollout": m.get("rollout_s", 0.0),
+        "reward": m.get("reward_s", 0.0),
+        "train": m.get("train_s", 0.0),
+        "sync": m.get("sync_s", 0.0),
+    }
     parts["other"] = max(0.0, m.get("step_s", 0.0) - sum(parts.values()))
     return parts
 
@@ -75,8 +79,10 @@ def finish(run_dir: Path, steps: list[dict], evals: list[dict], plan) -> None:
     png = plot(run_dir / "reward.png", steps, evals)
     rewards = [s["metrics"]["reward"] for s in steps]
     tail = rewards[-20:]
-    console.print(f"[bold]trained steps {steps[0]['step']}..{steps[-1]['step']}[/]: reward {rewards[0]:.3f} → "
-                  f"{rewards[-1]:.3f} (mean of the last {len(tail)}: {sum(tail) / len(tail):.3f})")  # fmt: skip
+    console.print(
+        f"[bold]trained steps {steps[0]['step']}..{steps[-1]['step']}[/]: reward {rewards[0]:.3f} → "
+        f"{rewards[-1]:.3f} (mean of the last {len(tail)}: {sum(tail) / len(tail):.3f})"
+    )
     for result in evals[-1:]:
         parts = [f"{name} {m['mean_reward']:.3f}" for name, m in result["results"].items()]
         console.print(f"eval at step {result['step']}: " + ", ".join(parts))
@@ -85,10 +91,18 @@ def finish(run_dir: Path, steps: list[dict], evals: list[dict], plan) -> None:
         console.print(f"checkpoints: {trainer.save}")
     console.print(f"reward curve: {png}\nTensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
     console.print(f"logs: {run_dir / 'logs'}")
-    (run_dir / "summary.json").write_text(json.dumps({
-        "steps": len(steps), "first_reward": rewards[0], "last_reward": rewards[-1],
-        "mean_last_20": sum(tail) / len(tail), "eval": evals[-1] if evals else None,
-    }, indent=2))  # fmt: skip
+    (run_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "steps": len(steps),
+                "first_reward": rewards[0],
+                "last_reward": rewards[-1],
+                "mean_last_20": sum(tail) / len(tail),
+                "eval": evals[-1] if evals else None,
+            },
+            indent=2,
+        )
+    )
 
 
 def plot(path: Path, steps: list[dict], evals: list[dict]) -> Path:

@@ -138,10 +138,12 @@ class Run:
         trainer = 0 if o.debug_rollout_only else o.actor_num_gpus_per_node
         need = max(engines, trainer) if self.plan.configs["trainer"].colocate else engines + trainer
         if need > gpus:
-            raise StartupError(f"this run needs {need} GPUs ({engines} for the engines: --rollout-num-gpus; "
-                               f"{trainer} for the trainer: --actor-num-gpus-per-node) but only {gpus} are visible "
-                               "(CUDA_VISIBLE_DEVICES); "
-                               "lower them")  # fmt: skip
+            raise StartupError(
+                f"this run needs {need} GPUs ({engines} for the engines: --rollout-num-gpus; "
+                f"{trainer} for the trainer: --actor-num-gpus-per-node) but only {gpus} are visible "
+                "(CUDA_VISIBLE_DEVICES); "
+                "lower them"
+            )
 
     def _launched_engines(self) -> int:
         """GPUs (or CPU engines) of the engines the gateway launches: --rollout-num-gpus, else one unless
@@ -154,8 +156,15 @@ class Run:
         flags = ["--host", host, "--port", str(port), "--log-level", self.options.log_level, *self.own_flags]
         module = ["-m", f"services.{name}"]
         if nproc > 1:
-            module = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                      str(free_port()), *module]  # fmt: skip
+            module = [
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(nproc),
+                "--master-port",
+                str(free_port()),
+                *module,
+            ]
         args = [sys.executable, *module, *flags, *own, *self.plan.argv[name]]
         env = {**os.environ, **(env or {}), "SLIPSTREAM_RUN": str(self.run_dir.resolve())}  # marks the run's processes
         self.children.append(start(name, args, port, self.logs, env))
@@ -184,8 +193,10 @@ class Run:
             self._check_interrupted()
             self._check_children()
             if time.monotonic() > deadline:
-                raise StartupError(f"gave up waiting for {what} after {self.options.startup_timeout_s:.0f} s "
-                                   f"(--startup-timeout-s); see {logs or f'the logs in {self.logs}'}")  # fmt: skip
+                raise StartupError(
+                    f"gave up waiting for {what} after {self.options.startup_timeout_s:.0f} s "
+                    f"(--startup-timeout-s); see {logs or f'the logs in {self.logs}'}"
+                )
             time.sleep(POLL_S)
 
     def _check_interrupted(self) -> None:
@@ -201,8 +212,11 @@ class Run:
             if child.name == "trainer" and code == 0 and trainer_may_exit:
                 return True
             own = last_error(child.log_path, warnings=False) if child.log_path.exists() else None
-            raise ChildFailed(f"the {child.name} service exited with code {code}" + (f": {own}" if own else "")
-                              + f"\nits log {child.log_path} ends with:\n{child.tail(15)}")  # fmt: skip
+            raise ChildFailed(
+                f"the {child.name} service exited with code {code}"
+                + (f": {own}" if own else "")
+                + f"\nits log {child.log_path} ends with:\n{child.tail(15)}"
+            )
         return False
 
     def _status(self) -> trainer_pb2.TrainerStatus:
@@ -227,8 +241,11 @@ class Run:
             last_status, last_stall_check = 0.0, 0.0
             while True:
                 self._check_interrupted()
-                done = (self._null_step() if self.options.debug_rollout_only
-                        else self._check_children(trainer_may_exit=True))  # fmt: skip
+                done = (
+                    self._null_step()
+                    if self.options.debug_rollout_only
+                    else self._check_children(trainer_may_exit=True)
+                )
                 offset, lines = _tail(self.steps_file, offset)
                 for line in lines:
                     progress.step(line)
@@ -275,8 +292,15 @@ class Run:
         except grpc.RpcError:
             state = buffer_pb2.BufferState()
         counts = tuple(state.counters.get(name, 0) for name in ("completed", "dropped", "eval_completed"))
-        moved = (steps_offset, status.step, status.policy_version, status.phase, state.policy_version,
-                 state.last_committed_step, counts)  # fmt: skip
+        moved = (
+            steps_offset,
+            status.step,
+            status.policy_version,
+            status.phase,
+            state.policy_version,
+            state.last_committed_step,
+            counts,
+        )
         return moved, status.phase
 
     def _null_step(self) -> bool:

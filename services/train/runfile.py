@@ -28,8 +28,9 @@ def expand(command: str, argv: list[str]) -> list[str]:
         if command in ("train", "demo"):
             expanded += flags
         elif command == "engine":
-            expanded += [f"--{a.removeprefix('--sglang-')}" if a.startswith("--sglang-") else a
-                         for a in _sglang_chunks(flags)]  # fmt: skip
+            expanded += [
+                f"--{a.removeprefix('--sglang-')}" if a.startswith("--sglang-") else a for a in _sglang_chunks(flags)
+            ]
         else:
             from services.train.options import route
 

@@ -60,8 +60,9 @@ def last_error(path: Path, warnings: bool = True, tail_bytes: int = 1 << 20) -> 
         f.seek(max(0, path.stat().st_size - tail_bytes))
         lines = f.read().decode(errors="replace").splitlines()
     for pattern in (ERRORS, WARNINGS) if warnings else (ERRORS,):
-        found = next((line.strip() for line in reversed(lines) if pattern.search(line) and not LAUNCHER.search(line)),
-                     None)  # fmt: skip
+        found = next(
+            (line.strip() for line in reversed(lines) if pattern.search(line) and not LAUNCHER.search(line)), None
+        )
         if found:
             return found
     return None

@@ -85,10 +85,17 @@ class WandbRun:
         if options.wandb_host:
             settings["base_url"] = options.wandb_host
         self.run = wandb.init(
-            id=run_id, resume="allow", project=options.wandb_project, entity=options.wandb_team,
-            group=options.wandb_group, name=options.wandb_group or options.run_id, dir=str(folder), config=config,
-            mode=options.wandb_mode, settings=wandb.Settings(silent=True, **settings),
-        )  # fmt: skip
+            id=run_id,
+            resume="allow",
+            project=options.wandb_project,
+            entity=options.wandb_team,
+            group=options.wandb_group,
+            name=options.wandb_group or options.run_id,
+            dir=str(folder),
+            config=config,
+            mode=options.wandb_mode,
+            settings=wandb.Settings(silent=True, **settings),
+        )
         id_file.write_text(self.run.id)
         for step in sorted(set(STEP_METRICS.values())):
             self.run.define_metric(step)

@@ -50,8 +50,10 @@ class Actor:
         self.groups, self.ref_model, self.ddp = groups, ref_model, ddp
         self.hooks = Hooks(config)  # slime's extension points: loss, advantages, TIS, reward post-processing
         if ddp is None and groups.dp is not None and dist.get_world_size(groups.dp) > 1:
-            raise ValueError("data-parallel ranks sum their gradients through megatron's DDP: pass the actor "
-                             "ddp=data_parallel.wrap(model, config)")  # fmt: skip
+            raise ValueError(
+                "data-parallel ranks sum their gradients through megatron's DDP: pass the actor "
+                "ddp=data_parallel.wrap(model, config)"
+            )
         if ddp is not None and self.pipelined:  # the schedule lets the DDP reduce after the last micro-batch only
             model.config.no_sync_func = ddp.no_sync
         self.critic = None  # PPO: a Critic trained beside the policy
@@ -93,8 +95,12 @@ class Actor:
         if not getattr(config, "moe_aux_loss_coeff", 0) and not getattr(config, "moe_z_loss_coeff", None):
             return model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None)
         padding = inputs["positions_BL"] >= inputs["lengths_B"][:, None]
-        return model(input_ids=inputs["tokens_BL"], position_ids=inputs["positions_BL"], attention_mask=None,
-                     padding_mask=padding)  # fmt: skip
+        return model(
+            input_ids=inputs["tokens_BL"],
+            position_ids=inputs["positions_BL"],
+            attention_mask=None,
+            padding_mask=padding,
+        )
 
     def response_logprobs(self, logits_BLV: torch.Tensor, inputs: dict[str, torch.Tensor]):
         """`[b, R]` log-probs and entropies of the response tokens, from the model's logits `[b, L, V]`."""
@@ -104,9 +110,13 @@ class Actor:
         for b, (start, end) in enumerate(spans):
             rows = logits_BLV[b, start - 1 : end - 1]  # the logits at t predict token t + 1
             lp, ent = token_logprobs_and_entropy(
-                rows, inputs["tokens_BL"][b, start:end], self.config.log_probs_chunk_size, self.groups.vocab_start,
-                self._num_valid, compiled=self.config.compile_model,
-            )  # fmt: skip
+                rows,
+                inputs["tokens_BL"][b, start:end],
+                self.config.log_probs_chunk_size,
+                self.groups.vocab_start,
+                self._num_valid,
+                compiled=self.config.compile_model,
+            )
             logprobs.append(torch.nn.functional.pad(lp, (0, width - len(lp))))
             entropies.append(torch.nn.functional.pad(ent, (0, width - len(ent))))
         return torch.stack(logprobs), torch.stack(entropies)
@@ -166,8 +176,13 @@ class Actor:
         if not (batch.normalized or c.disable_rewards_normalization):
             std = not c.disable_grpo_std_normalization
             rewards_B = normalized_rewards(c.advantage_estimator, rewards_B, batch.group_size, std)
-        per_step = {"old": old_BR, "ref": ref_BR, "mask": mask_BR, "rollout": tensors["rollout_logprobs_BR"],
-                    "rewards": rewards_B}  # fmt: skip
+        per_step = {
+            "old": old_BR,
+            "ref": ref_BR,
+            "mask": mask_BR,
+            "rollout": tensors["rollout_logprobs_BR"],
+            "rewards": rewards_B,
+        }
         if self.hooks["custom_advantage_function_path"]:
             kl = kl_BR if kl_BR is not None else torch.zeros_like(mask_BR)
             advantages_BR, returns_BR = self.hooks.advantages(batch, {**per_step, "values": values_BR, "kl": kl})
@@ -175,10 +190,18 @@ class Actor:
                 advantages_BR = whiten(advantages_BR, mask_BR)
         else:
             advantages_BR, returns_BR = compute_advantages(
-                c.advantage_estimator, rewards_B, mask_BR, group_size=batch.group_size, kl_BT=kl_BR,
-                values_BT=values_BR, kl_coef=c.kl_coef, gamma=c.gamma, lambd=c.lambd,
-                normalize_advantages=c.normalize_advantages, rewards_normalization=False,
-            )  # fmt: skip
+                c.advantage_estimator,
+                rewards_B,
+                mask_BR,
+                group_size=batch.group_size,
+                kl_BT=kl_BR,
+                values_BT=values_BR,
+                kl_coef=c.kl_coef,
+                gamma=c.gamma,
+                lambd=c.lambd,
+                normalize_advantages=c.normalize_advantages,
+                rewards_normalization=False,
+            )
         per_step["adv"] = advantages_BR
         critic_t = {"old_values": values_BR, "returns": returns_BR, "mask": mask_BR}
         self.model.train()
@@ -207,8 +230,10 @@ class Actor:
             self.ddp.zero_grad_buffer()
         mbs = self._micro_batches(batch, indices)
         if not total:  # e.g. every sample's reward failed: its loss is 0, as slime's masked mean clamped at 1
-            log.warning("this step has no %s to train on (every sample failed or was aborted)",
-                        "tokens" if token_level else "samples")  # fmt: skip
+            log.warning(
+                "this step has no %s to train on (every sample failed or was aborted)",
+                "tokens" if token_level else "samples",
+            )
         share = {"token_level": token_level, "total": max(float(total), 1.0)}
         if self.pipelined:
             from services.trainer.pipeline import pipeline_train
@@ -230,16 +255,27 @@ class Actor:
         if isinstance(self.optimizer, DistributedAdamW):  # megatron's optimizer clips, and returns the norm
             grad_norm = self.optimizer.step()
         else:
-            grad_norm = clip_gradients(self.model, c.clip_grad, self.groups.model_parallel or self.groups.tp,
-                                       self.groups.tp_rank, self.groups.expert_model_parallel)  # fmt: skip
+            grad_norm = clip_gradients(
+                self.model,
+                c.clip_grad,
+                self.groups.model_parallel or self.groups.tp,
+                self.groups.tp_rank,
+                self.groups.expert_model_parallel,
+            )
             self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         metrics = {k: float(self._all_reduce_dp(torch.tensor(v, dtype=torch.float64))) for k, v in sums.items()}
         tokens = self._all_reduce_dp(torch.tensor(float(sum(batch.lengths()[i] for i in indices)), dtype=torch.float64))
         elapsed = time.perf_counter() - started
-        return {**metrics, "grad_norm": grad_norm, "lr": lr, "tokens": float(tokens), "step_time": elapsed,
-                "tokens_per_s": float(tokens) / elapsed}  # fmt: skip
+        return {
+            **metrics,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": float(tokens),
+            "step_time": elapsed,
+            "tokens_per_s": float(tokens) / elapsed,
+        }
 
     def micro_batch_loss(self, batch: RolloutBatch, mb: list[int], t: dict, share: dict):
         if self.hooks["custom_loss_function_path"] is None:
@@ -252,8 +288,10 @@ class Actor:
 
     def _take(self, t: dict, mb: list[int], width: int) -> dict:
         """Rows `mb` of the rollout's tensors, cut to `width` response tokens, on this rank's device."""
-        return {k: (v[mb, :width] if v.dim() == 2 else v[mb]).to(self.device) if v is not None else None
-                for k, v in t.items()}  # fmt: skip
+        return {
+            k: (v[mb, :width] if v.dim() == 2 else v[mb]).to(self.device) if v is not None else None
+            for k, v in t.items()
+        }
 
     def micro_loss(self, logprobs_bR, entropy_bR, mb: list[int], t: dict, share: dict, batch: RolloutBatch = None):
         """One micro-batch's loss, scaled by its share of the step's trained tokens (or samples) over all DP ranks,
@@ -265,14 +303,29 @@ class Actor:
             lengths, prompts = batch.response_lengths(), batch.prompt_lengths
             tis = self.hooks.tis_function([lengths[i] for i in mb], [prompts[i] for i in mb])
         loss, metrics = policy_loss(
-            logprobs_bR, take["mask"], old_logprobs_BT=take["old"], advantages_BT=take["adv"],
-            entropy_BT=entropy_bR, ref_logprobs_BT=take["ref"], rollout_logprobs_BT=take["rollout"],
-            loss_type=c.loss_type, advantage_estimator=c.advantage_estimator, eps_clip=c.eps_clip,
-            eps_clip_high=c.eps_clip_high, eps_clip_c=c.eps_clip_c, entropy_coef=c.entropy_coef,
-            use_kl_loss=c.use_kl_loss, kl_loss_coef=c.kl_loss_coef, kl_loss_type=c.kl_loss_type, use_tis=c.use_tis,
-            tis_clip=c.tis_clip, tis_clip_low=c.tis_clip_low, use_rollout_logprobs=c.use_rollout_logprobs,
-            loss_aggregation="token" if share["token_level"] else "sequence", tis_function=tis,
-        )  # fmt: skip
+            logprobs_bR,
+            take["mask"],
+            old_logprobs_BT=take["old"],
+            advantages_BT=take["adv"],
+            entropy_BT=entropy_bR,
+            ref_logprobs_BT=take["ref"],
+            rollout_logprobs_BT=take["rollout"],
+            loss_type=c.loss_type,
+            advantage_estimator=c.advantage_estimator,
+            eps_clip=c.eps_clip,
+            eps_clip_high=c.eps_clip_high,
+            eps_clip_c=c.eps_clip_c,
+            entropy_coef=c.entropy_coef,
+            use_kl_loss=c.use_kl_loss,
+            kl_loss_coef=c.kl_loss_coef,
+            kl_loss_type=c.kl_loss_type,
+            use_tis=c.use_tis,
+            tis_clip=c.tis_clip,
+            tis_clip_low=c.tis_clip_low,
+            use_rollout_logprobs=c.use_rollout_logprobs,
+            loss_aggregation="token" if share["token_level"] else "sequence",
+            tis_function=tis,
+        )
         return self._scaled(loss, metrics, take["mask"], mb, share)
 
     def _scaled(self, loss, metrics: dict, mask_bR, mb: list[int], share: dict):
@@ -320,11 +373,14 @@ class Actor:
         sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
         return engines_routing(
             [batch.routed_experts[i] if batch.routed_experts else b"" for i in mb],
-            [len(batch.tokens[i]) for i in mb], [batch.sample_ids[i] for i in mb],
-            length=self.inputs(batch, mb)["tokens_BL"].shape[1], layers=config.num_layers,
-            topk=config.moe_router_topk, moe_layers=self._moe_layers(),
+            [len(batch.tokens[i]) for i in mb],
+            [batch.sample_ids[i] for i in mb],
+            length=self.inputs(batch, mb)["tokens_BL"].shape[1],
+            layers=config.num_layers,
+            topk=config.moe_router_topk,
+            moe_layers=self._moe_layers(),
             part=(self.groups.tp_rank, config.tensor_model_parallel_size) if sequence_parallel else (0, 1),
-        )  # fmt: skip
+        )
 
     def _moe_layers(self) -> list[int]:
         """The model's MoE layers (megatron's `moe_layer_freq`: every k-th layer, or a 0/1 per layer)."""

@@ -23,9 +23,12 @@ def parallel_layout(config: TrainerConfig) -> ParallelInfo:
     """This process's place in the tensor-, pipeline-, expert- and data-parallel groups, which it joins; the batch
     sizes must split over its data-parallel ranks."""
     info = init_parallel(
-        config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed,
-        ep_size=config.expert_model_parallel_size, etp_size=config.expert_tensor_parallel_size,
-    )  # fmt: skip
+        config.tensor_model_parallel_size,
+        config.pipeline_model_parallel_size,
+        config.seed,
+        ep_size=config.expert_model_parallel_size,
+        etp_size=config.expert_tensor_parallel_size,
+    )
     config.batch_sizes(info.dp_size).check()
     return info
 
@@ -56,11 +59,15 @@ def load_policy(config: TrainerConfig):
 
     model, gpt = load_gpt_model(config.hf_checkpoint, dtype=model_dtype(config), **model_settings(config))
     if config.replays_routing and not gpt.shape.num_experts:
-        raise ValueError(f"routing replay replays the experts' routing: {config.hf_checkpoint} has no experts "
-                         "(a dense model); drop --use-routing-replay / --use-rollout-routing-replay")  # fmt: skip
+        raise ValueError(
+            f"routing replay replays the experts' routing: {config.hf_checkpoint} has no experts "
+            "(a dense model); drop --use-routing-replay / --use-rollout-routing-replay"
+        )
     if gpt.shape.num_experts and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
-        raise ValueError("an MoE model trains with tensor parallelism only under sequence parallelism (megatron's "
-                         "MoE layer splits the tokens over the TP ranks): add --sequence-parallel")  # fmt: skip
+        raise ValueError(
+            "an MoE model trains with tensor parallelism only under sequence parallelism (megatron's "
+            "MoE layer splits the tokens over the TP ranks): add --sequence-parallel"
+        )
     return model, gpt
 
 
@@ -95,12 +102,15 @@ def process_groups(info: ParallelInfo, shape) -> Groups:
 
     local_vocab = shape.padded_vocab_size // info.tp_size
     return Groups(
-        dp=parallel_state.get_data_parallel_group(), tp=parallel_state.get_tensor_model_parallel_group(),
-        tp_rank=info.tp_rank, vocab_start=info.tp_rank * local_vocab if info.tp_size > 1 else None,
-        vocab_size=shape.vocab_size, model_parallel=parallel_state.get_model_parallel_group(),
+        dp=parallel_state.get_data_parallel_group(),
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        tp_rank=info.tp_rank,
+        vocab_start=info.tp_rank * local_vocab if info.tp_size > 1 else None,
+        vocab_size=shape.vocab_size,
+        model_parallel=parallel_state.get_model_parallel_group(),
         expert_model_parallel=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
         embedding=_tied_embedding_group(shape),
-    )  # fmt: skip
+    )
 
 
 def _tied_embedding_group(shape):

@@ -27,8 +27,14 @@ def optimizer_shard_name(shard: str, dp_rank: int) -> str:
     return f"{shard.removesuffix('.pt')}_optim_dp{dp_rank:03d}.pt"
 
 
-def save(root: Path, step: int, state: dict, shard: str = shard_name(0, 0), writes: bool = True,
-         own: tuple[str, dict] | None = None) -> Path:  # fmt: skip
+def save(
+    root: Path,
+    step: int,
+    state: dict,
+    shard: str = shard_name(0, 0),
+    writes: bool = True,
+    own: tuple[str, dict] | None = None,
+) -> Path:
     """Writes this rank's `state` (model, optimizer, scheduler, extras) with the RNG states as `shard` where `writes`
     (one rank of each model shard: the others hold copies), and `own` (file name, state), what only this rank holds
     (its shard of a distributed optimizer), whatever `writes` says; all ranks wait for each other, and rank 0 then
@@ -78,8 +84,10 @@ def load(root: Path, shard: str = shard_name(0, 0), step: int | None = None, own
     state = torch.load(path, map_location="cpu", weights_only=False)
     if own is not None:
         if not (path.parent / own).is_file():
-            raise FileNotFoundError(f"optimizer shard {path.parent / own} is missing: was it saved without "
-                                    "--use-distributed-optimizer, or with another data-parallel size?")  # fmt: skip
+            raise FileNotFoundError(
+                f"optimizer shard {path.parent / own} is missing: was it saved without "
+                "--use-distributed-optimizer, or with another data-parallel size?"
+            )
         state.update(torch.load(path.parent / own, map_location="cpu", weights_only=False))
     set_rng_state(state.pop("rng"))
     return state

@@ -225,26 +225,38 @@ class TrainerConfig(ServiceConfig):
 
     def batch_sizes(self, dp_size: int) -> BatchSizes:
         return BatchSizes(
-            self.rollout_batch_size, self.n_samples_per_prompt, self.global_batch_size, self.num_steps_per_rollout,
-            dp_size, self.micro_batch_size,
-        )  # fmt: skip
+            self.rollout_batch_size,
+            self.n_samples_per_prompt,
+            self.global_batch_size,
+            self.num_steps_per_rollout,
+            dp_size,
+            self.micro_batch_size,
+        )
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
         if self.advantage_estimator == "ppo" and self.pipeline_model_parallel_size > 1:
             raise ValueError("the PPO critic runs without pipeline parallelism: use --pipeline-model-parallel-size 1")
         if self.colocate and (not self.rollout_addr or self.update_weights_interval != 1):
-            raise ValueError("colocate hands the GPU back to the engines at each sync: it needs --rollout-addr and "
-                             "--update-weights-interval 1")  # fmt: skip
+            raise ValueError(
+                "colocate hands the GPU back to the engines at each sync: it needs --rollout-addr and "
+                "--update-weights-interval 1"
+            )
         if self.colocate and self.update_weight_mode == "delta":
-            raise ValueError("--update-weight-mode delta sends changes over the weight group, and colocated engines "
-                             "share the trainer's tensors by handle: drop one of them")  # fmt: skip
+            raise ValueError(
+                "--update-weight-mode delta sends changes over the weight group, and colocated engines "
+                "share the trainer's tensors by handle: drop one of them"
+            )
         if self.colocate and self.pipeline_model_parallel_size > 1:
-            raise ValueError("--colocate hands every engine's GPU the whole model, and a pipeline stage holds only its "
-                             "layers: spread the trainer with --tensor-model-parallel-size instead")  # fmt: skip
+            raise ValueError(
+                "--colocate hands every engine's GPU the whole model, and a pipeline stage holds only its "
+                "layers: spread the trainer with --tensor-model-parallel-size instead"
+            )
         if self.replays_routing and self.pipeline_model_parallel_size > 1:
-            raise ValueError("routing replay records and replays micro-batch by micro-batch outside megatron's "
-                             "pipeline schedule: use --pipeline-model-parallel-size 1")  # fmt: skip
+            raise ValueError(
+                "routing replay records and replays micro-batch by micro-batch outside megatron's "
+                "pipeline schedule: use --pipeline-model-parallel-size 1"
+            )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel splits sequences over tensor-parallel ranks: it needs TP > 1")
         if self.pipeline_model_parallel_size > 1 and self.use_dynamic_batch_size:
@@ -253,13 +265,17 @@ class TrainerConfig(ServiceConfig):
                 "samples: drop --use-dynamic-batch-size or use --pipeline-model-parallel-size 1"
             )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("--overlap-param-gather gathers the weights the distributed optimizer updated in shards: "
-                             "add --use-distributed-optimizer or drop it")  # fmt: skip
+            raise ValueError(
+                "--overlap-param-gather gathers the weights the distributed optimizer updated in shards: "
+                "add --use-distributed-optimizer or drop it"
+            )
         if (self.loss_type == "custom_loss") != bool(self.custom_loss_function_path):
             raise ValueError("--loss-type custom_loss and --custom-loss-function-path go together: give both, or none")
         if self.custom_loss_function_path and self.pipeline_model_parallel_size > 1:
-            raise ValueError("a custom loss gets the whole model's logits, which only the last pipeline stage has: use "
-                             "--pipeline-model-parallel-size 1")  # fmt: skip
+            raise ValueError(
+                "a custom loss gets the whole model's logits, which only the last pipeline stage has: use "
+                "--pipeline-model-parallel-size 1"
+            )
         if self.custom_tis_function_path and not self.use_tis:
             raise ValueError("--custom-tis-function-path replaces the TIS weights of --use-tis: add --use-tis")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:

@@ -59,8 +59,12 @@ class Critic(Actor):
         width = values_bR.shape[1]
         take = {k: t[k][mb, :width].to(self.device) for k in ("old_values", "returns", "mask")}
         loss, metrics = value_loss(
-            values_bR, take["old_values"], take["returns"], take["mask"], self.config.value_clip,
+            values_bR,
+            take["old_values"],
+            take["returns"],
+            take["mask"],
+            self.config.value_clip,
             loss_aggregation="token" if share["token_level"] else "sequence",
-        )  # fmt: skip
+        )
         part = (float(take["mask"].sum()) if share["token_level"] else float(len(mb))) / share["total"]
         return loss * part, {f"critic/{name}": float(value) * part for name, value in metrics.items()}

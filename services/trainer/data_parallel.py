@@ -31,9 +31,11 @@ def wrap(model: torch.nn.Module, config: TrainerConfig):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     settings = DistributedDataParallelConfig(
-        overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather,
-        use_distributed_optimizer=config.use_distributed_optimizer, bucket_size=config.ddp_bucket_size,
-    )  # fmt: skip
+        overlap_grad_reduce=config.overlap_grad_reduce,
+        overlap_param_gather=config.overlap_param_gather,
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        bucket_size=config.ddp_bucket_size,
+    )
     ddp = DistributedDataParallel(model.config, settings, model)
     # Each micro-batch's loss is already scaled by its share of the whole step over all data-parallel ranks, so the
     # reduction is a plain sum, as megatron's is with calculate_per_token_loss (whose division by the step's token
@@ -55,10 +57,17 @@ class DistributedAdamW:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         settings = OptimizerConfig(
-            lr=lr, min_lr=config.min_lr, weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
-            adam_beta2=config.adam_beta2, adam_eps=config.adam_eps, clip_grad=config.clip_grad, bf16=config.bf16,
-            use_distributed_optimizer=True, overlap_param_gather=config.overlap_param_gather,
-        )  # fmt: skip
+            lr=lr,
+            min_lr=config.min_lr,
+            weight_decay=config.weight_decay,
+            adam_beta1=config.adam_beta1,
+            adam_beta2=config.adam_beta2,
+            adam_eps=config.adam_eps,
+            clip_grad=config.clip_grad,
+            bf16=config.bf16,
+            use_distributed_optimizer=True,
+            overlap_param_gather=config.overlap_param_gather,
+        )
         self.megatron = get_megatron_optimizer(settings, [ddp], use_gloo_process_groups=False)
         self.parts = self.megatron.chained_optimizers  # one for the dense parameters, one for the experts (MoE)
         self.inner = [part.optimizer for part in self.parts]  # torch's AdamW over each part's main-weight shards
@@ -89,9 +98,16 @@ class DistributedAdamW:
     def state_dict(self) -> dict:
         """This rank's shard, per part: torch's AdamW state of its shards (moments, step, param groups), the float32
         main weights themselves, and the bucket layout they were cut from (it depends on the data-parallel size)."""
-        return {"parts": [{"adamw": part.optimizer.state_dict(), "layout": part.per_bucket_numel,
-                           "main_weights": [weight.detach().clone() for weight in _main_weights(part)]}
-                          for part in self.parts]}  # fmt: skip
+        return {
+            "parts": [
+                {
+                    "adamw": part.optimizer.state_dict(),
+                    "layout": part.per_bucket_numel,
+                    "main_weights": [weight.detach().clone() for weight in _main_weights(part)],
+                }
+                for part in self.parts
+            ]
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -99,8 +115,10 @@ class DistributedAdamW:
             raise ValueError(f"the optimizer shard has {len(state['parts'])} parts, this model {len(self.parts)}")
         for part, saved in zip(self.parts, state["parts"], strict=True):
             if saved["layout"] != part.per_bucket_numel:
-                raise ValueError("the optimizer shard was cut from other gradient buckets (another data-parallel "
-                                 "size or --ddp-bucket-size?): resume with the settings it was saved with")  # fmt: skip
+                raise ValueError(
+                    "the optimizer shard was cut from other gradient buckets (another data-parallel "
+                    "size or --ddp-bucket-size?): resume with the settings it was saved with"
+                )
             part.optimizer.load_state_dict(saved["adamw"])
             for weight, value in zip(_main_weights(part), saved["main_weights"], strict=True):
                 weight.copy_(value)

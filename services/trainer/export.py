@@ -29,9 +29,11 @@ def copy_hf_metadata(source_dir: str | Path, out_dir: str | Path) -> None:
 
 
 def write_safetensors(
-    tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    max_shard_bytes: int = 5 * 2**30,
     part: str | None = None,
-) -> tuple[dict[str, str], int]:  # fmt: skip
+) -> tuple[dict[str, str], int]:
     """Saves (HF name, tensor) pairs as `model.safetensors`, or as numbered shards plus an index when they exceed
     `max_shard_bytes`, the layout `from_pretrained` reads. With `part` (one pipeline stage's layers), as shards
     `model-{part}-NNNNN.safetensors` and no index: `write_index` writes one for all parts. Returns the weight map
@@ -100,5 +102,8 @@ def export_hf_checkpoint(model: "GPTModel", config: "GPTConfig", source_dir: str
     dist.gather_object(written, parts, dst=dist.get_global_rank(group, 0), group=group)
     if stage == 0:
         copy_hf_metadata(source_dir, out_dir)
-        write_index(Path(out_dir), {k: v for weight_map, _ in parts for k, v in weight_map.items()},
-                    sum(total for _, total in parts))  # fmt: skip
+        write_index(
+            Path(out_dir),
+            {k: v for weight_map, _ in parts for k, v in weight_map.items()},
+            sum(total for _, total in parts),
+        )

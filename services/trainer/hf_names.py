@@ -99,9 +99,16 @@ def _shard(rule: "Rule", tensors: list[torch.Tensor], shape: ModelShape, rank: i
 
 
 def hf_to_megatron(
-    hf: Mapping[str, torch.Tensor], shape: ModelShape, tp_rank: int = 0, tp_size: int = 1, fused_norms: bool = False,
-    ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1,
-) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    hf: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    fused_norms: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int = 0,
+    etp_size: int = 1,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (megatron name, this rank's shard) for the whole model, layers numbered globally (0..num_layers-1), and
     of the experts those of this expert-parallel rank (numbered globally). A layer's tensors are those of the
     family's rules whose HF tensors the checkpoint holds (dense or MoE layer, with or without biases, ...).

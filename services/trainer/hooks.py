@@ -25,9 +25,14 @@ from services.trainer.data import BatchError, RolloutBatch, from_groups
 from services.trainer.losses import aggregate
 from slipstream.v1 import common_pb2
 
-NAMES = ("custom_convert_samples_to_train_data_path", "custom_reward_post_process_path",
-         "custom_advantage_function_path", "custom_tis_function_path", "custom_loss_function_path",
-         "custom_rollout_log_function_path")  # fmt: skip
+NAMES = (
+    "custom_convert_samples_to_train_data_path",
+    "custom_reward_post_process_path",
+    "custom_advantage_function_path",
+    "custom_tis_function_path",
+    "custom_loss_function_path",
+    "custom_rollout_log_function_path",
+)
 
 
 def flag(name: str) -> str:
@@ -37,8 +42,9 @@ def flag(name: str) -> str:
 class Hooks:
     def __init__(self, config):
         self.args = args_of(config)
-        self.functions = {name: load_callable(getattr(config, name), flag(name)) for name in NAMES
-                          if getattr(config, name)}  # fmt: skip
+        self.functions = {
+            name: load_callable(getattr(config, name), flag(name)) for name in NAMES if getattr(config, name)
+        }
 
     def __getitem__(self, name: str):
         return self.functions.get(name)
@@ -74,17 +80,27 @@ class Hooks:
         """`[B, R]` advantages and returns from the custom advantage function; `t` holds the `[B, R]` tensors
         (old, ref, values, rollout log-probs, kl, mask) as the actor has them."""
         lengths = batch.response_lengths()
-        data = {name: _rows(t.get(key), lengths) for name, key in (
-            ("log_probs", "old"), ("ref_log_probs", "ref"), ("values", "values"), ("rollout_log_probs", "rollout"),
-            ("kl", "kl"), ("loss_masks", "mask"))}  # fmt: skip
+        data = {
+            name: _rows(t.get(key), lengths)
+            for name, key in (
+                ("log_probs", "old"),
+                ("ref_log_probs", "ref"),
+                ("values", "values"),
+                ("rollout_log_probs", "rollout"),
+                ("kl", "kl"),
+                ("loss_masks", "mask"),
+            )
+        }
         data.update(rewards=t["rewards"].tolist(), response_lengths=lengths, total_lengths=batch.lengths())
         self["custom_advantage_function_path"](self.args, data)
         out = []
         for key in ("advantages", "returns"):
             rows = data.get(key)
             if rows is None or len(rows) != len(lengths):
-                raise ValueError(f"--custom-advantage-function-path must set rollout_data[{key!r}] to one tensor per "
-                                 f"sample ({len(lengths)}), got {type(rows).__name__}")  # fmt: skip
+                raise ValueError(
+                    f"--custom-advantage-function-path must set rollout_data[{key!r}] to one tensor per "
+                    f"sample ({len(lengths)}), got {type(rows).__name__}"
+                )
             out.append(_padded(rows, lengths, t["mask"].shape[1], f"rollout_data[{key!r}]"))
         return out[0], out[1]
 
@@ -100,13 +116,19 @@ class Hooks:
         def tis(pg_loss_BT, old_BT, rollout_BT, mask_BT):
             width = mask_BT.shape[1]
             pg_loss, masks, metrics = function(
-                self.args, pg_loss=_flat(pg_loss_BT, lengths), train_log_probs=_rows(old_BT, lengths),
-                rollout_log_probs=_rows(rollout_BT, lengths), loss_masks=_rows(mask_BT, lengths),
-                total_lengths=[p + n for p, n in zip(prompt_lengths, lengths, strict=True)], response_lengths=lengths,
-            )  # fmt: skip
-            return (_unflat(pg_loss, lengths, width, "the pg_loss it returns"),
-                    _padded(masks, lengths, width, "the loss_masks it returns"),
-                    {k: _unflat(v, lengths, width, f"metric {k!r}") for k, v in metrics.items()})  # fmt: skip
+                self.args,
+                pg_loss=_flat(pg_loss_BT, lengths),
+                train_log_probs=_rows(old_BT, lengths),
+                rollout_log_probs=_rows(rollout_BT, lengths),
+                loss_masks=_rows(mask_BT, lengths),
+                total_lengths=[p + n for p, n in zip(prompt_lengths, lengths, strict=True)],
+                response_lengths=lengths,
+            )
+            return (
+                _unflat(pg_loss, lengths, width, "the pg_loss it returns"),
+                _padded(masks, lengths, width, "the loss_masks it returns"),
+                {k: _unflat(v, lengths, width, f"metric {k!r}") for k, v in metrics.items()},
+            )
 
         return tis
 
@@ -115,11 +137,23 @@ class Hooks:
         `[1, T, V]`, and `sum_of_sample_mean` (the mean over trained tokens, or per sample then over samples)."""
         totals = inputs["lengths_B"].tolist()
         tokens = [inputs["tokens_BL"][b, :n] for b, n in enumerate(totals)]
-        batch = {name: _rows(take.get(key), lengths) for name, key in (
-            ("advantages", "adv"), ("log_probs", "old"), ("ref_log_probs", "ref"), ("rollout_log_probs", "rollout"),
-            ("loss_masks", "mask"))}  # fmt: skip
-        batch.update(tokens=tokens, unconcat_tokens=tokens, total_lengths=totals, response_lengths=lengths,
-                     rewards=take["rewards"].tolist())  # fmt: skip
+        batch = {
+            name: _rows(take.get(key), lengths)
+            for name, key in (
+                ("advantages", "adv"),
+                ("log_probs", "old"),
+                ("ref_log_probs", "ref"),
+                ("rollout_log_probs", "rollout"),
+                ("loss_masks", "mask"),
+            )
+        }
+        batch.update(
+            tokens=tokens,
+            unconcat_tokens=tokens,
+            total_lengths=totals,
+            response_lengths=lengths,
+            rewards=take["rewards"].tolist(),
+        )
         logits = torch.cat([logits_BLV[b, :n] for b, n in enumerate(totals)])[None]
         mask_BR = take["mask"]
 
@@ -129,8 +163,10 @@ class Hooks:
 
         loss, metrics = self["custom_loss_function_path"](self.args, batch, logits, sum_of_sample_mean)
         if not (torch.is_tensor(loss) and loss.dim() == 0 and isinstance(metrics, dict)):
-            raise ValueError("--custom-loss-function-path must return (loss, metrics): a scalar tensor and a dict, "
-                             f"got ({type(loss).__name__}, {type(metrics).__name__})")  # fmt: skip
+            raise ValueError(
+                "--custom-loss-function-path must return (loss, metrics): a scalar tensor and a dict, "
+                f"got ({type(loss).__name__}, {type(metrics).__name__})"
+            )
         return loss, {name: torch.as_tensor(value).detach() for name, value in metrics.items()}
 
 
@@ -145,8 +181,10 @@ def _flat(values_BR: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 def _unflat(values: torch.Tensor, lengths: list[int], width: int, what: str) -> torch.Tensor:
     """A 1-D tensor of the responses one after another, back to `[b, width]` (zero padded), keeping its graph."""
     if values.dim() != 1 or values.numel() != sum(lengths):
-        raise ValueError(f"{what} has shape {tuple(values.shape)}; expected the {sum(lengths)} response tokens of the "
-                         "micro-batch one after another (1-D)")  # fmt: skip
+        raise ValueError(
+            f"{what} has shape {tuple(values.shape)}; expected the {sum(lengths)} response tokens of the "
+            "micro-batch one after another (1-D)"
+        )
     return _padded(list(values.split(lengths)), lengths, width, what)
 
 
@@ -173,16 +211,20 @@ def _from_train_data(data: dict, batch: RolloutBatch, samples: list[Sample]) -> 
     if missing:
         raise ValueError(f"{flag(name)} returned no {', '.join(sorted(missing))}")
     if len(data["tokens"]) != len(samples):
-        raise ValueError(f"{flag(name)} returned {len(data['tokens'])} samples for {len(samples)}: a step trains the "
-                         "samples it was given, one entry each, in their order")  # fmt: skip
+        raise ValueError(
+            f"{flag(name)} returned {len(data['tokens'])} samples for {len(samples)}: a step trains the "
+            "samples it was given, one entry each, in their order"
+        )
     tokens = [torch.as_tensor(t, dtype=torch.long).numpy() for t in data["tokens"]]
     lengths = [int(n) for n in data["response_lengths"]]
     masks = [torch.as_tensor(m, dtype=torch.float32).numpy() for m in data["loss_masks"]]
     for i, (row, n, mask) in enumerate(zip(tokens, lengths, masks, strict=True)):
         if not 0 <= n < len(row) or len(mask) != n:
-            raise BatchError(f"{flag(name)}: sample {i} has {len(row)} tokens, response_length {n} and a loss mask "
-                             f"of {len(mask)}; the response is the last response_length tokens, one mask entry "
-                             "each")  # fmt: skip
+            raise BatchError(
+                f"{flag(name)}: sample {i} has {len(row)} tokens, response_length {n} and a loss mask "
+                f"of {len(mask)}; the response is the last response_length tokens, one mask entry "
+                "each"
+            )
     logprobs = data.get("rollout_log_probs")
     if logprobs is None and lengths != batch.response_lengths():  # the engine's no longer match the responses
         logprobs = [np.zeros(n, np.float32) for n in lengths]

@@ -72,8 +72,11 @@ class Trainer:
         parts = {"": (self.model, self.optimizer, self.scheduler)}
         if self.actor.critic is not None:
             parts["critic_"] = (self.actor.critic.model, self.actor.critic.optimizer, self.actor.critic.scheduler)
-        return {f"{prefix}{name}": part for prefix, (m, o, s) in parts.items()
-                for name, part in (("model", m), ("optimizer", o), ("scheduler", s))}  # fmt: skip
+        return {
+            f"{prefix}{name}": part
+            for prefix, (m, o, s) in parts.items()
+            for name, part in (("model", m), ("optimizer", o), ("scheduler", s))
+        }
 
     # Resume and save
 
@@ -92,8 +95,10 @@ class Trainer:
         state = checkpoint.load(path, self.shards.model, own=self.shards.optimizer)
         for name, part in self._state().items():
             if name not in state:
-                raise ValueError(f"checkpoint {path} has no {name}: was it saved with another --advantage-estimator "
-                                 "or with --use-distributed-optimizer?")  # fmt: skip
+                raise ValueError(
+                    f"checkpoint {path} has no {name}: was it saved with another --advantage-estimator "
+                    "or with --use-distributed-optimizer?"
+                )
             part.load_state_dict(state[name])
         self.step, self.policy_version = state["step"], state["policy_version"]
         log.info("resumed from %s at step %d (policy version %d)", path, self.step, self.policy_version)
@@ -172,10 +177,16 @@ class Trainer:
             request = buffer_pb2.SetPolicyVersionRequest(version=self.policy_version)
             self.buffer.SetPolicyVersion(request, timeout=60, wait_for_ready=True)
         now = time.perf_counter()
-        metrics = {**steps[-1], "reward": float(batch.scored_rewards_B.mean()), "train_s": trained - started,
-                   "sync_s": now - trained, "step_s": now - self.last_step_end, "wait_s": started - self.last_step_end,
-                   "response_length": sum(batch.response_lengths()) / len(batch),
-                   **rollout_times(reply.groups, self.last_step_unix, time.time() - (now - started))}  # fmt: skip
+        metrics = {
+            **steps[-1],
+            "reward": float(batch.scored_rewards_B.mean()),
+            "train_s": trained - started,
+            "sync_s": now - trained,
+            "step_s": now - self.last_step_end,
+            "wait_s": started - self.last_step_end,
+            "response_length": sum(batch.response_lengths()) / len(batch),
+            **rollout_times(reply.groups, self.last_step_unix, time.time() - (now - started)),
+        }
         metrics["samples_per_s"] = len(batch) * max(1, self.info.dp_size) / metrics["step_s"]
         self.last_step_end, self.last_step_unix = now, time.time()
         if torch.cuda.is_available() and "tokens_per_s" in metrics:
@@ -255,17 +266,24 @@ class Trainer:
         if self.config.load_debug_rollout_data:
             return self._saved_batch()
         request = buffer_pb2.GetBatchRequest(
-            step=self.step, dp_rank=self.info.dp_rank, dp_size=self.info.dp_size, timeout_seconds=wait_s,
+            step=self.step,
+            dp_rank=self.info.dp_rank,
+            dp_size=self.info.dp_size,
+            timeout_seconds=wait_s,
             arrays_from_redis=self.redis is not None,
-        )  # fmt: skip
+        )
         try:
             reply = self.buffer.GetBatch(request, timeout=wait_s + 30)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                 raise
             # not enough groups yet, or the buffer is down or restarting: its state is in Redis, so wait for it
-            log.log(logging.WARNING if e.code() == grpc.StatusCode.UNAVAILABLE else logging.DEBUG,
-                    "step %d: waiting for the buffer (%s)", self.step, e.details())  # fmt: skip
+            log.log(
+                logging.WARNING if e.code() == grpc.StatusCode.UNAVAILABLE else logging.DEBUG,
+                "step %d: waiting for the buffer (%s)",
+                self.step,
+                e.details(),
+            )
             return None
         # The groups come without their arrays: they are in the reply, or read here from Redis (two hops, not four).
         # One GET a group: for values of megabytes, twice as fast as an MGET or a pipeline of them (BENCHMARKS.md).

@@ -71,8 +71,13 @@ class StepLog:
         """The step's line of --steps-file."""
         if self.steps_file is None:
             return
-        line = {"step": step, "policy_version": policy_version, "time": time.time(), "groups": group_ids,
-                "metrics": metrics}  # fmt: skip
+        line = {
+            "step": step,
+            "policy_version": policy_version,
+            "time": time.time(),
+            "groups": group_ids,
+            "metrics": metrics,
+        }
         with self.steps_file.open("a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -82,9 +87,13 @@ class StepLog:
             return
         log.info(
             "step %d: reward %.3f, loss %.4f, clipfrac %.3f, grad norm %.3f, %.0f tokens/s",
-            step, metrics["reward"], metrics.get("loss", 0.0), metrics.get("pg_clipfrac", 0.0),
-            metrics.get("grad_norm", 0.0), metrics.get("tokens_per_s", metrics.get("critic/tokens_per_s", 0.0)),
-        )  # fmt: skip
+            step,
+            metrics["reward"],
+            metrics.get("loss", 0.0),
+            metrics.get("pg_clipfrac", 0.0),
+            metrics.get("grad_norm", 0.0),
+            metrics.get("tokens_per_s", metrics.get("critic/tokens_per_s", 0.0)),
+        )
         if self.writer is not None and scalars:
             for name, value in metrics.items():
                 self.writer.add_scalar(f"train/{name}", value, step)

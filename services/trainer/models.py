@@ -169,8 +169,10 @@ def _check_parallel(shape: ModelShape, tp_size: int, pp_size: int, ep_size: int 
     if shape.num_experts and shape.num_experts % ep_size:
         problems.append(f"num_experts {shape.num_experts} is not divisible by expert-parallel size {ep_size}")
     if shape.num_experts and shape.moe_ffn_hidden_size % etp_size:
-        problems.append(f"moe_intermediate_size {shape.moe_ffn_hidden_size} is not divisible by expert-tensor-parallel "
-                        f"size {etp_size}")  # fmt: skip
+        problems.append(
+            f"moe_intermediate_size {shape.moe_ffn_hidden_size} is not divisible by expert-tensor-parallel "
+            f"size {etp_size}"
+        )
     if heads % tp_size:
         problems.append(f"num_attention_heads {heads} is not divisible by tensor-parallel size {tp_size}")
     if heads % groups:
@@ -229,8 +231,11 @@ def gpt_config_from_hf(
     )
     _check_parallel(shape, tp_size, pp_size, ep_size, etp_size)
     if shape.num_experts:  # tokens travel to their experts' ranks by all-to-all (any number of tokens per rank)
-        settings |= {"expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
-                     "moe_token_dispatcher_type": "alltoall"}  # fmt: skip
+        settings |= {
+            "expert_model_parallel_size": ep_size,
+            "expert_tensor_parallel_size": etp_size,
+            "moe_token_dispatcher_type": "alltoall",
+        }
     transformer = family.config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,

@@ -33,8 +33,14 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_s: float = 600, ep_size: int = 1,
-                  etp_size: int | None = None) -> ParallelInfo:  # fmt: skip
+def init_parallel(
+    tp_size: int = 1,
+    pp_size: int = 1,
+    seed: int = 1234,
+    timeout_s: float = 600,
+    ep_size: int = 1,
+    etp_size: int | None = None,
+) -> ParallelInfo:
     """Initialises torch.distributed from torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a single process
     without them becomes a world of one) and megatron's model-parallel groups: tensor, pipeline, and for MoE expert
     (`ep_size`, out of the data-parallel ranks) and expert-tensor (`etp_size`, default `tp_size`). Idempotent per
@@ -50,8 +56,10 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_
         )
     etp = etp_size or tp_size
     if world_size % (etp * ep_size * pp_size):
-        raise ValueError(f"world size {world_size} is not divisible by expert-tensor-parallel size {etp} x "
-                         f"expert-parallel size {ep_size} x pipeline-parallel size {pp_size}")  # fmt: skip
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert-tensor-parallel size {etp} x "
+            f"expert-parallel size {ep_size} x pipeline-parallel size {pp_size}"
+        )
     if cuda_available():
         apply_nccl_settings()  # before this process's first communicator: the weight group's members must agree
         local_rank = _env_int("LOCAL_RANK", rank % torch.cuda.device_count())

@@ -25,9 +25,14 @@ def _schedule(actor, model, batch: RolloutBatch, mbs: list[list[int]], loss_of, 
         return actor.forward(model, step_inputs), functools.partial(loss_of, step_inputs, len(mbs))
 
     outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=inputs, model=[model], num_microbatches=len(mbs),
-        seq_length=length, micro_batch_size=len(mbs[0]), forward_only=forward_only,
-    )  # fmt: skip
+        forward_step_func=forward_step,
+        data_iterator=inputs,
+        model=[model],
+        num_microbatches=len(mbs),
+        seq_length=length,
+        micro_batch_size=len(mbs[0]),
+        forward_only=forward_only,
+    )
     return outputs if parallel_state.is_pipeline_last_stage() else []
 
 

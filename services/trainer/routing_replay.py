@@ -53,9 +53,15 @@ class RoutingReplay:
 
 
 def engines_routing(
-    routed: list[bytes], lengths: list[int], sample_ids: list[str], length: int, layers: int, topk: int,
-    moe_layers: list[int], part: tuple[int, int] = (0, 1),
-) -> list[torch.Tensor]:  # fmt: skip
+    routed: list[bytes],
+    lengths: list[int],
+    sample_ids: list[str],
+    length: int,
+    layers: int,
+    topk: int,
+    moe_layers: list[int],
+    part: tuple[int, int] = (0, 1),
+) -> list[torch.Tensor]:
     """Each MoE layer's `[tokens, topk]` expert ids for a micro-batch of samples padded to `length` positions, in the
     order its router sees them (position-major; `part` (rank, size): this rank's part of the sequence). `routed` is
     SGLang's `routed_experts` per sample: int32 `[rows, layers, topk]`, row i the experts chosen for token i as an
@@ -67,9 +73,11 @@ def engines_routing(
         ids = np.frombuffer(raw, dtype=np.int32)
         rows = ids.size // (layers * topk)
         if not raw or ids.size % (layers * topk) or rows >= tokens:
-            raise BatchError(f"sample {sample_id}: routed_experts holds {ids.size} expert ids, not [rows < {tokens} "
-                             f"tokens, {layers} layers, top-{topk}]; the engines must return them "
-                             "(--enable-return-routed-experts, which --use-rollout-routing-replay passes)")  # fmt: skip
+            raise BatchError(
+                f"sample {sample_id}: routed_experts holds {ids.size} expert ids, not [rows < {tokens} "
+                f"tokens, {layers} layers, top-{topk}]; the engines must return them "
+                "(--enable-return-routed-experts, which --use-rollout-routing-replay passes)"
+            )
         column = torch.arange(topk).repeat(length, layers, 1)
         column[:rows] = torch.from_numpy(ids.reshape(rows, layers, topk).astype(np.int64))
         columns.append(column)

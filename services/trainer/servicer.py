@@ -16,8 +16,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def GetStatus(self, request, context):
         c = self.control
         metrics = {k: float(v) for k, v in c.last_metrics.items()}
-        return trainer_pb2.TrainerStatus(step=c.step, policy_version=c.policy_version, phase=c.phase,
-                                         world_size=c.world_size, last_metrics=metrics)  # fmt: skip
+        return trainer_pb2.TrainerStatus(
+            step=c.step, policy_version=c.policy_version, phase=c.phase, world_size=c.world_size, last_metrics=metrics
+        )
 
     async def SaveCheckpoint(self, request, context):
         folder = checkpoint_folder(request.path, self.save_folder)
@@ -48,8 +49,9 @@ def checkpoint_folder(path: str, save: str | None) -> str:
     """The folder a SaveCheckpoint request names: under the trainer's --save only ("" is --save itself), so that no
     caller can make the trainer write anywhere else."""
     if not save:
-        raise FailedPrecondition("this trainer has no --save folder, and checkpoints are written only under it; "
-                                 "start it with --save DIR")  # fmt: skip
+        raise FailedPrecondition(
+            "this trainer has no --save folder, and checkpoints are written only under it; start it with --save DIR"
+        )
     if not path:
         return ""
     relative = PurePosixPath(path)

@@ -65,8 +65,9 @@ class WeightSender:
     its own network). The first sender (global rank 0) coordinates: it prepares the sync for all and commits once
     every sender is done; the senders share each outcome, so that they start over, give up or go on together."""
 
-    def __init__(self, config, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], sender: bool, peers=None,
-                 senders=None):  # fmt: skip
+    def __init__(
+        self, config, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], sender: bool, peers=None, senders=None
+    ):
         self.config, self.weights, self.sender, self.peers, self.senders = config, weights, sender, peers, senders
         self.coordinator = sender and (senders is None or dist.get_rank(senders) == 0)
         # Colocated on several GPUs, every rank hands the engines on its GPU its own copy of each bucket.
@@ -120,8 +121,9 @@ class WeightSender:
         self._drop_group()
         if self.coordinator:
             with contextlib.suppress(grpc.RpcError):
-                self.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=version, reason=str(failure)),
-                                             timeout=self.rpc_timeout_s)  # fmt: skip
+                self.gateway.AbortWeightSync(
+                    rollout_pb2.AbortWeightSyncRequest(version=version, reason=str(failure)), timeout=self.rpc_timeout_s
+                )
         if isinstance(failure, Unreachable):
             raise WeightSyncFailed(str(failure))
         if isinstance(failure, EnginesLeft):
@@ -211,10 +213,16 @@ class WeightSender:
         answer = [b""]
         try:
             if self.coordinator:
-                answer[0] = self.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
-                    version=version, sources=sources, backend=backend, delta=self.config.update_weight_mode == "delta",
-                    delta_base_version=self.copies_version), timeout=self.rpc_timeout_s,
-                ).SerializeToString()  # fmt: skip
+                answer[0] = self.gateway.PrepareWeightSync(
+                    rollout_pb2.PrepareWeightSyncRequest(
+                        version=version,
+                        sources=sources,
+                        backend=backend,
+                        delta=self.config.update_weight_mode == "delta",
+                        delta_base_version=self.copies_version,
+                    ),
+                    timeout=self.rpc_timeout_s,
+                ).SerializeToString()
         finally:  # the other senders wait for the answer, whatever it is
             if self.senders is not None:
                 dist.broadcast_object_list(answer, src=dist.get_global_rank(self.senders, 0), group=self.senders)
@@ -238,8 +246,10 @@ class WeightSender:
         self.timings["commit_s"] = time.perf_counter() - started
         live = sum(e.success for e in committed.engines)
         if not live:  # every engine failed its commit (and was evicted): none serves this version
-            raise EnginesLeft(f"no engine committed version {version}: " + "; ".join(
-                f"{e.url}: {e.message}" for e in committed.engines))  # fmt: skip
+            raise EnginesLeft(
+                f"no engine committed version {version}: "
+                + "; ".join(f"{e.url}: {e.message}" for e in committed.engines)
+            )
         log.info("weights of version %d sent to %d engine(s) (%s)", version, live, self.transport)
 
     def _join(self, backend: str, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
@@ -251,9 +261,16 @@ class WeightSender:
         if listener is None:
             raise EnginesLeft("the gateway built a new weight group on the port of the old one")
         try:
-            self.group = init_custom_process_group(backend, f"tcp://{address}", prepared.world_size, 0,
-                                                   self.group_name, self.timeout, self.collective_timeout,
-                                                   listen_fd=listener.detach())  # fmt: skip
+            self.group = init_custom_process_group(
+                backend,
+                f"tcp://{address}",
+                prepared.world_size,
+                0,
+                self.group_name,
+                self.timeout,
+                self.collective_timeout,
+                listen_fd=listener.detach(),
+            )
         except dist.DistStoreError as e:
             if not re.search(r"\b1/\d+ clients joined", str(e)):  # some joined: the others left (EnginesLeft)
                 raise
@@ -284,9 +301,15 @@ class WeightSender:
         gateway's answer."""
         payloads = self._gather_handles(specs, tensors)
         try:
-            requests.put(rollout_pb2.WeightBucket(version=version, bucket_index=index, tensors=specs,
-                                                  serialized_named_tensors=payloads,
-                                                  group_name=self.group_name))  # fmt: skip
+            requests.put(
+                rollout_pb2.WeightBucket(
+                    version=version,
+                    bucket_index=index,
+                    tensors=specs,
+                    serialized_named_tensors=payloads,
+                    group_name=self.group_name,
+                )
+            )
             self._check(next(responses))
         except BaseException:
             self._share_loaded(False)
@@ -328,8 +351,11 @@ class WeightSender:
         except grpc.RpcError as e:
             log.warning("cannot list the engines: %s", e.details())
             return []
-        return [e.url for e in reply.engines
-                if e.state == rollout_pb2.ENGINE_STATE_HEALTHY and e.weight_version != str(version)]  # fmt: skip
+        return [
+            e.url
+            for e in reply.engines
+            if e.state == rollout_pb2.ENGINE_STATE_HEALTHY and e.weight_version != str(version)
+        ]
 
     def release(self) -> None:
         """Colocated: the engines free their GPU memory while this trainer trains (the next sync takes it back)."""
@@ -481,6 +507,8 @@ def _drain(buckets) -> None:
 
 def _matching(spec: common_pb2.TensorSpec, name: str, tensor: torch.Tensor) -> torch.Tensor:
     if name != spec.name or list(tensor.shape) != list(spec.shape):
-        raise ValueError(f"weights changed layout since the last sync: {name} {list(tensor.shape)} where "
-                         f"{spec.name} {list(spec.shape)} was")  # fmt: skip
+        raise ValueError(
+            f"weights changed layout since the last sync: {name} {list(tensor.shape)} where "
+            f"{spec.name} {list(spec.shape)} was"
+        )
     return tensor.contiguous()

@@ -13,9 +13,14 @@ class Broadcast(Transport):
         self.sequence = 0  # the next ordered bucket's place in the sync (each engine's session counts from 0)
 
     def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict]:
-        body = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
-                "group_name": bucket.group_name, "load_format": bucket.load_format or None,
-                "flush_cache": False}  # fmt: skip
+        body = {
+            "names": bucket.names,
+            "dtypes": bucket.dtypes,
+            "shapes": bucket.shapes,
+            "group_name": bucket.group_name,
+            "load_format": bucket.load_format or None,
+            "flush_cache": False,
+        }
         if self.ordered:
             body["sequence"], self.sequence = self.sequence, self.sequence + 1
         return "/update_weights_from_distributed", {e.url: body for e in engines}

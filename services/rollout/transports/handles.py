@@ -19,7 +19,9 @@ def _handed_over(payloads: list[str], engine) -> dict | str:
     """A colocated bucket for `engine`: the handles of the trainer rank on each of its TP ranks' GPUs (a trainer on
     one GPU hands every engine the same); or why it has none."""
     if len(payloads) > 1 and max(engine.gpus) >= len(payloads):
-        return (f"/update_weights_from_tensor: the engine runs on GPUs {list(engine.gpus)} but the trainer holds GPUs "
-                f"0-{len(payloads) - 1}: colocated engines run on the trainer's GPUs (--base-gpu-id)")  # fmt: skip
+        return (
+            f"/update_weights_from_tensor: the engine runs on GPUs {list(engine.gpus)} but the trainer holds GPUs "
+            f"0-{len(payloads) - 1}: colocated engines run on the trainer's GPUs (--base-gpu-id)"
+        )
     chosen = payloads if len(payloads) == 1 else [payloads[gpu] for gpu in engine.gpus]
     return {"serialized_named_tensors": chosen, "flush_cache": False}

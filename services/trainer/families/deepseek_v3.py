@@ -24,9 +24,11 @@ def router_settings(hf: dict, shared_experts: int) -> dict:
         raise ValueError("norm_topk_prob=false is not supported: megatron's sigmoid router renormalises the top-k")
     grouped = groups > 1 and group_topk < groups  # every group kept (GLM-4.5's 1 of 1): a plain top-k
     if grouped and topk // group_topk != 2:
-        raise ValueError(f"n_group {groups} / topk_group {group_topk} with num_experts_per_tok {topk}: HF scores a "
-                         f"group by its best 2 experts, megatron by its best {topk // group_topk}; only "
-                         "num_experts_per_tok / topk_group = 2 (DeepSeek-V3's 8 / 4) is the same")  # fmt: skip
+        raise ValueError(
+            f"n_group {groups} / topk_group {group_topk} with num_experts_per_tok {topk}: HF scores a "
+            f"group by its best 2 experts, megatron by its best {topk // group_topk}; only "
+            "num_experts_per_tok / topk_group = 2 (DeepSeek-V3's 8 / 4) is the same"
+        )
     dense_layers, layers = hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"]
     return {
         "num_moe_experts": hf["n_routed_experts"],
@@ -121,5 +123,11 @@ RULES = {
     "self_attention.kv_layernorm.weight": copied("self_attn.kv_a_layernorm.weight"),
     "self_attention.linear_kv_up_proj.weight": Rule(("self_attn.kv_b_proj.weight",), 0),
 }
-FAMILY = Family(rules=RULES, settings=settings, config_class=MLATransformerConfig, gpt_rope=False,
-                adapt_spec=whole_kv_down_projection, adapt_model=mark_kv_down_projection)  # fmt: skip
+FAMILY = Family(
+    rules=RULES,
+    settings=settings,
+    config_class=MLATransformerConfig,
+    gpt_rope=False,
+    adapt_spec=whole_kv_down_projection,
+    adapt_model=mark_kv_down_projection,
+)

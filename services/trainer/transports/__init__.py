@@ -27,7 +27,9 @@ def choose(sender, prepared, version: int, requests: queue.Queue, responses, wat
     from services.trainer.weight_sync import Unreachable
 
     if sender.config.update_weight_mode == "delta" and not prepared.streamed:
-        raise Unreachable("--update-weight-mode delta needs a weight receiver beside each engine: start the gateway "
-                          "with --weight-receiver-port-offset (docs/rollout.md, 'Streamed weight sync')")  # fmt: skip
+        raise Unreachable(
+            "--update-weight-mode delta needs a weight receiver beside each engine: start the gateway "
+            "with --weight-receiver-port-offset (docs/rollout.md, 'Streamed weight sync')"
+        )
     kind = Handles if sender.config.colocate else Streamed if prepared.streamed else Broadcast
     return kind(sender, prepared, version, requests, responses, watchdog)

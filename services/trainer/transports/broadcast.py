@@ -19,13 +19,21 @@ class Broadcast(Transport):
 
     def send(self, index: int, specs: list, tensors) -> None:
         sender, flat = self.sender, self.sender.config.update_weight_flattened_bucket
-        self.requests.put(rollout_pb2.WeightBucket(version=self.version, bucket_index=index, tensors=specs,
-                                                   load_format="flattened_bucket" if flat else "",
-                                                   group_name=sender.group_name))  # fmt: skip
+        self.requests.put(
+            rollout_pb2.WeightBucket(
+                version=self.version,
+                bucket_index=index,
+                tensors=specs,
+                load_format="flattened_bucket" if flat else "",
+                group_name=sender.group_name,
+            )
+        )
         sender.in_flight = True
         try:
-            works = [dist.broadcast(t, src=0, group=sender.group, async_op=True)
-                     for t in ([flatten(list(tensors))] if flat else tensors)]  # fmt: skip
+            works = [
+                dist.broadcast(t, src=0, group=sender.group, async_op=True)
+                for t in ([flatten(list(tensors))] if flat else tensors)
+            ]
         except RuntimeError as e:  # a member is gone: free the others' receives, then hear which one
             sender._drop_group()
             for _ in range(len(self.in_flight) + 1):  # the answers of this bucket and those before

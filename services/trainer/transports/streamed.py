@@ -30,10 +30,15 @@ class Streamed(Transport):
         sender, layout = self.sender, self.sender.layout
         self.planned = layout is not None
         for index, specs in enumerate(layout or []):  # the plan, at once
-            self.requests.put(rollout_pb2.WeightBucket(
-                version=self.version, bucket_index=index, tensors=specs, group_name=sender.group_name,
-                num_buckets=len(layout),
-            ))  # fmt: skip
+            self.requests.put(
+                rollout_pb2.WeightBucket(
+                    version=self.version,
+                    bucket_index=index,
+                    tensors=specs,
+                    group_name=sender.group_name,
+                    num_buckets=len(layout),
+                )
+            )
         self.expected = len(layout or [])  # answers still due
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, name="weight-sync-answers", daemon=True).start()
@@ -57,8 +62,11 @@ class Streamed(Transport):
         dtypes, shapes = _types(specs)
         staging = index % self.stages
         if not self.planned:  # a plan of its own, answered before the next
-            self.requests.put(rollout_pb2.WeightBucket(version=self.version, bucket_index=index, tensors=specs,
-                                                       group_name=self.sender.group_name))  # fmt: skip
+            self.requests.put(
+                rollout_pb2.WeightBucket(
+                    version=self.version, bucket_index=index, tensors=specs, group_name=self.sender.group_name
+                )
+            )
             self.expected += 1
             size = bucket_layout(dtypes, shapes)[1]
             if self.staging[staging].numel() < size:
