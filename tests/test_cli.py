@@ -309,3 +309,14 @@ def _flattened(settings: dict, prefix: str = "") -> dict:
     for key, value in settings.items():
         flat |= _flattened(value, f"{prefix}{key}_") if isinstance(value, dict) else {f"{prefix}{key}": value}
     return flat
+
+
+def test_train_routes_the_loss_settings_to_the_trainer():
+    """The trainer's loss settings are one group in its config, and slime's flat flags still reach it."""
+    from services.train.options import route
+    from services.trainer.config import TrainerConfig
+
+    argv = ["--eps-clip", "0.3", "--eps-clip-high", "0.28", "--use-kl-loss", "--kl-loss-coef", "0.01"]
+    trainer = route(argv)["trainer"]
+    assert trainer == argv
+    assert TrainerConfig.model_validate({"eps_clip": 0.3}).loss.eps_clip == 0.3

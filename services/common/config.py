@@ -1,7 +1,8 @@
 """Service configuration: one pydantic model per service, read from a YAML/TOML file and overridden by flags.
 
-Every field of a config model becomes a command-line flag (`port` → `--port`, nested `redis.url` → `--redis-url`),
-so a run is one file plus a few flags, and every bad value is reported as one sentence naming the field and its source.
+Every field of a config model becomes a command-line flag (`port` → `--port`, nested `redis.url` → `--redis-url`;
+a `flat` group's fields keep their own names: the trainer's `loss.eps_clip` → `--eps-clip`), so a run is one file plus
+a few flags, and every bad value is reported as one sentence naming the field and its source.
 """
 
 import argparse
@@ -13,7 +14,7 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -23,10 +24,48 @@ class ConfigError(Exception):
     """A configuration problem, worded for the user: what is wrong and how to fix it."""
 
 
+def _model_type(annotation: Any) -> type["StrictModel"] | None:
+    """The config model inside `annotation` (`X`, `X | None`), or None when it is a plain value."""
+    candidates = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, StrictModel):
+            return candidate
+    return None
+
+
+def _flat_groups(model: type[BaseModel]) -> dict[str, type["StrictModel"]]:
+    """The fields of `model` that hold a flat group, and the group's model."""
+    groups = {}
+    for name, field in model.model_fields.items():
+        sub = _model_type(field.annotation)
+        if sub is not None and sub.flat:
+            groups[name] = sub
+    return groups
+
+
 class StrictModel(BaseModel):
     """Base of every config model: unknown keys are errors, field docstrings become the flags' help."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+    flat: ClassVar[bool] = False
+    """A group of settings passed whole (the trainer's loss settings) whose fields keep their own flag names and
+    config-file keys (`--eps-clip`, `eps_clip:`) where it is nested: slime's names stay as they are."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_flat(cls, data: Any) -> Any:
+        """Moves the flat keys of each flat group (`eps_clip`) into that group (`loss`), so that the file's keys, the
+        flags and keyword arguments (`TrainerConfig(eps_clip=0.3)`) stay flat."""
+        if not isinstance(data, dict):
+            return data
+        for name, sub in _flat_groups(cls).items():
+            keys = [key for key in data if key in sub.model_fields and key not in cls.model_fields]
+            if keys:
+                data = dict(data)
+                group = data.get(name, {})
+                group = group.model_dump(exclude_unset=True) if isinstance(group, BaseModel) else dict(group)
+                data[name] = {**group, **{key: data.pop(key) for key in keys}}
+        return data
 
 
 class TlsConfig(StrictModel):
@@ -171,7 +210,30 @@ def printable(config: BaseModel, **dump) -> dict:
     """A config's settings as plain data with no secret (for --print-config and the W&B run config): no URL's
     password, in any setting or list (a value may hold several URLs, separated by commas or spaces), no secret
     setting's value (the engine's --api-key), and no value of a secret option passed through to another program."""
-    return _redact(config.model_dump(mode="json", **dump))
+    return _redact(_lifted(type(config), config.model_dump(mode="json", **dump)))
+
+
+def flat_settings(config: BaseModel) -> dict[str, Any]:
+    """The config's settings by their flat names (a flat group's fields in its place), as slime's `args` has them."""
+    settings = {}
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        settings.update(flat_settings(value) if name in _flat_groups(type(config)) else {name: value})
+    return settings
+
+
+def _lifted(model: type[BaseModel], data: dict) -> dict:
+    """Dumped settings with each flat group's keys in the group's place, as a config file writes them."""
+    out = {}
+    for key, value in data.items():
+        sub = _model_type(model.model_fields[key].annotation) if key in model.model_fields else None
+        if sub is not None and sub.flat and isinstance(value, dict):
+            out.update(_lifted(sub, value))
+        elif sub is not None and isinstance(value, dict):
+            out[key] = _lifted(sub, value)
+        else:
+            out[key] = value
+    return out
 
 
 def _redact(value: Any, name: str = "") -> Any:
@@ -263,6 +325,7 @@ def validate_config(model: type[Config], data: dict[str, Any], flag_paths: set[s
 
 
 def _describe(model: type[StrictModel], err: dict, flag_paths: set[str], file_name: str | None) -> str:
+    err = {**err, "loc": _flat_loc(model, err["loc"])}
     path = ".".join(str(p) for p in err["loc"]) or "settings"  # a check across fields has no single field
     if path in flag_paths:
         source = "--" + path.replace(".", "-").replace("_", "-")
@@ -279,22 +342,27 @@ def _describe(model: type[StrictModel], err: dict, flag_paths: set[str], file_na
     return f"{source}: {message}" if not err["loc"] else f"{source}: {message} (got {err['input']!r})"
 
 
+def _flat_loc(model: type[StrictModel], loc: tuple) -> tuple:
+    """An error's location as the user names it: without the flat groups (`loss.eps_clip` → `eps_clip`)."""
+    names = []
+    for part in loc:
+        sub = _model_type(model.model_fields[part].annotation) if model and part in model.model_fields else None
+        if sub is None or not sub.flat:
+            names.append(part)
+        model = sub
+    return tuple(names)
+
+
 def _fields_at(model: type[StrictModel], loc: tuple) -> dict:
     for part in loc:
         sub = _model_type(model.model_fields[part].annotation) if part in model.model_fields else None
         if sub is None:
             return {}
         model = sub
-    return model.model_fields
-
-
-def _model_type(annotation: Any) -> type[StrictModel] | None:
-    """The config model inside `annotation` (`X`, `X | None`), or None when it is a plain value."""
-    candidates = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    for candidate in candidates:
-        if isinstance(candidate, type) and issubclass(candidate, StrictModel):
-            return candidate
-    return None
+    fields = {}
+    for name, field in model.model_fields.items():
+        fields.update(_fields_at(model, (name,)) if name in _flat_groups(model) else {name: field})
+    return fields
 
 
 def _add_field_flags(parser: argparse.ArgumentParser, model: type[StrictModel], prefix: tuple[str, ...]) -> None:
@@ -302,7 +370,7 @@ def _add_field_flags(parser: argparse.ArgumentParser, model: type[StrictModel], 
         path = (*prefix, name)
         sub = _model_type(field.annotation)
         if sub is not None:
-            _add_field_flags(parser, sub, path)
+            _add_field_flags(parser, sub, prefix if sub.flat else path)  # flat: its flags and keys are its own
             continue
         flag = "--" + "-".join(path).replace("_", "-")
         default = "" if field.default is None or field.is_required() else f" (default: {field.default})"

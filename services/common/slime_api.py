@@ -10,6 +10,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from services.common.config import flat_settings
 from slipstream import samples as arrays
 from slipstream.v1 import common_pb2
 
@@ -92,5 +93,5 @@ def args_of(*configs, **extra) -> argparse.Namespace:
     """The settings of `configs` (pydantic models; the first one wins on a shared name) as slime's `args`."""
     merged: dict[str, Any] = {}
     for config in reversed(configs):
-        merged.update({name: getattr(config, name) for name in type(config).model_fields})
+        merged.update(flat_settings(config))
     return argparse.Namespace(**merged, **extra)

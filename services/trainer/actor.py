@@ -164,8 +164,8 @@ class Actor:
                 for mb in mbs:
                     self.routing.recorded[tuple(mb)] = self._engines_routing(batch, mb)
             old_BR = self.full_logprobs(self.model, batch, mbs, "replay" if c.use_rollout_routing_replay else "record")
-            old_BR = tensors["rollout_logprobs_BR"] if c.use_rollout_logprobs else old_BR
-        elif c.use_rollout_logprobs:
+            old_BR = tensors["rollout_logprobs_BR"] if c.loss.use_rollout_logprobs else old_BR
+        elif c.loss.use_rollout_logprobs:
             old_BR = tensors["rollout_logprobs_BR"]
         else:
             old_BR = self.full_logprobs(self.model, batch)
@@ -175,7 +175,7 @@ class Actor:
         rewards_B = batch.rewards_B
         if not (batch.normalized or c.disable_rewards_normalization):
             std = not c.disable_grpo_std_normalization
-            rewards_B = normalized_rewards(c.advantage_estimator, rewards_B, batch.group_size, std)
+            rewards_B = normalized_rewards(c.loss.advantage_estimator, rewards_B, batch.group_size, std)
         per_step = {
             "old": old_BR,
             "ref": ref_BR,
@@ -190,7 +190,7 @@ class Actor:
                 advantages_BR = whiten(advantages_BR, mask_BR)
         else:
             advantages_BR, returns_BR = compute_advantages(
-                c.advantage_estimator,
+                c.loss.advantage_estimator,
                 rewards_B,
                 mask_BR,
                 group_size=batch.group_size,
@@ -299,30 +299,18 @@ class Actor:
         c = self.config
         take = self._take(t, mb, logprobs_bR.shape[1])
         tis = None
-        if batch is not None and c.use_tis:
+        if batch is not None and c.loss.use_tis:
             lengths, prompts = batch.response_lengths(), batch.prompt_lengths
             tis = self.hooks.tis_function([lengths[i] for i in mb], [prompts[i] for i in mb])
         loss, metrics = policy_loss(
             logprobs_bR,
             take["mask"],
+            c.loss,
             old_logprobs_BT=take["old"],
             advantages_BT=take["adv"],
             entropy_BT=entropy_bR,
             ref_logprobs_BT=take["ref"],
             rollout_logprobs_BT=take["rollout"],
-            loss_type=c.loss_type,
-            advantage_estimator=c.advantage_estimator,
-            eps_clip=c.eps_clip,
-            eps_clip_high=c.eps_clip_high,
-            eps_clip_c=c.eps_clip_c,
-            entropy_coef=c.entropy_coef,
-            use_kl_loss=c.use_kl_loss,
-            kl_loss_coef=c.kl_loss_coef,
-            kl_loss_type=c.kl_loss_type,
-            use_tis=c.use_tis,
-            tis_clip=c.tis_clip,
-            tis_clip_low=c.tis_clip_low,
-            use_rollout_logprobs=c.use_rollout_logprobs,
             loss_aggregation="token" if share["token_level"] else "sequence",
             tis_function=tis,
         )

@@ -73,7 +73,7 @@ def load_policy(config: TrainerConfig):
 
 def load_reference(config: TrainerConfig):
     """The frozen reference the KL is taken against (None without a KL loss or penalty)."""
-    if not (config.use_kl_loss or config.kl_coef):
+    if not (config.loss.use_kl_loss or config.kl_coef):
         return None
     from services.trainer.models import load_gpt_model
 
@@ -83,7 +83,7 @@ def load_reference(config: TrainerConfig):
 
 def load_critic(config: TrainerConfig, groups: Groups):
     """PPO's critic, with its own optimizer and schedule (None for the other advantage estimators)."""
-    if config.advantage_estimator != "ppo":
+    if config.loss.advantage_estimator != "ppo":
         return None
     from services.trainer import critic
 

@@ -1,13 +1,49 @@
 """Configuration of the trainer. Names are Megatron's (`--tensor-model-parallel-size`, `--lr`, `--clip-grad`, …) and
 slime's (`--advantage-estimator`, `--use-kl-loss`, …), so a slime command line carries over."""
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from services.common.config import ServiceConfig
+from services.common.config import ServiceConfig, StrictModel
 from services.common.redis_connection import RedisConfig
 from services.trainer.batching import BatchSizeError, BatchSizes
+
+
+class LossSettings(StrictModel):
+    """The actor's loss: what `losses.policy_loss` takes whole. A flat group: its flags and config-file keys are
+    slime's (`--eps-clip`, `eps_clip:`), not prefixed."""
+
+    flat: ClassVar[bool] = True
+
+    advantage_estimator: Literal[
+        "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+    ] = "grpo"
+    """How rewards become advantages."""
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
+    """The actor's loss; custom_loss is --custom-loss-function-path's."""
+    eps_clip: float = Field(0.2, ge=0)
+    """PPO clip range (lower side, and upper side unless --eps-clip-high)."""
+    eps_clip_high: float | None = Field(None, ge=0)
+    """Upper clip range (DAPO's clip-higher)."""
+    eps_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip constant for negative advantages."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    use_kl_loss: bool = False
+    """Add a KL to the frozen reference model (the --hf-checkpoint weights) to the loss."""
+    kl_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the KL loss."""
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator of the KL loss."""
+    use_tis: bool = False
+    """Truncated importance sampling between the trainer's and the engine's log-probs."""
+    tis_clip: float = Field(2.0, gt=0)
+    """Upper clip of the TIS weights."""
+    tis_clip_low: float = Field(0.0, ge=0)
+    """Lower clip of the TIS weights."""
+    use_rollout_logprobs: bool = False
+    """Use the engine's log-probs as the old policy's instead of recomputing them."""
 
 
 class TrainerConfig(ServiceConfig):
@@ -113,10 +149,6 @@ class TrainerConfig(ServiceConfig):
     """Rollouts (buffer steps) to train; unset trains until the buffer runs out."""
 
     # Algorithm (slime's names)
-    advantage_estimator: Literal[
-        "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
-    ] = "grpo"
-    """How rewards become advantages."""
     disable_grpo_std_normalization: bool = False
     """Dr.GRPO: subtract the group mean only."""
     normalize_advantages: bool = False
@@ -131,8 +163,6 @@ class TrainerConfig(ServiceConfig):
     """PPO: train only the critic for this many first rollouts."""
     critic_lr: float | None = Field(None, gt=0)
     """PPO: the critic's learning rate; unset takes --lr."""
-    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
-    """The actor's loss; custom_loss is --custom-loss-function-path's."""
     custom_loss_function_path: str | None = None
     """With --loss-type custom_loss: slime's fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)."""
     custom_advantage_function_path: str | None = None
@@ -151,30 +181,10 @@ class TrainerConfig(ServiceConfig):
     samples (rank 0's); True skips the step's TensorBoard scalars."""
     disable_rewards_normalization: bool = False
     """Train on the rewards as scored: no group mean (or std) is taken before the estimator."""
-    eps_clip: float = Field(0.2, ge=0)
-    """PPO clip range (lower side, and upper side unless --eps-clip-high)."""
-    eps_clip_high: float | None = Field(None, ge=0)
-    """Upper clip range (DAPO's clip-higher)."""
-    eps_clip_c: float | None = Field(None, gt=1)
-    """Dual-clip constant for negative advantages."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus."""
-    use_kl_loss: bool = False
-    """Add a KL to the frozen reference model (the --hf-checkpoint weights) to the loss."""
-    kl_loss_coef: float = Field(0.0, ge=0)
-    """Weight of the KL loss."""
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    """KL estimator of the KL loss."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty in the reward (reinforce++ and PPO)."""
-    use_tis: bool = False
-    """Truncated importance sampling between the trainer's and the engine's log-probs."""
-    tis_clip: float = Field(2.0, gt=0)
-    """Upper clip of the TIS weights."""
-    tis_clip_low: float = Field(0.0, ge=0)
-    """Lower clip of the TIS weights."""
-    use_rollout_logprobs: bool = False
-    """Use the engine's log-probs as the old policy's instead of recomputing them."""
+    loss: LossSettings = LossSettings()
+    """The actor's loss (flags --eps-clip, --use-kl-loss, …: slime's names, no prefix)."""
     calculate_per_token_loss: bool = True
     """Average the loss over all trained tokens of the batch (slime's flag); off, over each sample then samples."""
 
@@ -235,7 +245,7 @@ class TrainerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
-        if self.advantage_estimator == "ppo" and self.pipeline_model_parallel_size > 1:
+        if self.loss.advantage_estimator == "ppo" and self.pipeline_model_parallel_size > 1:
             raise ValueError("the PPO critic runs without pipeline parallelism: use --pipeline-model-parallel-size 1")
         if self.colocate and (not self.rollout_addr or self.update_weights_interval != 1):
             raise ValueError(
@@ -269,14 +279,14 @@ class TrainerConfig(ServiceConfig):
                 "--overlap-param-gather gathers the weights the distributed optimizer updated in shards: "
                 "add --use-distributed-optimizer or drop it"
             )
-        if (self.loss_type == "custom_loss") != bool(self.custom_loss_function_path):
+        if (self.loss.loss_type == "custom_loss") != bool(self.custom_loss_function_path):
             raise ValueError("--loss-type custom_loss and --custom-loss-function-path go together: give both, or none")
         if self.custom_loss_function_path and self.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "a custom loss gets the whole model's logits, which only the last pipeline stage has: use "
                 "--pipeline-model-parallel-size 1"
             )
-        if self.custom_tis_function_path and not self.use_tis:
+        if self.custom_tis_function_path and not self.loss.use_tis:
             raise ValueError("--custom-tis-function-path replaces the TIS weights of --use-tis: add --use-tis")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu (e.g. --max-tokens-per-gpu 8192)")

@@ -9,6 +9,7 @@ padding must hold finite numbers (0 is fine) so that masking by multiplication k
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from services.trainer.advantages import ESTIMATORS
+from services.trainer.config import LossSettings
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGREGATIONS = ("token", "sequence")
@@ -219,29 +221,19 @@ def value_loss(
 def policy_loss(
     logprobs_BT: Tensor,
     loss_mask_BT: Tensor,
+    settings: LossSettings | None = None,
     *,
     old_logprobs_BT: Tensor | None = None,
     advantages_BT: Tensor | None = None,
     entropy_BT: Tensor | None = None,
     ref_logprobs_BT: Tensor | None = None,
     rollout_logprobs_BT: Tensor | None = None,
-    loss_type: str = "policy_loss",
-    advantage_estimator: str = "grpo",
-    eps_clip: float = 0.2,
-    eps_clip_high: float | None = None,
-    eps_clip_c: float | None = None,
-    entropy_coef: float = 0.0,
-    use_kl_loss: bool = False,
-    kl_loss_coef: float = 0.0,
-    kl_loss_type: str = "k1",
-    use_tis: bool = False,
-    tis_clip: float = 2.0,
-    tis_clip_low: float = 0.0,
-    use_rollout_logprobs: bool = False,
     loss_aggregation: str = "token",
     tis_function: Callable | None = None,
+    **overrides: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The actor's loss for one micro-batch and its metrics (detached scalars), with slime's argument names.
+    """The actor's loss for one micro-batch and its metrics (detached scalars), under the loss `settings` (slime's
+    names; the config's `loss`, its defaults when None), with `overrides` of single settings (`eps_clip=0.3`).
 
     loss_type "sft_loss" is `sft_loss` (plus the KL loss if asked). "policy_loss" is the surrogate of the
     estimator (PPO clip, GSPO's sequence ratio, or CISPO), times the TIS weights when `use_tis`, aggregated, minus
@@ -251,10 +243,12 @@ def policy_loss(
     old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT) -> (pg_loss_BT, kept_mask_BT, metrics_BT)` replaces the
     TIS weights (a custom TIS: `hooks.py`); its metrics are averaged over the trained tokens before its mask.
     """
-    _check_policy_args(**{k: v for k, v in locals().items() if k != "tis_function"})  # by name, before any compute
-    if use_rollout_logprobs:
+    s = _settings(settings, overrides)
+    tensors = {k: v for k, v in locals().items() if k.endswith("_BT")}
+    _check_policy_args(s, loss_aggregation, tensors)  # by name, before any compute
+    if s.use_rollout_logprobs:
         old_logprobs_BT = rollout_logprobs_BT
-    if loss_type == "sft_loss":
+    if s.loss_type == "sft_loss":
         loss = sft_loss(logprobs_BT, loss_mask_BT, loss_aggregation)
         metrics = {"sft_loss": loss.detach()}
     else:
@@ -263,23 +257,33 @@ def policy_loss(
             old_logprobs_BT,
             advantages_BT,
             loss_mask_BT,
-            rollout_logprobs_BT=rollout_logprobs_BT if use_tis else None,
-            advantage_estimator=advantage_estimator,
-            clip=(eps_clip, eps_clip if eps_clip_high is None else eps_clip_high, eps_clip_c),
-            tis_clip=(tis_clip_low, tis_clip),
+            rollout_logprobs_BT=rollout_logprobs_BT if s.use_tis else None,
+            advantage_estimator=s.advantage_estimator,
+            clip=(s.eps_clip, s.eps_clip if s.eps_clip_high is None else s.eps_clip_high, s.eps_clip_c),
+            tis_clip=(s.tis_clip_low, s.tis_clip),
             loss_aggregation=loss_aggregation,
             tis_function=tis_function,
         )
     if entropy_BT is not None:
         entropy = aggregate(entropy_BT, loss_mask_BT, loss_aggregation)
-        loss = loss - entropy_coef * entropy
+        loss = loss - s.entropy_coef * entropy
         metrics["entropy"] = entropy.detach()
-    if use_kl_loss:
-        kl_loss = aggregate(approx_kl(logprobs_BT, ref_logprobs_BT, kl_loss_type), loss_mask_BT, loss_aggregation)
-        loss = loss + kl_loss_coef * kl_loss
+    if s.use_kl_loss:
+        kl_loss = aggregate(approx_kl(logprobs_BT, ref_logprobs_BT, s.kl_loss_type), loss_mask_BT, loss_aggregation)
+        loss = loss + s.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def _settings(settings: LossSettings | None, overrides: dict[str, Any]) -> LossSettings:
+    """`settings` with `overrides`, unvalidated: `_check_policy_args` checks them with the argument named."""
+    unknown = sorted(set(overrides) - set(LossSettings.model_fields))
+    if unknown:
+        raise TypeError(
+            f"policy_loss got unexpected arguments {', '.join(unknown)}; the loss settings are LossSettings'"
+        )
+    return (settings or LossSettings()).model_copy(update=overrides)
 
 
 def _surrogate_loss(
@@ -324,40 +328,40 @@ def _surrogate_loss(
     return pg_loss, metrics
 
 
-def _check_policy_args(**args) -> None:
+def _check_policy_args(s: LossSettings, loss_aggregation: str, tensors: dict[str, Tensor | None]) -> None:
     """Validates `policy_loss`'s arguments, naming the one at fault."""
     for name, value, allowed in (
-        ("loss_type", args["loss_type"], LOSS_TYPES),
-        ("loss_aggregation", args["loss_aggregation"], LOSS_AGGREGATIONS),
-        ("kl_loss_type", args["kl_loss_type"], KL_TYPES),
-        ("advantage_estimator", args["advantage_estimator"], ESTIMATORS),
+        ("loss_type", s.loss_type, LOSS_TYPES),
+        ("loss_aggregation", loss_aggregation, LOSS_AGGREGATIONS),
+        ("kl_loss_type", s.kl_loss_type, KL_TYPES),
+        ("advantage_estimator", s.advantage_estimator, ESTIMATORS),
     ):
         if value not in allowed:
             raise ValueError(f"{name} {value!r} is unknown; expected one of {', '.join(allowed)}")
-    tensors = {name: value for name, value in args.items() if name.endswith("_BT") and value is not None}
-    _check_shapes(tensors.pop("loss_mask_BT"), **tensors)
+    given = {name: value for name, value in tensors.items() if value is not None}
+    _check_shapes(given.pop("loss_mask_BT"), **given)
     needs = [
-        ("old_logprobs_BT", args["loss_type"] == "policy_loss" and not args["use_rollout_logprobs"], "policy_loss"),
-        ("advantages_BT", args["loss_type"] == "policy_loss", "policy_loss"),
-        ("ref_logprobs_BT", args["use_kl_loss"], "use_kl_loss"),
-        ("rollout_logprobs_BT", args["use_tis"] or args["use_rollout_logprobs"], "use_tis / use_rollout_logprobs"),
-        ("entropy_BT", args["entropy_coef"] != 0, "entropy_coef != 0"),
+        ("old_logprobs_BT", s.loss_type == "policy_loss" and not s.use_rollout_logprobs, "policy_loss"),
+        ("advantages_BT", s.loss_type == "policy_loss", "policy_loss"),
+        ("ref_logprobs_BT", s.use_kl_loss, "use_kl_loss"),
+        ("rollout_logprobs_BT", s.use_tis or s.use_rollout_logprobs, "use_tis / use_rollout_logprobs"),
+        ("entropy_BT", s.entropy_coef != 0, "entropy_coef != 0"),
     ]
     for name, needed, reason in needs:
-        if needed and args[name] is None:
+        if needed and tensors[name] is None:
             raise ValueError(f"{name} is required with {reason}")
-    _check_clip_args(args)
+    _check_clip_args(s)
 
 
-def _check_clip_args(args: dict) -> None:
-    if args["use_tis"] and args["use_rollout_logprobs"]:
+def _check_clip_args(s: LossSettings) -> None:
+    if s.use_tis and s.use_rollout_logprobs:
         raise ValueError("use_tis and use_rollout_logprobs cannot both be set: TIS reweights old by rollout log-probs")
-    if args["eps_clip"] < 0 or (args["eps_clip_high"] is not None and args["eps_clip_high"] < 0):
-        raise ValueError(f"eps_clip {args['eps_clip']} and eps_clip_high {args['eps_clip_high']} must be >= 0")
-    if args["eps_clip_c"] is not None and args["eps_clip_c"] <= 1:
-        raise ValueError(f"eps_clip_c must be greater than 1 for dual-clip PPO, got {args['eps_clip_c']}")
-    if args["use_tis"] and not 0 <= args["tis_clip_low"] <= args["tis_clip"]:
-        raise ValueError(f"need 0 <= tis_clip_low <= tis_clip, got {args['tis_clip_low']} and {args['tis_clip']}")
+    if s.eps_clip < 0 or (s.eps_clip_high is not None and s.eps_clip_high < 0):
+        raise ValueError(f"eps_clip {s.eps_clip} and eps_clip_high {s.eps_clip_high} must be >= 0")
+    if s.eps_clip_c is not None and s.eps_clip_c <= 1:
+        raise ValueError(f"eps_clip_c must be greater than 1 for dual-clip PPO, got {s.eps_clip_c}")
+    if s.use_tis and not 0 <= s.tis_clip_low <= s.tis_clip:
+        raise ValueError(f"need 0 <= tis_clip_low <= tis_clip, got {s.tis_clip_low} and {s.tis_clip}")
 
 
 def _check_shapes(loss_mask_BT: Tensor, **tensors: Tensor) -> None:

@@ -1,6 +1,7 @@
 """Config files plus flags, and the one-sentence errors a user sees for bad settings."""
 
 import pytest
+import yaml
 
 from services.buffer.config import BufferConfig
 from services.common.config import ConfigError, StrictModel, load_config, printable
@@ -151,3 +152,25 @@ def test_the_wandb_run_config_shows_no_password():
 
     logged = printable(TrainOptions(wandb_host="https://user:s3cret@wandb.example", wandb_key="s3cret"))
     assert "s3cret" not in str(logged) and logged["wandb_host"] == "https://user:***@wandb.example"
+
+
+def test_a_flat_group_keeps_its_flags_and_keys(tmp_path):
+    """The trainer's loss settings are one model (`config.loss`), passed whole, yet keep slime's flat names: on the
+    command line, in a config file, as keyword arguments, in --print-config and in errors."""
+    from services.trainer.config import LossSettings, TrainerConfig
+
+    assert TrainerConfig(eps_clip=0.3).loss == LossSettings(eps_clip=0.3)
+    (tmp_path / "t.yaml").write_text("use_kl_loss: true\nkl_loss_coef: 0.1\n")
+    config = load_config(TrainerConfig, ["--config", str(tmp_path / "t.yaml"), "--eps-clip", "0.3"], prog="t")
+    assert (config.loss.eps_clip, config.loss.use_kl_loss, config.loss.kl_loss_coef) == (0.3, True, 0.1)
+    shown = printable(config)
+    assert "loss" not in shown and shown["eps_clip"] == 0.3
+    (tmp_path / "shown.yaml").write_text(yaml.safe_dump(shown))
+    assert load_config(TrainerConfig, ["--config", str(tmp_path / "shown.yaml")], prog="t") == config
+    with pytest.raises(ConfigError, match=r"^--eps-clip-c: Input should be greater than 1"):
+        load_config(TrainerConfig, ["--eps-clip-c", "0.5"], prog="t")
+    (tmp_path / "bad.yaml").write_text("eps_clipp: 0.3\n")
+    with pytest.raises(ConfigError, match=r'bad.yaml: eps_clipp: unknown setting; did you mean "eps_clip"\?'):
+        load_config(TrainerConfig, ["--config", str(tmp_path / "bad.yaml")], prog="t")
+    with pytest.raises(ConfigError, match="unknown option --loss-eps-clip"):
+        load_config(TrainerConfig, ["--loss-eps-clip", "0.3"], prog="t")

@@ -233,3 +233,19 @@ def test_bad_policy_arguments_name_the_argument():
         policy_loss(logp, mask, rollout_logprobs_BT=logp, use_tis=True, use_rollout_logprobs=True, **kwargs)
     with pytest.raises(ValueError, match="tokens_T"):
         token_logprobs_and_entropy(torch.zeros(3, 4), torch.zeros(2, dtype=torch.long))
+
+
+def test_policy_loss_takes_the_configs_loss_settings_whole():
+    """The actor passes its config's `loss` as it is; a keyword overrides one setting."""
+    from services.trainer.config import TrainerConfig
+
+    settings = TrainerConfig(eps_clip=0.1, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1").loss
+    logp, mask = torch.tensor([[math.log(2.0)]]), torch.ones(1, 1)
+    kwargs = {"old_logprobs_BT": torch.zeros(1, 1), "advantages_BT": torch.ones(1, 1), "ref_logprobs_BT": logp - 1}
+    loss, metrics = policy_loss(logp, mask, settings, **kwargs)
+    _close(loss, -1.1 + 0.5 * 1.0)  # ratio 2 clipped to 1.1; k1 = 1
+    _close(metrics["kl_loss"], 1.0)
+    loss, _ = policy_loss(logp, mask, settings, eps_clip=0.5, use_kl_loss=False, **kwargs)
+    _close(loss, -1.5)
+    with pytest.raises(TypeError, match="eps_clipp"):
+        policy_loss(logp, mask, settings, eps_clipp=0.5, **kwargs)
