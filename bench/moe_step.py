@@ -62,7 +62,7 @@ def worker(path: Path, args) -> dict:
                            micro_batch_size=1, lr=1e-6, clip_grad=1.0, expert_model_parallel_size=args.ep,
                            adam_beta2=0.999, bf16=cuda,
                            use_distributed_optimizer=args.use_distributed_optimizer)  # fmt: skip
-    ddp, optimizer, scheduler = data_parallel.build(model, config, config.lr)
+    ddp, optimizer, scheduler = data_parallel.build(model, config, config.optimizer)
     groups = Groups(dp=parallel_state.get_data_parallel_group(), vocab_size=gpt.shape.vocab_size,
                     expert_model_parallel=parallel_state.get_expert_tensor_model_pipeline_parallel_group())  # fmt: skip
     actor = Actor(config, model, optimizer, scheduler, groups, ddp=ddp)

@@ -128,7 +128,7 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
                            adam_beta2=0.999, use_distributed_optimizer=data_parallel == "sharded")  # fmt: skip
     groups = Groups(vocab_size=gpt.shape.vocab_size)
     if data_parallel:
-        ddp, optimizer, scheduler = dp.build(model, config, config.lr)
+        ddp, optimizer, scheduler = dp.build(model, config, config.optimizer)
         actor = Actor(config, model, optimizer, scheduler, groups, ddp=ddp)
     else:
         optimizer = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)

@@ -67,6 +67,15 @@ class StrictModel(BaseModel):
                 data[name] = {**group, **{key: data.pop(key) for key in keys}}
         return data
 
+    def __getattr__(self, name: str) -> Any:
+        """A flat group's field read by its flat name (`config.lr` is `config.optimizer.lr`), as it is set and
+        printed; code that uses a group takes the group itself."""
+        for group in _flat_groups(type(self)):
+            settings = self.__dict__.get(group)
+            if settings is not None and name in type(settings).model_fields:
+                return getattr(settings, name)
+        return super().__getattr__(name)
+
 
 class TlsConfig(StrictModel):
     """Transport security (flags --tls-cert-file, --tls-key-file, --tls-ca-file). A service with a certificate serves

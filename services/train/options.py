@@ -285,17 +285,18 @@ def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
 def _check_ranks(options: TrainOptions, trainer: TrainerConfig) -> None:
     """The trainer's data-parallel size is known only here (ranks / TP / PP): the batch sizes are checked with it, as
     each rank will check them, so that a bad combination stops before anything starts."""
-    ranks, model_parallel = options.actor_num_gpus_per_node, trainer.tensor_model_parallel_size
-    model_parallel *= trainer.pipeline_model_parallel_size
+    layout = trainer.parallel
+    ranks, model_parallel = options.actor_num_gpus_per_node, layout.tensor_model_parallel_size
+    model_parallel *= layout.pipeline_model_parallel_size
     if ranks % model_parallel:
         raise ConfigError(
             f"--actor-num-gpus-per-node {ranks} is not a multiple of --tensor-model-parallel-size "
             f"times --pipeline-model-parallel-size = {model_parallel}"
         )
-    experts = trainer.expert_model_parallel_size * (
-        trainer.expert_tensor_parallel_size or trainer.tensor_model_parallel_size
+    experts = layout.expert_model_parallel_size * (
+        layout.expert_tensor_parallel_size or layout.tensor_model_parallel_size
     )
-    experts *= trainer.pipeline_model_parallel_size
+    experts *= layout.pipeline_model_parallel_size
     if ranks % experts:
         raise ConfigError(
             f"--actor-num-gpus-per-node {ranks} is not a multiple of --expert-model-parallel-size "

@@ -79,8 +79,8 @@ class Actor:
     def inputs(self, batch: RolloutBatch, indices: list[int], length: int | None = None) -> dict[str, torch.Tensor]:
         """Model inputs of samples `indices` on this rank's device, right-padded to `length` when given."""
         inputs = input_tensors(batch, indices)
-        tp = self.config.tensor_model_parallel_size
-        if self.config.sequence_parallel and tp > 1:  # the sequence is split over the TP ranks
+        tp = self.config.parallel.tensor_model_parallel_size
+        if self.config.parallel.sequence_parallel and tp > 1:  # the sequence is split over the TP ranks
             length = -(-(length or inputs["tokens_BL"].shape[1]) // tp) * tp
         if length is not None:
             pad = length - inputs["tokens_BL"].shape[1]
@@ -257,7 +257,7 @@ class Actor:
         else:
             grad_norm = clip_gradients(
                 self.model,
-                c.clip_grad,
+                c.optimizer.clip_grad,
                 self.groups.model_parallel or self.groups.tp,
                 self.groups.tp_rank,
                 self.groups.expert_model_parallel,
@@ -379,7 +379,7 @@ class Actor:
 
     @property
     def pipelined(self) -> bool:
-        return self.config.pipeline_model_parallel_size > 1
+        return self.config.parallel.pipeline_model_parallel_size > 1
 
     def _micro_batches(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
         c = self.config
@@ -413,7 +413,7 @@ class Actor:
             if grad is None:
                 continue
             partial = per_head and ("q_layernorm" in name or "k_layernorm" in name)
-            partial = partial or (self.config.sequence_parallel and getattr(param, "sequence_parallel", False))
+            partial = partial or (self.config.parallel.sequence_parallel and getattr(param, "sequence_parallel", False))
             if partial and tp is not None:
                 dist.all_reduce(grad, group=tp)
             if self.ddp is not None and not isinstance(self.optimizer, DistributedAdamW):

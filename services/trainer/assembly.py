@@ -22,13 +22,7 @@ from slipstream.v1 import buffer_pb2_grpc
 def parallel_layout(config: TrainerConfig) -> ParallelInfo:
     """This process's place in the tensor-, pipeline-, expert- and data-parallel groups, which it joins; the batch
     sizes must split over its data-parallel ranks."""
-    info = init_parallel(
-        config.tensor_model_parallel_size,
-        config.pipeline_model_parallel_size,
-        config.seed,
-        ep_size=config.expert_model_parallel_size,
-        etp_size=config.expert_tensor_parallel_size,
-    )
+    info = init_parallel(seed=config.seed, layout=config.parallel)
     config.batch_sizes(info.dp_size).check()
     return info
 
@@ -42,7 +36,7 @@ def model_dtype(config: TrainerConfig) -> torch.dtype:
 
 def model_settings(config: TrainerConfig) -> dict:
     """The TransformerConfig settings the policy and the critic train with (the reference only runs forward)."""
-    settings = {"sequence_parallel": config.sequence_parallel}
+    settings = {"sequence_parallel": config.parallel.sequence_parallel}
     for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
         if getattr(config, name) is not None:
             settings[name] = getattr(config, name)
@@ -63,7 +57,8 @@ def load_policy(config: TrainerConfig):
             f"routing replay replays the experts' routing: {config.hf_checkpoint} has no experts "
             "(a dense model); drop --use-routing-replay / --use-rollout-routing-replay"
         )
-    if gpt.shape.num_experts and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+    layout = config.parallel
+    if gpt.shape.num_experts and layout.tensor_model_parallel_size > 1 and not layout.sequence_parallel:
         raise ValueError(
             "an MoE model trains with tensor parallelism only under sequence parallelism (megatron's "
             "MoE layer splits the tokens over the TP ranks): add --sequence-parallel"
@@ -88,7 +83,8 @@ def load_critic(config: TrainerConfig, groups: Groups):
     from services.trainer import critic
 
     model, _ = critic.load_critic(config.hf_checkpoint, model_dtype(config), **model_settings(config))
-    ddp, optimizer, scheduler = data_parallel.build(model, config, config.critic_lr or config.lr)
+    settings = config.optimizer.model_copy(update={"lr": config.critic_lr or config.optimizer.lr})
+    ddp, optimizer, scheduler = data_parallel.build(model, config, settings)
     return critic.Critic(config, model, optimizer, scheduler, groups, ddp=ddp)
 
 
@@ -167,7 +163,7 @@ def weight_sender(config: TrainerConfig, info: ParallelInfo, model, gpt):
     every rank hands its copy to the engines on its GPU."""
     from megatron.core import parallel_state
 
-    all_ranks = config.expert_model_parallel_size > 1 or (config.colocate and info.world_size > 1)
+    all_ranks = config.parallel.expert_model_parallel_size > 1 or (config.colocate and info.world_size > 1)
     if config.colocate and info.world_size != int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size)):
         raise ValueError("--colocate hands tensors over by CUDA IPC, within one node: run the trainer on one node")
     if not config.rollout_addr or not (info.dp_rank == 0 or all_ranks):
@@ -175,10 +171,10 @@ def weight_sender(config: TrainerConfig, info: ParallelInfo, model, gpt):
     from services.trainer.models import hf_weights_of
     from services.trainer.weight_sync import WeightSender
 
-    model_parallel = info.tp_size * config.pipeline_model_parallel_size > 1
+    model_parallel = info.tp_size * config.parallel.pipeline_model_parallel_size > 1
     peers = parallel_state.get_model_parallel_group() if model_parallel else None
     peers = dist.group.WORLD if all_ranks else peers
     sender = info.dp_rank == 0 and info.tp_rank == 0
-    stages = config.pipeline_model_parallel_size > 1
+    stages = config.parallel.pipeline_model_parallel_size > 1
     senders = parallel_state.get_pipeline_model_parallel_group() if sender and stages else None
     return WeightSender(config, lambda: hf_weights_of(model, gpt), sender=sender, peers=peers, senders=senders)

@@ -46,6 +46,59 @@ class LossSettings(StrictModel):
     """Use the engine's log-probs as the old policy's instead of recomputing them."""
 
 
+class OptimizerSettings(StrictModel):
+    """AdamW, its learning-rate schedule and the gradient clipping: what `data_parallel.build` takes whole to build a
+    model's optimizer and scheduler. A flat group: its flags and config-file keys are Megatron's (`--lr`, `lr:`)."""
+
+    flat: ClassVar[bool] = True
+
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate at the end of the decay."""
+    lr_warmup_iters: int = Field(0, ge=0)
+    """Steps of linear warmup."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after the warmup."""
+    lr_decay_iters: int | None = Field(None, ge=1)
+    """Steps over which the lr decays to --min-lr."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay (not on norms and biases)."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    adam_beta2: float = Field(0.98, ge=0, lt=1)
+    """AdamW beta2."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    clip_grad: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this (0: off)."""
+
+
+class ParallelSettings(StrictModel):
+    """How the model is split over the ranks: what `parallel.init_parallel` takes whole. A flat group: its flags and
+    config-file keys are Megatron's (`--tensor-model-parallel-size`, `tensor_model_parallel_size:`)."""
+
+    flat: ClassVar[bool] = True
+
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel size."""
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    """Pipeline-parallel size."""
+    expert_model_parallel_size: int = Field(1, ge=1)
+    """Expert-parallel size (MoE): each rank of an expert group holds num_experts / this of every layer's experts;
+    carved out of the data-parallel ranks, as in Megatron."""
+    expert_tensor_parallel_size: int | None = Field(None, ge=1)
+    """Tensor-parallel size of each expert (MoE); unset: the tensor-parallel size."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (with TP > 1)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ParallelSettings":
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("sequence_parallel splits sequences over tensor-parallel ranks: it needs TP > 1")
+        return self
+
+
 class TrainerConfig(ServiceConfig):
     """The trainer: a Megatron-core actor that pulls its batches from the buffer, under torchrun."""
 
@@ -95,15 +148,9 @@ class TrainerConfig(ServiceConfig):
     """Also write an HF checkpoint folder here whenever a checkpoint is saved."""
 
     # Parallelism (Megatron's names)
-    tensor_model_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel size."""
-    pipeline_model_parallel_size: int = Field(1, ge=1)
-    """Pipeline-parallel size."""
-    expert_model_parallel_size: int = Field(1, ge=1)
-    """Expert-parallel size (MoE): each rank of an expert group holds num_experts / this of every layer's experts;
-    carved out of the data-parallel ranks, as in Megatron."""
-    expert_tensor_parallel_size: int | None = Field(None, ge=1)
-    """Tensor-parallel size of each expert (MoE); unset: the tensor-parallel size."""
+    parallel: ParallelSettings = ParallelSettings()
+    """The parallel layout (flags --tensor-model-parallel-size, --sequence-parallel, …: Megatron's names, no
+    prefix)."""
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] | None = None
     """The MoE routers' load-balancing loss; unset: the family's (Qwen3-MoE: aux_loss; DeepSeek-V3, GLM-4.5: none)."""
     moe_aux_loss_coeff: float | None = Field(None, ge=0)
@@ -116,8 +163,6 @@ class TrainerConfig(ServiceConfig):
     use_rollout_routing_replay: bool = False
     """MoE: the training forwards (the old policy's log-probs too) route each token to the experts the engine chose
     when it generated the sample (SGLang's return_routed_experts, carried by the sample)."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism (with TP > 1)."""
     recompute_activations: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them."""
     bf16: bool = False
@@ -189,26 +234,8 @@ class TrainerConfig(ServiceConfig):
     """Average the loss over all trained tokens of the batch (slime's flag); off, over each sample then samples."""
 
     # Optimizer (Megatron's names)
-    lr: float = Field(1e-6, gt=0)
-    """Peak learning rate."""
-    min_lr: float = Field(0.0, ge=0)
-    """Learning rate at the end of the decay."""
-    lr_warmup_iters: int = Field(0, ge=0)
-    """Steps of linear warmup."""
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    """Schedule after the warmup."""
-    lr_decay_iters: int | None = Field(None, ge=1)
-    """Steps over which the lr decays to --min-lr."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay (not on norms and biases)."""
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    """AdamW beta1."""
-    adam_beta2: float = Field(0.98, ge=0, lt=1)
-    """AdamW beta2."""
-    adam_eps: float = Field(1e-8, gt=0)
-    """AdamW epsilon."""
-    clip_grad: float = Field(1.0, ge=0)
-    """Clip the global gradient norm to this (0: off)."""
+    optimizer: OptimizerSettings = OptimizerSettings()
+    """AdamW, its schedule and the gradient clipping (flags --lr, --clip-grad, …: Megatron's names, no prefix)."""
     use_distributed_optimizer: bool = False
     """Shard AdamW's moments and the float32 main weights over the data-parallel ranks (megatron-core's
     DistributedOptimizer, ZeRO-1): each rank keeps, updates and saves its 1/DP of them."""
@@ -245,7 +272,7 @@ class TrainerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
-        if self.loss.advantage_estimator == "ppo" and self.pipeline_model_parallel_size > 1:
+        if self.loss.advantage_estimator == "ppo" and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError("the PPO critic runs without pipeline parallelism: use --pipeline-model-parallel-size 1")
         if self.colocate and (not self.rollout_addr or self.update_weights_interval != 1):
             raise ValueError(
@@ -257,19 +284,17 @@ class TrainerConfig(ServiceConfig):
                 "--update-weight-mode delta sends changes over the weight group, and colocated engines "
                 "share the trainer's tensors by handle: drop one of them"
             )
-        if self.colocate and self.pipeline_model_parallel_size > 1:
+        if self.colocate and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "--colocate hands every engine's GPU the whole model, and a pipeline stage holds only its "
                 "layers: spread the trainer with --tensor-model-parallel-size instead"
             )
-        if self.replays_routing and self.pipeline_model_parallel_size > 1:
+        if self.replays_routing and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "routing replay records and replays micro-batch by micro-batch outside megatron's "
                 "pipeline schedule: use --pipeline-model-parallel-size 1"
             )
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("sequence_parallel splits sequences over tensor-parallel ranks: it needs TP > 1")
-        if self.pipeline_model_parallel_size > 1 and self.use_dynamic_batch_size:
+        if self.parallel.pipeline_model_parallel_size > 1 and self.use_dynamic_batch_size:
             raise ValueError(
                 "pipeline parallelism sends activations of one shape, so micro-batches have --micro-batch-size "
                 "samples: drop --use-dynamic-batch-size or use --pipeline-model-parallel-size 1"
@@ -281,7 +306,7 @@ class TrainerConfig(ServiceConfig):
             )
         if (self.loss.loss_type == "custom_loss") != bool(self.custom_loss_function_path):
             raise ValueError("--loss-type custom_loss and --custom-loss-function-path go together: give both, or none")
-        if self.custom_loss_function_path and self.pipeline_model_parallel_size > 1:
+        if self.custom_loss_function_path and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "a custom loss gets the whole model's logits, which only the last pipeline stage has: use "
                 "--pipeline-model-parallel-size 1"

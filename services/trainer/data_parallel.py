@@ -7,21 +7,22 @@ import warnings
 
 import torch
 
-from services.trainer.config import TrainerConfig
+from services.trainer.config import OptimizerSettings, TrainerConfig
 from services.trainer.optimizer import build_optimizer, build_scheduler
 
 
-def build(model: torch.nn.Module, config: TrainerConfig, lr: float):
-    """`(ddp, optimizer, scheduler)` for training `model` at peak learning rate `lr`: megatron's DDP around it, then
-    torch's AdamW over its parameters, or megatron's DistributedOptimizer with `--use-distributed-optimizer` (which
-    needs the DDP's buffers, so the wrapper comes first), and the lr schedule of `optimizer.build_scheduler`."""
+def build(model: torch.nn.Module, config: TrainerConfig, settings: OptimizerSettings):
+    """`(ddp, optimizer, scheduler)` for training `model` with `settings` (the policy's are `config.optimizer`; the
+    critic's have its own lr): megatron's DDP around it, then torch's AdamW over its parameters, or megatron's
+    DistributedOptimizer with `--use-distributed-optimizer` (which needs the DDP's buffers, so the wrapper comes
+    first), and the lr schedule of `optimizer.build_scheduler`."""
     ddp = wrap(model, config)
-    schedule = (config.lr_warmup_iters, config.lr_decay_iters, config.lr_decay_style, lr, config.min_lr)
+    s = settings
+    schedule = (s.lr_warmup_iters, s.lr_decay_iters, s.lr_decay_style, s.lr, s.min_lr)
     if config.use_distributed_optimizer:
-        optimizer = DistributedAdamW(ddp, config, lr)
+        optimizer = DistributedAdamW(ddp, config, settings)
         return ddp, optimizer, Schedulers([build_scheduler(inner, *schedule) for inner in optimizer.inner])
-    betas = (config.adam_beta1, config.adam_beta2)
-    optimizer = build_optimizer(model, lr, config.weight_decay, betas, config.adam_eps)
+    optimizer = build_optimizer(model, s.lr, s.weight_decay, (s.adam_beta1, s.adam_beta2), s.adam_eps)
     return ddp, optimizer, build_scheduler(optimizer, *schedule)
 
 
@@ -53,27 +54,22 @@ class DistributedAdamW:
     `--clip-grad` itself, by the norm over every rank's shard, which `step()` returns. Its `state_dict()` is this rank's
     shard only: each data-parallel rank saves its own (`checkpoint.optimizer_shard_name`)."""
 
-    def __init__(self, ddp, config: TrainerConfig, lr: float):
+    def __init__(self, ddp, config: TrainerConfig, settings: OptimizerSettings):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        settings = OptimizerConfig(
-            lr=lr,
-            min_lr=config.min_lr,
-            weight_decay=config.weight_decay,
-            adam_beta1=config.adam_beta1,
-            adam_beta2=config.adam_beta2,
-            adam_eps=config.adam_eps,
-            clip_grad=config.clip_grad,
+        same_names = {"lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"}
+        megatron_settings = OptimizerConfig(
+            **settings.model_dump(include=same_names),
             bf16=config.bf16,
             use_distributed_optimizer=True,
             overlap_param_gather=config.overlap_param_gather,
         )
-        self.megatron = get_megatron_optimizer(settings, [ddp], use_gloo_process_groups=False)
+        self.megatron = get_megatron_optimizer(megatron_settings, [ddp], use_gloo_process_groups=False)
         self.parts = self.megatron.chained_optimizers  # one for the dense parameters, one for the experts (MoE)
         self.inner = [part.optimizer for part in self.parts]  # torch's AdamW over each part's main-weight shards
         # megatron's own scheduler would apply its no-decay groups' wd_mult at every step; the LambdaLR sets only lr.
         for group in self.param_groups:
-            group["weight_decay"] = config.weight_decay * group["wd_mult"]
+            group["weight_decay"] = settings.weight_decay * group["wd_mult"]
 
     @property
     def param_groups(self) -> list[dict]:

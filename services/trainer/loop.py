@@ -51,7 +51,7 @@ class Trainer:
         self.info = assembly.parallel_layout(config)
         self.model, self.gpt = assembly.load_policy(config)
         reference = assembly.load_reference(config)
-        self.ddp, self.optimizer, self.scheduler = data_parallel.build(self.model, config, config.lr)
+        self.ddp, self.optimizer, self.scheduler = data_parallel.build(self.model, config, config.optimizer)
         self.shards = assembly.checkpoint_shards(config, self.info)
         groups = assembly.process_groups(self.info, self.gpt.shape)
         self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference, ddp=self.ddp)

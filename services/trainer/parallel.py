@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.weight_group import apply_nccl_settings
+from services.trainer.config import ParallelSettings
 from services.trainer.cpu_shims import apply_cpu_shims, cuda_available, seed_model_parallel_rng
 
 
@@ -40,12 +41,19 @@ def init_parallel(
     timeout_s: float = 600,
     ep_size: int = 1,
     etp_size: int | None = None,
+    *,
+    layout: ParallelSettings | None = None,
 ) -> ParallelInfo:
     """Initialises torch.distributed from torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a single process
     without them becomes a world of one) and megatron's model-parallel groups: tensor, pipeline, and for MoE expert
-    (`ep_size`, out of the data-parallel ranks) and expert-tensor (`etp_size`, default `tp_size`). Idempotent per
-    process."""
+    (`ep_size`, out of the data-parallel ranks) and expert-tensor (`etp_size`, default `tp_size`). `layout`, the
+    trainer's parallel settings, gives those sizes in full; the short ones are for tests and benchmarks. Idempotent
+    per process."""
     from megatron.core import parallel_state
+
+    if layout is not None:
+        tp_size, pp_size = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+        ep_size, etp_size = layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
 
     apply_cpu_shims()
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)

@@ -174,3 +174,21 @@ def test_a_flat_group_keeps_its_flags_and_keys(tmp_path):
         load_config(TrainerConfig, ["--config", str(tmp_path / "bad.yaml")], prog="t")
     with pytest.raises(ConfigError, match="unknown option --loss-eps-clip"):
         load_config(TrainerConfig, ["--loss-eps-clip", "0.3"], prog="t")
+
+
+def test_the_optimizer_and_the_parallel_layout_are_flat_groups_too():
+    """The optimizer's and the parallel layout's settings are groups (`config.optimizer`, `config.parallel`), passed
+    whole, with Megatron's flat flags; a group's field also reads by its flat name."""
+    from services.trainer.config import OptimizerSettings, ParallelSettings, TrainerConfig
+
+    flags = ["--lr", "1e-5", "--clip-grad", "0.5", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    config = load_config(TrainerConfig, flags, prog="t")
+    assert config.optimizer == OptimizerSettings(lr=1e-5, clip_grad=0.5)
+    assert config.parallel == ParallelSettings(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert (config.lr, config.tensor_model_parallel_size) == (1e-5, 2)
+    shown = printable(config)
+    assert "optimizer" not in shown and "parallel" not in shown and shown["lr"] == 1e-5
+    with pytest.raises(ConfigError, match=r"^--adam-beta2: Input should be less than 1"):
+        load_config(TrainerConfig, ["--adam-beta2", "1"], prog="t")
+    with pytest.raises(ConfigError, match="sequence_parallel splits sequences over tensor-parallel ranks"):
+        load_config(TrainerConfig, ["--sequence-parallel"], prog="t")
