@@ -7,8 +7,10 @@ accumulate (no staleness bound), so that generation never waits for training.
 For each K of --engines, B of --buffers, R of --rewards and G of --gateways it starts the services, lets them warm
 up, then counts completed groups over --seconds. Latency is each group's time from its lease to its score (what a
 gateway, the buffer and the reward service add with instant engines), p50 and p99 over the groups completed in the
-window. Redis's load is its commands and bytes (in plus out) per group, from INFO; CPU is each kind of process's CPU
-time per group in the window, and "busiest" the one process that used the most cores (the bottleneck when near 1).
+window. Redis's load is its commands and bytes (in plus out) per group, from INFO; LeasePrompts calls a group are the
+buffers' (their RPC counters) over the groups completed, and groups a call the groups leased over those calls (the
+few that come back empty count as calls); CPU is each kind of process's CPU time per group in the window, and
+"busiest" the one process that used the most cores (the bottleneck when near 1).
 
 It fails, printing every service's log tail, when a row collapses: no group completed, a p50 over a second (the
 engines answer at once: such a group waited on a timer), a p99 over 100 x p50, or groups/s per gateway under a tenth
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -45,15 +48,27 @@ RUN = "scale"
 KINDS = ("rollout", "buffer", "reward", "redis", "engines")
 
 
-def start(module: str, *args: str, folder: Path, log_level: str) -> tuple[str, subprocess.Popen]:
+def start(module: str, *args: str, folder: Path, log_level: str, metrics_port: int | None = None
+          ) -> tuple[str, subprocess.Popen]:  # fmt: skip
     port = free_port()
     log = open(folder / f"{module.rsplit('.', 1)[-1]}-{port}.log", "wb")  # noqa: SIM115 - lives as long as the process
-    command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "null",
-               "--log-level", log_level, *args]  # fmt: skip
+    command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
+               str(metrics_port or "null"), "--log-level", log_level, *args]  # fmt: skip
     path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder)
     return f"127.0.0.1:{port}", proc
+
+
+def lease_calls(metrics_ports: list[int]) -> int:
+    """LeasePrompts calls the buffer replicas have answered so far, from their RPC counters (/metrics)."""
+    calls = 0
+    for port in metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith("slipstream_rpc_requests_total{") and 'method="LeasePrompts"' in line:
+                    calls += int(float(line.rsplit(" ", 1)[1]))
+    return calls
 
 
 def cpu_seconds(pids: dict[str, list[int]]) -> dict[int, float]:
@@ -91,8 +106,13 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
     procs: dict[str, list[subprocess.Popen]] = {"buffer": [], "reward": [], "rollout": []}
     addresses: dict[str, list[str]] = {"buffer": [], "reward": [], "rollout": []}
 
+    metrics_ports: list[int] = []  # the buffers': their RPC counters count the LeasePrompts calls
+
     def add(kind: str, *flags: str) -> None:
-        address, proc = start(f"services.{kind}", *flags, folder=folder, log_level=args.log_level)
+        metrics_port = free_port() if kind == "buffer" else None
+        metrics_ports.extend([metrics_port] if metrics_port else [])
+        address, proc = start(f"services.{kind}", *flags, folder=folder, log_level=args.log_level,
+                              metrics_port=metrics_port)  # fmt: skip
         addresses[kind].append(address)
         procs[kind].append(proc)
 
@@ -119,8 +139,9 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         pids |= {"redis": [server.pid], "engines": engine_pids}
         ns = dataplane.namespace("slipstream", RUN)
         counters, done = dataplane.counters_key(ns), dataplane.waiting_key(ns)
-        before, info0, cpu0, t0 = (
-            int(client.hget(counters, "completed") or 0),
+        (before, leased0), calls0, info0, cpu0, t0 = (
+            [int(n or 0) for n in client.hmget(counters, "completed", "leases")],
+            lease_calls(metrics_ports),
             client.info(),
             cpu_seconds(pids),
             time.monotonic(),
@@ -128,8 +149,9 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         if args.profile:
             profile({k: v for k, v in pids.items() if k != "redis"}, folder, args.profile, args.seconds / 2)
         time.sleep(max(0.0, args.seconds - (time.monotonic() - t0)))
-        after, info1, cpu1, t1 = (
-            int(client.hget(counters, "completed") or 0),
+        (after, leased1), calls1, info1, cpu1, t1 = (
+            [int(n or 0) for n in client.hmget(counters, "completed", "leases")],
+            lease_calls(metrics_ports),
             client.info(),
             cpu_seconds(pids),
             time.monotonic(),
@@ -157,6 +179,8 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
             "redis_ops_s": ops / elapsed,
             "redis_ops_group": ops / per_group,
             "redis_kb_group": moved / per_group / 1024,
+            "lease_calls_group": (calls1 - calls0) / per_group,
+            "groups_lease_call": (leased1 - leased0) / max(calls1 - calls0, 1),
             "cpu_ms_group": {kind: 1000 * seconds / per_group for kind, seconds in cpu.items()},
             "busiest": (next(k for k, found in pids.items() if busiest_pid in found), used[busiest_pid] / elapsed),
             "folder": str(folder),
@@ -201,8 +225,9 @@ def log_tails(folder: Path, lines: int = 30) -> str:
 
 def table(rows: list[dict]) -> None:
     print("| K | G | B | R | groups/s | of linear | p50 ms | p99 ms | Redis ops/s | Redis ops / KB a group "
+          "| LeasePrompts calls a group / groups a call "
           "| CPU ms a group: gateways / buffers / rewards / Redis / engines | busiest process (cores) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         same = [r for r in rows if (r["engines"], r["buffers"], r["rewards"]) == (row["engines"], row["buffers"],
                                                                                     row["rewards"])]  # fmt: skip
@@ -212,7 +237,8 @@ def table(rows: list[dict]) -> None:
         kind, cores = row["busiest"]
         print(f"| {row['engines']} | {row['gateways']} | {row['buffers']} | {row['rewards']} | {row['groups_s']:.0f} "
               f"| {share:.0%} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['redis_ops_s']:.0f} "
-              f"| {row['redis_ops_group']:.0f} / {row['redis_kb_group']:.1f} | {cpu} "
+              f"| {row['redis_ops_group']:.0f} / {row['redis_kb_group']:.1f} "
+              f"| {row['lease_calls_group']:.2f} / {row['groups_lease_call']:.1f} | {cpu} "
               f"| {kind} ({cores:.2f}) |")  # fmt: skip
 
 

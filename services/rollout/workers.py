@@ -38,8 +38,10 @@ GROUPS = prometheus_client.Counter(
 RESPONSE_LENGTH = prometheus_client.Histogram(
     "slipstream_rollout_response_length", "Response length in tokens", buckets=(16, 64, 256, 1024, 4096, 16384, 65536)
 )
-# Groups leased in one call at most: fewer calls to the buffer when groups finish fast, while one gateway cannot take
-# a whole small step's prompts from the others.
+# Groups a lease call asks for at most while groups are scarce (at first, and after the buffer gave fewer than asked:
+# a staleness or backpressure bound is near), so that one gateway cannot take a whole small step's prompts from the
+# others. Each call the buffer answers in full doubles it, up to every free slot: a gateway then leases all its free
+# slots in one call, and the slower the buffers answer, the more slots each call carries.
 LEASE_BATCH = 8
 THROUGHPUT = prometheus_client.Gauge(
     "slipstream_rollout_throughput", "Over the last minute: samples/s, tokens/s, truncated ratio", ["measure"]
@@ -100,14 +102,16 @@ class Rollout:
 
     async def _lease_loop(self) -> None:
         slots = asyncio.Semaphore(self.config.rollout_concurrency)
+        most = LEASE_BATCH
         while True:
             await slots.acquire()
-            want = 1  # and every other slot free now, up to LEASE_BATCH: one call to the buffer for all of them
-            while want < LEASE_BATCH and not slots.locked():
+            want = 1  # and every other slot free now, up to `most`: one call to the buffer for all of them
+            while want < most and not slots.locked():
                 await slots.acquire()  # returns at once: the semaphore is not locked
                 want += 1
             with logged_wait(log, "a prompt group to lease") as notes:
-                leases = await self._next_leases(want, notes)
+                leases, short = await self._next_leases(want, notes)
+            most = LEASE_BATCH if short else min(2 * most, self.config.rollout_concurrency)
             for _ in range(want - len(leases)):
                 slots.release()
             for lease in leases:
@@ -115,8 +119,10 @@ class Rollout:
                 self._groups.add(task)
                 task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
 
-    async def _next_leases(self, want: int, notes: list[str]) -> list[buffer_pb2.Lease]:
-        """Up to `want` leased groups, once the engines run and the buffer has any; `notes` say why it waited."""
+    async def _next_leases(self, want: int, notes: list[str]) -> tuple[list[buffer_pb2.Lease], bool]:
+        """Up to `want` leased groups, once the engines run and the buffer has any, and whether the buffer gave fewer
+        than asked on the way (groups are scarce); `notes` say why it waited."""
+        short = False
         while True:
             if not self.pool.running.is_set():
                 notes.append("engines paused for a weight sync")
@@ -133,8 +139,9 @@ class Rollout:
                 log.warning("leasing from the buffer failed: %s", e.details())
                 await asyncio.sleep(1.0)
                 continue
+            short = short or len(reply.leases) < want
             if reply.leases:
-                return list(reply.leases)
+                return list(reply.leases), short
             blocked = buffer_pb2.LeaseBlock.Name(reply.blocked).removeprefix("LEASE_BLOCK_").lower()
             note = f"the buffer gave none: {blocked.replace('unspecified', 'no reason given')}"
             if note not in notes:
