@@ -100,8 +100,10 @@ class Buffer:
     def _lease_ms(self, lease_seconds: float) -> int:
         """A lease's length asked for in a request (0: the configured one), at most a week."""
         if not 0 <= lease_seconds <= MAX_LEASE_S:  # also refuses NaN
-            raise InvalidArgument("lease_seconds", f"must be 0 (the buffer's --lease-seconds) to {MAX_LEASE_S} "
-                                                   f"seconds, got {lease_seconds}")  # fmt: skip
+            raise InvalidArgument(
+                "lease_seconds",
+                f"must be 0 (the buffer's --lease-seconds) to {MAX_LEASE_S} seconds, got {lease_seconds}",
+            )
         return int((lease_seconds or self.config.lease_seconds) * 1000)
 
     async def lease(self, max_groups: int, lease_seconds: float, dataset: str) -> LeaseResult:
@@ -116,8 +118,10 @@ class Buffer:
         start = await self.store.lease_start(dataset, max_groups, lease_ms, *self._limit(dataset))
         version = start.policy_version
         bounds, bound = self._bounds(dataset, version)
-        leases = [LeasedGroup(lid, common_pb2.PromptGroup.FromString(payload), start.deadline_ms)
-                  for _, lid, payload in start.leased]  # fmt: skip
+        leases = [
+            LeasedGroup(lid, common_pb2.PromptGroup.FromString(payload), start.deadline_ms)
+            for _, lid, payload in start.leased
+        ]
         state = (start.counters, start.sizes, start.cursor)
         blocked = None
         with logged_wait(log, "%d new %s groups to lease", max_groups - len(leases), dataset) as notes:
@@ -126,8 +130,9 @@ class Buffer:
                 fresh = attempt == 0 and not self._reading.locked()
                 try:
                     async with self._reading:
-                        new, blocked = await self._lease_new(dataset, max_groups - len(leases), lease_ms, bounds,
-                                                             bound, state if fresh else None)  # fmt: skip
+                        new, blocked = await self._lease_new(
+                            dataset, max_groups - len(leases), lease_ms, bounds, bound, state if fresh else None
+                        )
                 except Contended as e:  # another buffer process leased new groups meanwhile
                     notes[:] = [f"contended {attempt + 1} times, last: {e}"]
                     continue
@@ -301,8 +306,9 @@ class Buffer:
         if batch_size % dp_size:
             raise InvalidArgument("dp_size", f"--rollout-batch-size {batch_size} is not divisible by dp_size {dp_size}")
         if not 0 <= timeout_s <= MAX_LEASE_S:  # also refuses NaN, which would never time out
-            raise InvalidArgument("timeout_seconds", f"must be 0 (the buffer's --batch-timeout-s) to {MAX_LEASE_S}, "
-                                                     f"got {timeout_s}")  # fmt: skip
+            raise InvalidArgument(
+                "timeout_seconds", f"must be 0 (the buffer's --batch-timeout-s) to {MAX_LEASE_S}, got {timeout_s}"
+            )
         gids = await self._make_batch(step, timeout_s or self.config.batch_timeout_s)
         tokens, payloads, version = await self.store.batch_contents(gids)
         mine = partition(tokens, dp_size, self.config.balance_data)[dp_rank]

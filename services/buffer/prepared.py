@@ -74,8 +74,9 @@ class SharedChunks:
             if value:
                 return decode(value)
             if time.monotonic() > deadline:
-                log.warning("prompt chunk %s was claimed %.0f s ago and is not stored: tokenizing it here", key,
-                            CLAIM_WAIT_S)  # fmt: skip
+                log.warning(
+                    "prompt chunk %s was claimed %.0f s ago and is not stored: tokenizing it here", key, CLAIM_WAIT_S
+                )
                 return await tokenize()
             await asyncio.sleep(POLL_S)
 

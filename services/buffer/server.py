@@ -43,11 +43,14 @@ def row_spec(config: BufferConfig) -> RowSpec:
 def eval_row_spec(config: BufferConfig, eval_set: EvalSet) -> RowSpec:
     """An eval set's own keys, chat template and metadata, else the --eval-* flags', else the training ones; its
     prompt length bound is --eval-max-prompt-len alone, as in slime."""
-    own = {"input_key": eval_set.input_key or config.eval_input_key,
-           "label_key": eval_set.label_key or config.eval_label_key,
-           "tool_key": eval_set.tool_key or config.eval_tool_key,
-           "metadata_key": eval_set.metadata_key, "apply_chat_template": eval_set.apply_chat_template,
-           "chat_template_kwargs": eval_set.apply_chat_template_kwargs}  # fmt: skip
+    own = {
+        "input_key": eval_set.input_key or config.eval_input_key,
+        "label_key": eval_set.label_key or config.eval_label_key,
+        "tool_key": eval_set.tool_key or config.eval_tool_key,
+        "metadata_key": eval_set.metadata_key,
+        "apply_chat_template": eval_set.apply_chat_template,
+        "chat_template_kwargs": eval_set.apply_chat_template_kwargs,
+    }
     own = {k: v for k, v in own.items() if v is not None}
     own.update(max_prompt_len=config.eval_max_prompt_len, metadata=eval_set.metadata(), flags="--eval-")
     return replace(row_spec(config), **own)
@@ -86,16 +89,19 @@ async def build(config: BufferConfig) -> Service:
     if config.num_data_workers and (config.prompt_data or config.eval_sets()):
         # spawn: forking a process that runs gRPC threads is unsafe.
         context = multiprocessing.get_context("spawn")
-        executor = ProcessPoolExecutor(config.num_data_workers, mp_context=context, initializer=start_data_worker,
-                                       initargs=(tokenizers,))  # fmt: skip
+        executor = ProcessPoolExecutor(
+            config.num_data_workers, mp_context=context, initializer=start_data_worker, initargs=(tokenizers,)
+        )
     try:
         streams = await asyncio.to_thread(build_streams, config, executor)
         if streams:
             try:
                 await warm(executor, config.num_data_workers, tokenizers)
             except (OSError, ValueError, BrokenExecutor) as e:  # a folder without a tokenizer (in a worker: broken)
-                raise StartupError(f"--hf-checkpoint {config.hf_checkpoint}: its tokenizer does not load ({e}); "
-                                   "pass a Hugging Face model folder with tokenizer files") from None  # fmt: skip
+                raise StartupError(
+                    f"--hf-checkpoint {config.hf_checkpoint}: its tokenizer does not load ({e}); "
+                    "pass a Hugging Face model folder with tokenizer files"
+                ) from None
         filters = {}
         for name in ("dynamic_sampling_filter_path", "buffer_filter_path"):
             path = getattr(config, name)

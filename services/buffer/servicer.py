@@ -33,8 +33,13 @@ def _lease(leased: LeasedGroup, buffer: Buffer) -> buffer_pb2.Lease:
     deadline = _timestamp(leased.deadline_ms)
     upload_key = buffer.store.upload_key(leased.lease_id)
     namespace = buffer.store.ns if leased.group.dataset == TRAIN and buffer.dynamic_filter is None else ""
-    return buffer_pb2.Lease(lease_id=leased.lease_id, group=leased.group, deadline=deadline, upload_key=upload_key,
-                            submit_namespace=namespace)  # fmt: skip
+    return buffer_pb2.Lease(
+        lease_id=leased.lease_id,
+        group=leased.group,
+        deadline=deadline,
+        upload_key=upload_key,
+        submit_namespace=namespace,
+    )
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
@@ -78,8 +83,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServiceServicer):
         )
         # The groups' and arrays' stored bytes are spliced in: a batch is megabytes, and parsing it only to
         # serialize it again would cost more than moving it.
-        return (head.SerializeToString() + _repeated_bytes("groups", part.payloads)
-                + _repeated_bytes("arrays", part.arrays))  # fmt: skip
+        return (
+            head.SerializeToString() + _repeated_bytes("groups", part.payloads) + _repeated_bytes("arrays", part.arrays)
+        )
 
     async def CommitBatch(self, request, context):
         return buffer_pb2.CommitBatchResponse(num_deleted_groups=await self.buffer.commit(request.step))

@@ -526,10 +526,12 @@ class BufferStore(DataPlane):
         status = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(self.key("status"))).items()}
         leased, done = set(await self.leased()), {gid for gid, _ in await self.completed()}
         problems = [f"{gid} has a lease but status {status.get(gid)}" for gid in leased if status.get(gid) != "leased"]
-        problems += [f"{gid} is leased without a lease" for gid, s in status.items()
-                     if s == "leased" and gid not in leased]  # fmt: skip
-        problems += [f"{gid} waits for a batch with status {status.get(gid)}" for gid in done
-                     if status.get(gid) != "completed"]  # fmt: skip
+        problems += [
+            f"{gid} is leased without a lease" for gid, s in status.items() if s == "leased" and gid not in leased
+        ]
+        problems += [
+            f"{gid} waits for a batch with status {status.get(gid)}" for gid in done if status.get(gid) != "completed"
+        ]
         for gid, s in status.items():
             stored = await self.redis.exists(self.key(f"done:{gid}"), self.key(f"arrays:{gid}"))
             if s == "completed" and (gid not in done or stored != 2):

@@ -246,16 +246,25 @@ class Rollout:
             return await generate_group(ctx, group, resume=self.config.partial_rollout)
         return check_samples(group, await custom(ctx, group))
 
-    def sampling(self, overrides: common_pb2.SamplingParams | None = None, evaluation: bool = False,
-                 dataset: str = "") -> dict:  # fmt: skip
+    def sampling(
+        self, overrides: common_pb2.SamplingParams | None = None, evaluation: bool = False, dataset: str = ""
+    ) -> dict:
         """SGLang sampling_params of rollouts (or of evaluation: --eval-* where set, then the eval set's own from
         --eval-config), with `overrides` applied."""
         c = self.config
-        params = {"temperature": c.rollout_temperature, "top_p": c.rollout_top_p, "top_k": c.rollout_top_k,
-                  "max_new_tokens": c.rollout_max_response_len}  # fmt: skip
+        params = {
+            "temperature": c.rollout_temperature,
+            "top_p": c.rollout_top_p,
+            "top_k": c.rollout_top_k,
+            "max_new_tokens": c.rollout_max_response_len,
+        }
         if evaluation:
-            evals = {"temperature": c.eval_temperature, "top_p": c.eval_top_p, "top_k": c.eval_top_k,
-                     "max_new_tokens": c.eval_max_response_len}  # fmt: skip
+            evals = {
+                "temperature": c.eval_temperature,
+                "top_p": c.eval_top_p,
+                "top_k": c.eval_top_k,
+                "max_new_tokens": c.eval_max_response_len,
+            }
             params.update({k: v for k, v in evals.items() if v is not None})
         if c.rollout_stop:
             params["stop"] = c.rollout_stop

@@ -30,6 +30,9 @@ class CountingBuffer:
         blocked = buffer_pb2.LEASE_BLOCK_UNSPECIFIED if n else buffer_pb2.LEASE_BLOCK_STALENESS
         return buffer_pb2.LeasePromptsResponse(leases=leases, blocked=blocked)
 
+    async def ReleaseLease(self, request, timeout):  # a stop that finds a lease call out gives its groups back
+        return buffer_pb2.ReleaseLeaseResponse()
+
 
 def rollout_on(buffer: CountingBuffer) -> tuple[Rollout, asyncio.Event, list[str]]:
     """A gateway leasing from `buffer` whose groups hold their slots until `done` is set; `running` lists them."""
