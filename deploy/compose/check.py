@@ -24,17 +24,8 @@ REPO = HERE.parents[1]
 PROJECT = "slipstream-check"
 ENGINE = shutil.which("podman") or "docker"
 TOOL = [sys.executable, "-m", "podman_compose"] if "podman" in ENGINE else ["docker", "compose"]
-COMPOSE = [
-    *TOOL,
-    "-p",
-    PROJECT,
-    "--env-file",
-    str(HERE / "cpu.env"),
-    "-f",
-    str(HERE / "docker-compose.yml"),
-    "-f",
-    str(HERE / "cpu.yml"),
-]
+COMPOSE = [*TOOL, "-p", PROJECT, "--env-file", str(HERE / "cpu.env"), "-f", str(HERE / "docker-compose.yml"), "-f",
+           str(HERE / "cpu.yml")]  # fmt: skip
 EXTERNAL = [*COMPOSE, "-f", str(HERE / "reward-external.yml")]
 STEPS = 150
 # Run inside a reward container: one Score call per external judge, a right and a wrong answer each.
@@ -80,39 +71,22 @@ def items_scored(replica: int) -> float:
     return sum(float(line.split()[-1]) for line in out.splitlines() if line.startswith("slipstream_reward_items_total"))
 
 
+def in_runs(command: str) -> str:
+    """What `command` prints in a container that mounts the runs volume (at /runs)."""
+    return sh(ENGINE, "run", "--rm", "-v", f"{PROJECT}_runs:/runs", "--entrypoint", "sh", "redis:7", "-c", command,
+              check=False)  # fmt: skip
+
+
 def steps() -> list[dict]:
-    """The job's steps.jsonl, read through a container that mounts the runs volume."""
-    out = sh(
-        ENGINE,
-        "run",
-        "--rm",
-        "-v",
-        f"{PROJECT}_runs:/runs",
-        "--entrypoint",
-        "cat",
-        "redis:7",
-        "/runs/demo/steps.jsonl",
-        check=False,
-    )
+    """The job's steps.jsonl."""
+    out = in_runs("cat /runs/demo/steps.jsonl")
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def syncs_by_transport() -> dict[str, int]:
     """The trainer's weight syncs by transport, from its log in the run folder ("weights of version N sent to K
     engine(s) (streamed)": through the receivers)."""
-    out = sh(
-        ENGINE,
-        "run",
-        "--rm",
-        "-v",
-        f"{PROJECT}_runs:/runs",
-        "--entrypoint",
-        "sh",
-        "redis:7",
-        "-c",
-        "cat /runs/demo/logs/trainer*.log",
-        check=False,
-    )
+    out = in_runs("cat /runs/demo/logs/trainer*.log")
     found = re.findall(r"weights of version \d+ sent to [1-9]\d* engine\(s\) \((\w+)\)", out)
     return {transport: found.count(transport) for transport in sorted(set(found))}
 
@@ -122,10 +96,8 @@ def wait_for_step(step: int, timeout_s: float = 900) -> None:
     while len(steps()) <= step:
         state = sh(ENGINE, "inspect", container("job"), "--format", "{{.State.Status}}", check=False).strip()
         if state == "exited" or time.monotonic() > deadline:
-            raise SystemExit(
-                f"deploy-check: the job stopped before step {step} ({state}):\n"
-                + sh(ENGINE, "logs", "--tail", "30", container("job"), check=False)
-            )
+            raise SystemExit(f"deploy-check: the job stopped before step {step} ({state}):\n"
+                             + sh(ENGINE, "logs", "--tail", "30", container("job"), check=False))  # fmt: skip
         time.sleep(2)
 
 
@@ -201,12 +173,10 @@ def main() -> int:
         problems.append(f"the reward replicas scored {scored} items: the gateway did not spread its calls")
     if left.strip():
         problems.append(f"containers left after down: {left.split()}")
-    print(
-        f"deploy-check: {'FAILED: ' + '; '.join(problems) if problems else 'passed'} "
-        f"({time.monotonic() - started:.0f} s; reward {first:.3f} -> {last:.3f}; the buffer and the engine were "
-        f"killed mid-run; weight syncs by transport: {syncs}; items scored by each reward replica: "
-        f"{scored})"
-    )
+    print(f"deploy-check: {'FAILED: ' + '; '.join(problems) if problems else 'passed'} "
+          f"({time.monotonic() - started:.0f} s; reward {first:.3f} -> {last:.3f}; the buffer and the engine were "
+          f"killed mid-run; weight syncs by transport: {syncs}; items scored by each reward replica: "
+          f"{scored})")  # fmt: skip
     summary = logs[logs.rfind("trained steps") :] if "trained steps" in logs else logs[-2000:]
     print(summary.rstrip())
     return 1 if problems else 0

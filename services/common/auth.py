@@ -32,29 +32,13 @@ CALLERS: dict[str, tuple[str, ...]] = {
     **{f"{V1}BufferService/{m}": ("worker",) for m in ("LeasePrompts", "ExtendLease", "ReleaseLease", "SubmitGroup")},
     **{f"{V1}BufferService/{m}": ("trainer",) for m in ("GetBatch", "CommitBatch", "SetPolicyVersion", "Rewind")},
     **{f"{V1}RewardService/{m}": ("worker",) for m in ("Score", "ScoreGroup")},
-    **{
-        f"{V1}RolloutService/{m}": ("trainer",)
-        for m in (
-            "PrepareWeightSync",
-            "SyncWeightBuckets",
-            "CommitWeightSync",
-            "AbortWeightSync",
-            "ReleaseEngineMemory",
-            "StartRollout",
-            "StopRollout",
-            "Evaluate",
-        )
-    },
-    **{
-        method: ("worker", "trainer")
-        for method in (
-            f"{V1}BufferService/GetState",
-            f"{V1}RewardService/ListRewardFunctions",
-            f"{V1}RolloutService/ListEngines",
-            f"{V1}TrainerService/GetStatus",
-        )
-    },
-}
+    **{f"{V1}RolloutService/{m}": ("trainer",) for m in (
+        "PrepareWeightSync", "SyncWeightBuckets", "CommitWeightSync", "AbortWeightSync", "ReleaseEngineMemory",
+        "StartRollout", "StopRollout", "Evaluate")},
+    **{method: ("worker", "trainer") for method in (
+        f"{V1}BufferService/GetState", f"{V1}RewardService/ListRewardFunctions", f"{V1}RolloutService/ListEngines",
+        f"{V1}TrainerService/GetStatus")},
+}  # fmt: skip
 OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes and tooling need no token
 
 REFUSED = prometheus_client.Counter(

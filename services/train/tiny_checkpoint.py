@@ -66,16 +66,9 @@ def write_classifier(path: Path, num_labels: int = 1) -> Path:
 
     path = write_tokenizer(path)
     config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        num_labels=num_labels,
-        pad_token_id=0,
-    )
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_labels=num_labels, pad_token_id=0,
+    )  # fmt: skip
     torch.manual_seed(0)
     LlamaForSequenceClassification(config).save_pretrained(path)
     return path
@@ -83,18 +76,9 @@ def write_classifier(path: Path, num_labels: int = 1) -> Path:
 
 # Qwen3-0.6B's layers (28 of hidden 1024, 16 query and 8 key-value heads of 128, MLP 3072, tied embeddings), with the
 # test tokenizer's vocabulary: 0.44 B parameters, the real model's without its 151936-token embedding.
-QWEN3_0_6B = dict(
-    num_hidden_layers=28,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-)
+QWEN3_0_6B = dict(num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6)  # fmt: skip
 
 
 # Each family's distinguishing features, in miniature (hidden 64): GLM-4-9B-0414 (qkv bias, half of each head
@@ -104,54 +88,21 @@ QWEN3_0_6B = dict(
 FAMILY_SETTINGS = {
     "glm4": dict(attention_bias=True, partial_rotary_factor=0.5, rms_norm_eps=1e-5),
     "glm4_moe": dict(
-        num_hidden_layers=3,
-        attention_bias=True,
-        partial_rotary_factor=0.5,
-        use_qk_norm=False,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        num_nextn_predict_layers=0,
-        rms_norm_eps=1e-5,
+        num_hidden_layers=3, attention_bias=True, partial_rotary_factor=0.5, use_qk_norm=False,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_nextn_predict_layers=0, rms_norm_eps=1e-5,
     ),
     "deepseek_v3": dict(
-        num_hidden_layers=3,
-        num_key_value_heads=4,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        q_lora_rank=48,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=24,
-        rope_interleave=True,
-        num_mtp_layers=0,
-        max_position_embeddings=1280,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 40.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 32,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-        },
+        num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=32, first_k_dense_replace=1,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=24, rope_interleave=True, num_mtp_layers=0, max_position_embeddings=1280,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                         "beta_slow": 1.0},
     ),
-}
+}  # fmt: skip
 
 
 def _spread(model) -> None:
@@ -204,30 +155,14 @@ def write_tiny_model(
     path = write_tokenizer(path, vocab_size, corpus)
     tokenizer = AutoTokenizer.from_pretrained(path)
     settings = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden_size // 4,
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-        torch_dtype=dtype,
-    )
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+        max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0, torch_dtype=dtype,
+    )  # fmt: skip
     if arch == "qwen3_moe":  # Qwen3-30B-A3B's router (renormalised top-k) with 8 small experts, 2 per token
-        settings |= dict(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=hidden_size // 2,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
+        settings |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
     settings |= FAMILY_SETTINGS.get(arch, {})
     config = config_class(**{**settings, **shape})
     torch.manual_seed(seed)

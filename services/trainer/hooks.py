@@ -80,17 +80,7 @@ class Hooks:
         """`[B, R]` advantages and returns from the custom advantage function; `t` holds the `[B, R]` tensors
         (old, ref, values, rollout log-probs, kl, mask) as the actor has them."""
         lengths = batch.response_lengths()
-        data = {
-            name: _rows(t.get(key), lengths)
-            for name, key in (
-                ("log_probs", "old"),
-                ("ref_log_probs", "ref"),
-                ("values", "values"),
-                ("rollout_log_probs", "rollout"),
-                ("kl", "kl"),
-                ("loss_masks", "mask"),
-            )
-        }
+        data = _slime_rows(t, lengths, "log_probs", "ref_log_probs", "values", "rollout_log_probs", "kl", "loss_masks")
         data.update(rewards=t["rewards"].tolist(), response_lengths=lengths, total_lengths=batch.lengths())
         self["custom_advantage_function_path"](self.args, data)
         out = []
@@ -137,16 +127,9 @@ class Hooks:
         `[1, T, V]`, and `sum_of_sample_mean` (the mean over trained tokens, or per sample then over samples)."""
         totals = inputs["lengths_B"].tolist()
         tokens = [inputs["tokens_BL"][b, :n] for b, n in enumerate(totals)]
-        batch = {
-            name: _rows(take.get(key), lengths)
-            for name, key in (
-                ("advantages", "adv"),
-                ("log_probs", "old"),
-                ("ref_log_probs", "ref"),
-                ("rollout_log_probs", "rollout"),
-                ("loss_masks", "mask"),
-            )
-        }
+        batch = _slime_rows(
+            take, lengths, "advantages", "log_probs", "ref_log_probs", "rollout_log_probs", "loss_masks"
+        )
         batch.update(
             tokens=tokens,
             unconcat_tokens=tokens,
@@ -168,6 +151,16 @@ class Hooks:
                 f"got ({type(loss).__name__}, {type(metrics).__name__})"
             )
         return loss, {name: torch.as_tensor(value).detach() for name, value in metrics.items()}
+
+
+# slime's names of the per-sample lists → the actor's names of the `[B, R]` tensors they come from
+SLIME_ROWS = {"advantages": "adv", "log_probs": "old", "ref_log_probs": "ref", "values": "values",
+              "rollout_log_probs": "rollout", "kl": "kl", "loss_masks": "mask"}  # fmt: skip
+
+
+def _slime_rows(tensors: dict, lengths: list[int], *names: str) -> dict:
+    """The lists slime's hooks take, by slime's names, from the actor's tensors (None where the actor has none)."""
+    return {name: _rows(tensors.get(SLIME_ROWS[name]), lengths) for name in names}
 
 
 def _rows(values_BR: torch.Tensor | None, lengths: list[int]) -> list[torch.Tensor] | None:
