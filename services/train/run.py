@@ -104,10 +104,10 @@ class Run:
                "--steps-file", str(self.steps_file)]  # fmt: skip
         if "rollout" in self.addr:
             own += ["--rollout-addr", self.addr["rollout"]]
-        env = {}
-        if gpu_ids() and not trainer.colocate and self._launched_engines() and not o.rollout_addr:
+        env, gpus = {}, gpu_ids()
+        if gpus and not trainer.colocate and self._launched_engines() and not o.rollout_addr:
             first = self._launched_engines()  # the engines have the first GPUs, the trainer the next ones
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids()[first : first + o.actor_num_gpus_per_node])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[first : first + o.actor_num_gpus_per_node])
         self.addr["trainer"] = self._service("trainer", own, nproc=o.actor_num_gpus_per_node, env=env)
         self._wait_serving("trainer")
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._channel(self.addr["trainer"]))
