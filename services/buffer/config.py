@@ -4,11 +4,11 @@ import logging
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
 from services.common import eval_sets
 from services.common.config import ServiceConfig
-from services.common.eval_sets import EvalSet
+from services.common.eval_sets import EvalSets
 from services.common.redis_connection import RedisConfig
 
 log = logging.getLogger(__name__)
@@ -105,8 +105,6 @@ class BufferConfig(ServiceConfig):
     expire_interval_s: float = Field(1.0, gt=0)
     """How often expired leases are returned to the pool."""
 
-    _eval_sets: list[EvalSet] = PrivateAttr(default_factory=list)
-
     @property
     def run_dir(self) -> Path:
         return self.output_dir / self.run_id
@@ -115,9 +113,9 @@ class BufferConfig(ServiceConfig):
     def groups_in_flight(self) -> int:
         return max(self.over_sampling_batch_size or 0, self.rollout_batch_size)
 
-    def eval_sets(self) -> list[EvalSet]:
+    def eval_sets(self) -> EvalSets:
         """The eval sets, from --eval-config, else --eval-prompt-data."""
-        return self._eval_sets
+        return eval_sets.read(self.eval_config, tuple(self.eval_prompt_data))
 
     def samples_per_eval_prompt(self) -> dict[str, int]:
         return {s.name: s.n_samples_per_eval_prompt or self.n_samples_per_eval_prompt for s in self.eval_sets()}
@@ -132,13 +130,9 @@ class BufferConfig(ServiceConfig):
                 raise ValueError(f"eval set name {name!r} must be non-empty, without ':' and not 'train'")
         if len(set(names)) != len(names):
             raise ValueError("eval_prompt_data names must be unique")
-        if self.eval_config is None:
-            pairs = zip(self.eval_prompt_data[::2], self.eval_prompt_data[1::2], strict=True)
-            self._eval_sets = [EvalSet(name=name, path=path) for name, path in pairs]
-        else:  # a bad file stops here, naming the set and the key
-            self._eval_sets = eval_sets.load(self.eval_config)
-            if self.eval_prompt_data:
-                log.warning("--eval-config lists the eval sets: --eval-prompt-data is ignored, as in slime")
+        self.eval_sets()  # a bad file stops here, naming the set and the key
+        if self.eval_config is not None and self.eval_prompt_data:
+            log.warning("--eval-config lists the eval sets: --eval-prompt-data is ignored, as in slime")
         needs_tokenizer = self.prompt_data or self.eval_prompt_data or self.eval_config or self.data_source_path
         if needs_tokenizer and not self.hf_checkpoint:
             raise ValueError("hf_checkpoint is required to tokenize prompts; pass --hf-checkpoint <model folder>")

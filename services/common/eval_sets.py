@@ -10,14 +10,16 @@ root), with `defaults` for every set:
 Each setting comes from the set's entry, else `defaults`, else the --eval-* flag, else the training setting, as in
 slime. The buffer takes what makes the prompts (path, keys, chat template, samples per prompt, the reward type and
 metadata_overrides as the prompts' metadata), the gateway what makes the responses (sampling, a generate function) and
-the reward service checks the reward types."""
+the reward service checks the reward types. Each takes them as one `EvalSets` (`read`), and a process reads a file
+once however many of its configs name it (`slipstream train` builds all three)."""
 
 import difflib
+import functools
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from services.common.config import StrictModel
 
@@ -51,6 +53,8 @@ SAMPLING = {
 
 class EvalSet(StrictModel):
     """One eval set, by slime's names; unset settings take the --eval-* flags', then the training ones."""
+
+    model_config = ConfigDict(frozen=True)  # read once, shared by the configs of a process
 
     name: str = Field(pattern=r"^[^:]+$")
     """The set's name in results (`eval/<name>`) and in the buffer."""
@@ -104,6 +108,34 @@ class EvalSet(StrictModel):
     def sampling(self) -> dict[str, Any]:
         """The set's own sampling settings, by SGLang's names."""
         return {SAMPLING[k]: v for k, v in self.model_dump(include=set(SAMPLING)).items() if v is not None}
+
+
+class EvalSets(tuple):
+    """A run's eval sets in their order (a tuple of `EvalSet`), found by name with `get`."""
+
+    def get(self, name: str) -> EvalSet | None:
+        return next((s for s in self if s.name == name), None)
+
+    def rm_types(self) -> dict[str, str]:
+        """The reward type of each set that names one, by set name."""
+        return {s.name: s.rm_type for s in self if s.rm_type}
+
+
+def read(eval_config: Path | None, pairs: tuple[str, ...] = ()) -> EvalSets:
+    """The eval sets of --eval-config, else of --eval-prompt-data's name/path `pairs` (sets with no settings of their
+    own); a file is read once a process while it is unchanged. A ValueError names the file, the set and the key."""
+    if eval_config is None:
+        return EvalSets(EvalSet(name=name, path=path) for name, path in zip(pairs[::2], pairs[1::2], strict=True))
+    try:
+        stat = Path(eval_config).stat()
+    except OSError as e:
+        raise ValueError(f"--eval-config {eval_config}: {e}") from None
+    return _read(Path(eval_config).resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: Path, mtime_ns: int, size: int) -> EvalSets:
+    return EvalSets(load(path))
 
 
 def load(path: Path) -> list[EvalSet]:

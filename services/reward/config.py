@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
 from services.common import eval_sets
 from services.common.config import ServiceConfig
@@ -49,14 +49,12 @@ class RewardConfig(ServiceConfig):
     """First retry delay of a remote reward call; it doubles each retry (capped at 30 s)."""
     rm_remote_timeout_s: float = Field(60.0, gt=0)
     """Deadline of one remote reward call."""
-    _eval_rm_types: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def eval_rm_types(self) -> dict[str, str]:
         """The reward type of each --eval-config set that names one, by set name."""
-        return self._eval_rm_types
+        return eval_sets.read(self.eval_config).rm_types()
 
     @model_validator(mode="after")
     def _read_eval_config(self) -> "RewardConfig":
-        if self.eval_config is not None:  # a bad file stops here, naming the set and the key
-            self._eval_rm_types = {s.name: s.rm_type for s in eval_sets.load(self.eval_config) if s.rm_type}
+        self.eval_rm_types()  # a bad file stops here, naming the set and the key
         return self

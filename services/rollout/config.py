@@ -3,11 +3,11 @@
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
 from services.common import eval_sets
 from services.common.config import ServiceConfig
-from services.common.eval_sets import EvalSet
+from services.common.eval_sets import EvalSets
 from services.common.redis_connection import RedisConfig
 from services.rollout.allowlist import LOOPBACK
 
@@ -147,11 +147,10 @@ class RolloutConfig(ServiceConfig):
     """Folder for the logs of launched engines and the router."""
 
     passthrough: ClassVar[dict[str, str]] = {"--sglang-": "sglang_args"}
-    _eval_sets: dict[str, EvalSet] = PrivateAttr(default_factory=dict)
 
-    def eval_sets(self) -> dict[str, EvalSet]:
-        """The sets of --eval-config by name (none without it: --eval-prompt-data's have no settings of their own)."""
-        return self._eval_sets
+    def eval_sets(self) -> EvalSets:
+        """The sets of --eval-config (none without it: --eval-prompt-data's have no settings of their own)."""
+        return eval_sets.read(self.eval_config)
 
     @model_validator(mode="after")
     def _check_launch(self) -> "RolloutConfig":
@@ -178,8 +177,7 @@ class RolloutConfig(ServiceConfig):
                 "--rollout-function-path replaces the workers that call --custom-generate-function-path: "
                 "give one of them"
             )
-        if self.eval_config is not None:  # a bad file stops here, naming the set and the key
-            self._eval_sets = {s.name: s for s in eval_sets.load(self.eval_config)}
+        self.eval_sets()  # a bad file stops here, naming the set and the key
         if self.use_router and self.redis.url:
             raise ValueError("--use-router routes through one router per gateway; with --redis-url drop it")
         if self.engine_api_key_file is not None and not self.engine_api_key():

@@ -64,7 +64,7 @@ class Rollout:
             self.custom = load_callable(config.custom_generate_function_path, "--custom-generate-function-path")
         self.eval_custom = {  # eval sets' own generate functions (--eval-config)
             s.name: load_callable(s.custom_generate_function_path, f"--eval-config set {s.name!r}: generate function")
-            for s in config.eval_sets().values()
+            for s in config.eval_sets()
             if s.custom_generate_function_path
         }
         self.function = None
@@ -273,8 +273,8 @@ class Rollout:
         if evaluation:
             if c.eval_min_new_tokens is not None:
                 params["min_new_tokens"] = c.eval_min_new_tokens
-            if dataset in c.eval_sets():
-                params.update(c.eval_sets()[dataset].sampling())
+            if eval_set := c.eval_sets().get(dataset):
+                params.update(eval_set.sampling())
         if overrides is not None:
             for descriptor, value in overrides.ListFields():
                 params[descriptor.name] = list(value) if descriptor.is_repeated else value

@@ -32,6 +32,22 @@ def test_the_example_in_slimes_format_is_read_with_its_defaults():
     assert {"deepscaler", "gsm8k"} <= set(BUILT_IN)  # what the reward service checks at start
 
 
+def test_the_three_configs_take_one_reading_of_the_file_and_a_changed_file_is_read_again(tmp_path, monkeypatch):
+    path = _write(tmp_path, "datasets: [{name: a, path: a.jsonl, rm_type: exact, temperature: 0.5}]")
+    reads = []
+    monkeypatch.setattr(eval_sets, "load", lambda p, load=eval_sets.load: reads.append(p) or load(p))
+    eval_sets._read.cache_clear()
+    buffer = BufferConfig(eval_config=path, hf_checkpoint="model")
+    rollout, reward = RolloutConfig(eval_config=path), RewardConfig(eval_config=path)
+    assert buffer.eval_sets() is rollout.eval_sets() and len(reads) == 1
+    assert rollout.eval_sets().get("a").sampling() == {"temperature": 0.5} and rollout.eval_sets().get("b") is None
+    assert reward.eval_rm_types() == {"a": "exact"}
+    path.write_text("datasets: [{name: b, path: b.jsonl}]  # changed, and longer")
+    assert [s.name for s in buffer.eval_sets()] == ["b"] and len(reads) == 2
+    with pytest.raises(ValueError, match="frozen"):
+        buffer.eval_sets()[0].path = "other.jsonl"  # shared by the configs: read-only
+
+
 def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "eval.yaml"
     path.write_text(text)
