@@ -37,6 +37,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gateway import start_instant_engines
+from bench.redis_cluster import RedisCluster
 from services.buffer import dataplane
 from services.common.clients import wait_until_serving
 from services.common.processes import free_port
@@ -58,6 +59,30 @@ def start(module: str, *args: str, folder: Path, log_level: str, metrics_port: i
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder)
     return f"127.0.0.1:{port}", proc
+
+
+class Embedded:
+    """The embedded Redis as the benchmark uses a Redis (bench/redis_cluster.py's shape)."""
+
+    cluster = False
+
+    def __init__(self, folder: Path):
+        self.server = EmbeddedRedis(folder / "redis").start()
+        self.url = self.server.url
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+    def pid_of(self, key: str) -> int:
+        return self.server.pid
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_redis(folder: Path, cluster_nodes: int):
+    """The run's Redis: the embedded server, or a Redis Cluster of `cluster_nodes` nodes."""
+    return RedisCluster(cluster_nodes, folder / "cluster").start() if cluster_nodes else Embedded(folder)
 
 
 def lease_calls(metrics_ports: list[int]) -> int:
@@ -101,8 +126,10 @@ def profile(pids: dict[str, list[int]], folder: Path, py_spy: str, seconds: floa
 def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folder: Path, model: Path, data: Path,
             engine_urls: list[str], engine_pids: list[int]) -> dict:  # fmt: skip
     folder.mkdir(parents=True)
-    server = EmbeddedRedis(folder / "redis").start()
-    client = redis.Redis.from_url(server.url)
+    server = start_redis(folder, getattr(args, "redis_cluster", 0))
+    client = server.client()
+    ns = dataplane.namespace("slipstream", RUN)
+    run_node = client.get_redis_connection(client.get_node_from_key(ns)) if server.cluster else client
     procs: dict[str, list[subprocess.Popen]] = {"buffer": [], "reward": [], "rollout": []}
     addresses: dict[str, list[str]] = {"buffer": [], "reward": [], "rollout": []}
 
@@ -117,7 +144,7 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         procs[kind].append(proc)
 
     try:
-        common = ["--run-id", RUN, "--redis-url", server.url]
+        common = ["--run-id", RUN, "--redis-url", server.url, *(["--redis-cluster"] if server.cluster else [])]
         for _ in range(buffers):
             add("buffer", *common, "--prompt-data", str(data), "--hf-checkpoint", str(model), "--num-data-workers",
                 "0", "--max-staleness", "1000000", "--rollout-batch-size", "64")  # fmt: skip
@@ -136,13 +163,12 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
             rollout_pb2_grpc.RolloutServiceStub(channel).StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
         time.sleep(args.warm_up)
         pids = {kind: [p.pid for p in found] for kind, found in procs.items()}
-        pids |= {"redis": [server.pid], "engines": engine_pids}
-        ns = dataplane.namespace("slipstream", RUN)
+        pids |= {"redis": [server.pid_of(ns)], "engines": engine_pids}
         counters, done = dataplane.counters_key(ns), dataplane.waiting_key(ns)
         (before, leased0), calls0, info0, cpu0, t0 = (
             [int(n or 0) for n in client.hmget(counters, "completed", "leases")],
             lease_calls(metrics_ports),
-            client.info(),
+            run_node.info(),
             cpu_seconds(pids),
             time.monotonic(),
         )
@@ -152,7 +178,7 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         (after, leased1), calls1, info1, cpu1, t1 = (
             [int(n or 0) for n in client.hmget(counters, "completed", "leases")],
             lease_calls(metrics_ports),
-            client.info(),
+            run_node.info(),
             cpu_seconds(pids),
             time.monotonic(),
         )
@@ -250,6 +276,8 @@ def main() -> int:
     parser.add_argument("--rewards", type=int, nargs="+", default=[2])
     parser.add_argument("--concurrency", type=int, default=64, help="groups in flight per gateway")
     parser.add_argument("--prompts", type=int, default=200_000)
+    parser.add_argument("--redis-cluster", type=int, default=0, metavar="NODES",
+                        help="run on a Redis Cluster of this many nodes (the run's keys on one of them)")  # fmt: skip
     parser.add_argument("--warm-up", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--engine-processes", type=int, default=max(1, (os.cpu_count() or 1) // 8),
@@ -280,15 +308,17 @@ def main() -> int:
         finally:
             for process in processes:
                 process.terminate()
+    redis_kind = f"Redis Cluster of {args.redis_cluster} nodes" if args.redis_cluster else "Redis"
+    cluster_flag = f" --redis-cluster {args.redis_cluster}" if args.redis_cluster else ""
     print(f"\nInstant engines (benchmark-only fixture, {args.engine_processes} processes), every replica on one "
-          f"Redis, {args.concurrency} groups in flight per gateway, 1 sample a group; {os.cpu_count()} CPU cores; "
-          f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
+          f"{redis_kind}, {args.concurrency} groups in flight per gateway, 1 sample a group; {os.cpu_count()} CPU "
+          f"cores; {time.strftime('%Y-%m-%d')}")  # fmt: skip
     table(rows)
     join = lambda values: " ".join(map(str, values))  # noqa: E731
     print(f"\nReproduce: .venv/bin/python bench/scale.py --engines {join(args.engines)} --gateways "
           f"{join(args.gateways)} --buffers {join(args.buffers)} --rewards {join(args.rewards)} --concurrency "
           f"{args.concurrency} --engine-processes {args.engine_processes} --warm-up {args.warm_up:g} "
-          f"--seconds {args.seconds:g}")  # fmt: skip
+          f"--seconds {args.seconds:g}{cluster_flag}")  # fmt: skip
     found = problems(rows)
     if found:
         print("\nFAILED:\n" + "\n".join(found), file=sys.stderr)

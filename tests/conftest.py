@@ -21,7 +21,7 @@ import pytest
 
 from services.common import processes
 from services.common.clients import wait_until_serving
-from services.common.redis_connection import EmbeddedRedis
+from services.common.redis_connection import EmbeddedRedis, RedisHandle
 from services.common.server import GrpcServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,6 +101,16 @@ def embedded_redis_url(tmp_path_factory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def cluster_redis_url(tmp_path_factory):
+    """A Redis Cluster of three master nodes (bench/redis_cluster.py) for the whole session."""
+    from bench.redis_cluster import RedisCluster
+    from tests import redis_servers
+
+    with RedisCluster(3, tmp_path_factory.mktemp("cluster")) as cluster:
+        yield redis_servers.ClusterURL(cluster.url)
+
+
+@pytest.fixture(scope="session")
 def container_redis_url() -> Iterator[str]:
     """A real `redis:7` container (testcontainers) for the whole session; skips where no container engine runs."""
     if not _docker_redis_available():
@@ -122,9 +132,9 @@ def redis_url(request) -> str:
 @pytest.fixture
 def redis_client(redis_url):
     """A client of the session Redis, flushed after the test so tests do not see each other's keys."""
-    import redis
+    from tests.redis_servers import ClusterURL
 
-    client = redis.Redis.from_url(redis_url)
+    client = RedisHandle(redis_url, cluster=isinstance(redis_url, ClusterURL)).client()
     yield client
     client.flushdb()
     client.close()

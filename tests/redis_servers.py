@@ -1,15 +1,35 @@
-"""`redis_url` on both servers, for the tests whose subject is Redis's state: each runs on the embedded server and on
-a real redis:7 container (testcontainers). A test module or conftest opts in with
-`from tests.redis_servers import redis_url_on_both  # noqa: F401`."""
+"""`redis_url` on every kind of server, for the tests whose subject is Redis's state: each runs on the embedded
+server, on a real redis:7 container (testcontainers) and on a Redis Cluster of three redis-server nodes. A test module
+or conftest opts in with `from tests.redis_servers import redis_url_on_both  # noqa: F401`, and opens its clients
+with `async_client(redis_url)` (a cluster's URL takes a cluster client)."""
 
 import time
 
 import pytest
+import redis.asyncio
+
+from services.common.redis_connection import RedisHandle
+
+SERVERS = {"embedded": "embedded_redis_url", "redis:7": "container_redis_url", "cluster": "cluster_redis_url"}
 
 
-@pytest.fixture(scope="session", params=["embedded", "redis:7"], name="redis_url")
+class ClusterURL(str):
+    """The URL of a Redis Cluster's node: its clients are cluster clients."""
+
+
+@pytest.fixture(scope="session", params=list(SERVERS), name="redis_url")
 def redis_url_on_both(request) -> str:
-    return request.getfixturevalue("embedded_redis_url" if request.param == "embedded" else "container_redis_url")
+    return request.getfixturevalue(SERVERS[request.param])
+
+
+def settings(url: str, **more) -> dict:
+    """A service's Redis settings (RedisConfig) for `url`."""
+    return {"url": url, "cluster": isinstance(url, ClusterURL), **more}
+
+
+def async_client(url: str):
+    """A client of `url` as a service opens it: a cluster client for a cluster's node."""
+    return RedisHandle(url, cluster=isinstance(url, ClusterURL)).async_client()
 
 
 def skip_without_containers() -> None:
@@ -50,3 +70,10 @@ def check_redis_password(container, password: str) -> None:
         redis.Redis(host, port).ping()
     command_lines = container.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"]).output.decode()
     assert "redis-server" in command_lines and password not in command_lines
+
+
+async def subscribers(client, channel: str) -> int:
+    """The clients subscribed to `channel` (on a cluster, on any of its nodes: a publish reaches them all)."""
+    if isinstance(client, redis.asyncio.RedisCluster):
+        return sum(n for _, n in await client.pubsub_numsub(channel, target_nodes=client.ALL_NODES))
+    return (await client.pubsub_numsub(channel))[0][1]

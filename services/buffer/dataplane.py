@@ -10,7 +10,7 @@ transition is a new LAYOUT_VERSION.
 
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import NoScriptError
 
 from services.buffer.groups import check_group, leased_group_id, min_version, num_tokens
@@ -199,6 +199,13 @@ class DataPlane:
             arrays = b"" if upload or again else group.arrays
             args += [group.lease_id, group.payload, group.version, group.num_tokens, arrays, int(upload)]
         script = self._submit_many
+        if isinstance(self.redis, RedisCluster):  # its pipelines carry no scripts: the uploads first, then the script
+            if uploads:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for group in uploads:
+                        pipe.set(self.upload_key(group.lease_id), group.arrays, ex=UPLOAD_TTL_S)
+                    await pipe.execute()
+            return [result.decode() for result in await script(keys=[self.key("meta")], args=args)]
         # The script is loaded on the first NOSCRIPT (a new or restarted Redis), then sent again: redis-py's Script in
         # a pipeline would ask SCRIPT EXISTS first, a round trip more on every submit.
         for _ in range(2):

@@ -455,9 +455,11 @@ class BufferStore(DataPlane):
     async def batch_contents(self, gids: list[str]) -> tuple[list[int], list[bytes | None], int]:
         """A batch's groups' token counts (stored at submit, so batches are balanced without reading groups) and
         payloads, and the policy version, in one round trip."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hmget(self.key("done_tokens"), gids).mget([self.key(f"done:{gid}") for gid in gids])
-            tokens, payloads, version = await pipe.hget(self.key("meta"), "policy_version").execute()
+        async with self.redis.pipeline(transaction=False) as pipe:  # GETs: a Redis Cluster's pipelines take no MGET
+            pipe.hmget(self.key("done_tokens"), gids).hget(self.key("meta"), "policy_version")
+            for gid in gids:
+                pipe.get(self.key(f"done:{gid}"))
+            tokens, version, *payloads = await pipe.execute()
         return [int(n or 0) for n in tokens], payloads, int(version or 0)
 
     async def completed_groups(self, gids: list[str]) -> list[bytes]:

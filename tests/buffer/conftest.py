@@ -5,7 +5,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis.asyncio
 
 from services.buffer.config import BufferConfig
 from services.buffer.core import Buffer
@@ -15,7 +14,10 @@ from services.common.plugins import load_callable
 from services.train.tiny_checkpoint import write_tokenizer
 from slipstream import samples
 from slipstream.v1 import common_pb2
-from tests.redis_servers import redis_url_on_both  # noqa: F401  (the buffer's tests run on both Redis servers)
+from tests.redis_servers import (
+    async_client,
+    redis_url_on_both,  # noqa: F401  (the buffer's tests run on both Redis servers)
+)
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +53,7 @@ async def make_buffer(redis_url, tokenizer_dir, prompts_file):
             **overrides,
         }
         config = BufferConfig(**settings)
-        client = redis.asyncio.Redis.from_url(redis_url)
+        client = async_client(redis_url)
         clients.append(client)
         filters = [
             load_callable(p) if p else None for p in (config.dynamic_sampling_filter_path, config.buffer_filter_path)

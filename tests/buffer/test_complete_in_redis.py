@@ -4,7 +4,6 @@ against a real Redis and a real buffer: the same transition as SubmitGroup, once
 import asyncio
 
 import pytest
-from redis.asyncio import Redis
 
 from services.buffer import core
 from services.buffer import dataplane as store_module
@@ -15,6 +14,7 @@ from services.rollout.submits import SubmitBatcher
 from slipstream import samples
 from slipstream.v1 import buffer_pb2
 from tests.buffer.conftest import finish
+from tests.redis_servers import async_client, subscribers
 
 
 def as_lease(buffer, leased) -> buffer_pb2.Lease:
@@ -28,7 +28,7 @@ async def worker_store(redis_url):
     clients = []
 
     def make(buffer) -> BufferStore:
-        clients.append(client := Redis.from_url(redis_url))
+        clients.append(client := async_client(redis_url))
         return BufferStore(client, buffer.store.ns)
 
     yield make
@@ -95,14 +95,14 @@ async def test_a_waiting_batch_is_told_of_each_group(make_buffer, worker_store, 
     following = asyncio.create_task(buffer.follow_submits())
     try:
         (leased,) = (await buffer.lease(1, 0, "")).leases
-        assert (await store.redis.pubsub_numsub(channel))[0][1] == 0
+        assert await subscribers(store.redis, channel) == 0
         waiting = asyncio.create_task(buffer.get_batch(0, 0, 1, 240))
-        while (await store.redis.pubsub_numsub(channel))[0][1] < 1:
+        while await subscribers(store.redis, channel) < 1:
             await asyncio.sleep(0.05)
         await complete_in_redis(store, as_lease(buffer, leased), finish(leased.group, [0.0, 1.0]))
         batch = await asyncio.wait_for(waiting, 60)
         assert [g.group_id for g in batch.groups] == [leased.group.group_id]
-        while (await store.redis.pubsub_numsub(channel))[0][1] > 0:  # nobody waits: it stops listening
+        while await subscribers(store.redis, channel) > 0:  # nobody waits: it stops listening
             await asyncio.sleep(0.05)
     finally:
         following.cancel()

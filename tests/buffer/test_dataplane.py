@@ -4,13 +4,13 @@ version into the run's keys, and a buffer, a gateway or a trainer that finds ano
 import asyncio
 
 import pytest
-from redis.asyncio import Redis
 
 from services.buffer import dataplane
 from services.rollout.config import RolloutConfig
 from services.rollout.workers import Rollout
 from slipstream.v1 import buffer_pb2
 from tests.buffer.conftest import finish
+from tests.redis_servers import async_client
 
 MISMATCH = (
     r"the buffer's Redis holds data-plane layout 999 under \S+ and this slipstream reads layout "
@@ -33,7 +33,7 @@ async def test_a_reader_of_another_layout_stops_with_one_sentence(make_buffer, r
     buffer = await make_buffer()
     key = buffer.store.arrays_keys(["train:e0:b0:r1"])[0]
     assert dataplane.namespace_of(key) == buffer.store.ns
-    client = Redis.from_url(redis_url)
+    client = async_client(redis_url)
     try:
         plane = dataplane.DataPlane(client, dataplane.namespace_of(key))
         await plane.check_layout()
@@ -52,7 +52,7 @@ async def test_a_gateway_that_finds_another_layout_completes_nothing_and_stops(m
     buffer = await make_buffer()
     (leased,) = (await buffer.lease(1, 0, "")).leases
     await buffer.store.redis.set(dataplane.layout_key(buffer.store.ns), 999)
-    client = Redis.from_url(redis_url)
+    client = async_client(redis_url)
     failed = asyncio.get_running_loop().create_future()
     rollout = Rollout(RolloutConfig(), pool=None, buffer=None, reward=None, redis=client, failed=failed)
     lease = buffer_pb2.Lease(lease_id=leased.lease_id, group=leased.group, submit_namespace=buffer.store.ns)

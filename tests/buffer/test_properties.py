@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import uuid
 
-import redis.asyncio
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -20,6 +19,7 @@ from services.buffer.server import build_streams
 from services.buffer.store import BufferStore
 from services.common.errors import DeadlineExceeded, NotFound
 from tests.buffer.conftest import finish, write_jsonl
+from tests.redis_servers import async_client
 
 NUM_PROMPTS, BATCH = 10, 2
 
@@ -31,7 +31,7 @@ class BufferMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.client = redis.asyncio.Redis.from_url(self.redis_url)
+        self.client = async_client(self.redis_url)
         self.config = self.config.model_copy(update={"run_id": uuid.uuid4().hex[:10]})
         self.buffer = self._new_buffer()
         self.held: dict[str, object] = {}  # lease id -> group, as a worker holds it

@@ -15,6 +15,7 @@ from services.buffer.server import build
 from slipstream.samples import decode_logprobs, encode_tokens, put_batch_arrays, take_arrays
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 from tests.buffer.conftest import finish, write_jsonl
+from tests.redis_servers import settings as redis_settings
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def stub(grpc_service, redis_url, tokenizer_dir, prompts_file, channel_to):
         num_data_workers=0,
         rollout_batch_size=2,
         n_samples_per_prompt=2,
-        redis={"url": redis_url, "prefix": "svc"},
+        redis=redis_settings(redis_url, prefix="svc"),
     )
     return buffer_pb2_grpc.BufferServiceStub(channel_to(grpc_service(build, config).address))
 
@@ -102,7 +103,7 @@ def _copy(group: common_pb2.PromptGroup) -> common_pb2.PromptGroup:
 def test_state_is_exported_as_prometheus_gauges(grpc_service, redis_url, tokenizer_dir, prompts_file):
     config = BufferConfig(
         prompt_data=str(prompts_file), hf_checkpoint=str(tokenizer_dir), num_data_workers=0, rollout_batch_size=3,
-        redis={"url": redis_url, "prefix": "metrics"}, expire_interval_s=0.1,
+        redis=redis_settings(redis_url, prefix="metrics"), expire_interval_s=0.1,
     )  # fmt: skip
     running = grpc_service(build, config)
     with grpc.insecure_channel(running.address) as channel:

