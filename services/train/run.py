@@ -79,13 +79,12 @@ class Run:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.wandb = wandb_log.start(self.plan)
         self._secure()
+        # The services start together (each knows the others' addresses, and none calls another before it serves);
+        # the trainer once the buffer serves, while the gateway starts its engines, unless it must find them serving:
+        # a resumed trainer gives them its weights first, a colocated one shares their GPUs.
         self.addr["buffer"] = o.buffer_addr or self._service("buffer", [])
         if not o.debug_train_only:
             self.addr["reward"] = o.reward_addr or self._service("reward", [])
-        for name in ("buffer", "reward"):
-            if name in self.addr:
-                self._wait_serving(name)
-        if not o.debug_train_only:
             given = self.plan.configs["rollout"].rollout_num_gpus
             engines = ["--rollout-num-gpus", "1"] if self._launched_engines() > given else []
             # The trainer's --weight-sync-address is the one master its engines may be pointed at.
@@ -93,6 +92,11 @@ class Run:
             own = ["--buffer-addr", self.addr["buffer"], "--reward-addr", self.addr["reward"],
                    "--engine-log-dir", str(self.logs), "--allowed-weight-sync-hosts", *masters, *engines]  # fmt: skip
             self.addr["rollout"] = o.rollout_addr or self._service("rollout", own)
+        for name in ("buffer", "reward"):
+            if name in self.addr:
+                self._wait_serving(name)
+        early = "rollout" in self.addr and not (o.debug_rollout_only or trainer.load or trainer.colocate)
+        if "rollout" in self.addr and not early:
             self._wait_serving("rollout")
         self.buffer = buffer_pb2_grpc.BufferServiceStub(self._channel(self.addr["buffer"]))
         if "rollout" in self.addr:
@@ -109,6 +113,8 @@ class Run:
             first = self._launched_engines()  # the engines have the first GPUs, the trainer the next ones
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[first : first + o.actor_num_gpus_per_node])
         self.addr["trainer"] = self._service("trainer", own, nproc=o.actor_num_gpus_per_node, env=env)
+        if early:
+            self._wait_serving("rollout")
         self._wait_serving("trainer")
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._channel(self.addr["trainer"]))
         if "rollout" in self.addr:

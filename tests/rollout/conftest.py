@@ -71,13 +71,18 @@ def start_engine(service_process, free_port, tiny_model):
     200); `start_engine.procs[url]` is its process. `module="tests.rollout.faulty_engine"` starts a faulty one."""
 
     def start(*args: str, port: int | None = None, module: str = "slipstream") -> str:
-        port = port or free_port()
-        proc = service_process("engine", "--model-path", str(tiny_model), "--port", str(port), *args, module=module)
-        url = wait_healthy(proc, f"http://127.0.0.1:{port}")
-        start.procs[url] = proc
-        return url
+        return many([args], [port], module)[0]
 
-    start.procs = {}
+    def many(args: list, ports: list, module: str = "slipstream") -> list[str]:
+        """`start_engine.many([args, ...], [port, ...])`: several engines at once (their start-ups overlap)."""
+        ports = [port or free_port() for port in ports]
+        procs = [service_process("engine", "--model-path", str(tiny_model), "--port", str(port), *a, module=module)
+                 for a, port in zip(args, ports, strict=True)]  # fmt: skip
+        urls = [wait_healthy(proc, f"http://127.0.0.1:{port}") for proc, port in zip(procs, ports, strict=True)]
+        start.procs.update(zip(urls, procs, strict=True))
+        return urls
+
+    start.procs, start.many = {}, many
     return start
 
 
@@ -138,11 +143,12 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, s
         )
         # Engine i on "GPU" i: colocated, it reads the tensor handles of trainer rank i.
         ports = [free_port_pair() if receivers else None for _ in range(num_engines)]
-        engines = [start_engine("--model-path", str(model), "--base-gpu-id", str(i), port=port)
-                   for i, port in enumerate(ports)]  # fmt: skip
+        engines = start_engine.many([("--model-path", str(model), "--base-gpu-id", str(i)) for i in range(num_engines)],
+                                    ports)  # fmt: skip
         if receivers:  # beside each engine, on its port + 1: the weights stream through them
-            for url, port in zip(engines, ports, strict=True):
-                proc = service_process("receiver", "--engine-url", url, "--port", str(port + 1), "--timeout-s", "60")
+            procs = [service_process("receiver", "--engine-url", url, "--port", str(port + 1), "--timeout-s", "60")
+                     for url, port in zip(engines, ports, strict=True)]  # fmt: skip
+            for proc, port in zip(procs, ports, strict=True):
                 wait_healthy(proc, f"http://127.0.0.1:{port + 1}")
             gateway["weight_receiver_port_offset"] = 1
         thread = grpc_service(build_rollout, RolloutConfig(**{
