@@ -79,7 +79,7 @@ def test_info_routes(engine_url):
 
 
 def test_sglang_router_routes_to_two_engines(start_engine, free_port):
-    urls = [start_engine(), start_engine()]
+    urls = start_engine.many([(), ()], [None, None])
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
            "--port", str(port), "--policy", "round_robin",

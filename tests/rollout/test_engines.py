@@ -21,7 +21,7 @@ BODY = {"input_ids": [5, 17, 42], "sampling_params": {"max_new_tokens": 4, "temp
 
 
 def test_register_list_deregister_over_grpc(grpc_service, channel_to, start_engine):
-    first, second = start_engine(), start_engine()
+    first, second = start_engine.many([(), ()], [None, None])
     running = grpc_service(build, RolloutConfig(engine_urls=[first], **FAST))
     stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(running.address))
     info = stub.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=second + "/"), timeout=30)
@@ -43,7 +43,7 @@ def test_register_list_deregister_over_grpc(grpc_service, channel_to, start_engi
 
 async def test_requests_spread_and_groups_keep_their_engine(start_engine):
     pool = EnginePool(RolloutConfig(**FAST))
-    urls = [start_engine(), start_engine()]
+    urls = start_engine.many([(), ()], [None, None])
     for url in urls:
         await pool.register(url)
     used = [engine.url for _, engine in await asyncio.gather(*(pool.generate(BODY) for _ in range(16)))]
@@ -56,7 +56,7 @@ async def test_requests_spread_and_groups_keep_their_engine(start_engine):
 async def test_a_killed_engine_is_evicted_requests_go_elsewhere_and_it_is_readmitted(start_engine, free_port):
     pool = EnginePool(RolloutConfig(**FAST))
     port = free_port()
-    doomed, survivor = start_engine(port=port), start_engine()
+    doomed, survivor = start_engine.many([(), ()], [port, None])
     for url in (doomed, survivor):
         await pool.register(url)
     health = asyncio.create_task(pool.check_forever())
@@ -102,7 +102,7 @@ async def _until(condition, timeout_s: float = 20.0) -> None:
 def test_only_allowed_hosts_may_be_registered_or_named_as_the_weight_groups_master(
     grpc_service, channel_to, start_engine
 ):
-    first, second = start_engine(), start_engine()
+    first, second = start_engine.many([(), ()], [None, None])
     config = RolloutConfig(engine_urls=[first], allowed_engine_hosts=["10.0.0.0/8", "engine-*.svc"], **FAST)
     stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(grpc_service(build, config).address))
     for url in (second, "http://192.168.0.7:30000", "http://evil.example:30000", "http://engine-1.svc.evil:1"):
@@ -122,7 +122,7 @@ def test_only_allowed_hosts_may_be_registered_or_named_as_the_weight_groups_mast
 
 
 def test_a_registered_engine_is_allowed_by_a_host_pattern(grpc_service, channel_to, start_engine):
-    first, second = start_engine(), start_engine()
+    first, second = start_engine.many([(), ()], [None, None])
     config = RolloutConfig(engine_urls=[first], allowed_engine_hosts=["127.0.0.*"], **FAST)
     stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(grpc_service(build, config).address))
     stub.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=second), timeout=30)

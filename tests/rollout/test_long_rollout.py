@@ -30,7 +30,7 @@ def test_hundreds_of_groups_survive_an_engine_kill_and_a_gateway_restart(
     reward_proc = service_process("reward", "--port", str(reward_port), "--rm-type", "math", "--metrics-port", "null")
     wait_serving(f"127.0.0.1:{buffer_port}", buffer_proc, timeout_s=60)
     wait_serving(f"127.0.0.1:{reward_port}", reward_proc, timeout_s=60)
-    engines = [start_engine(), start_engine()]
+    engines = start_engine.many([(), ()], [None, None])
     args = ["rollout", "--port", "0", "--engine-urls", *engines, "--buffer-addr", f"127.0.0.1:{buffer_port}",
             "--reward-addr", f"127.0.0.1:{reward_port}", "--lease-seconds", "3", "--rollout-max-response-len", "8",
             "--rollout-concurrency", "16", "--rollout-health-check-interval", "0.5",

@@ -413,7 +413,7 @@ def test_engines_that_cannot_reach_the_trainer_stop_it_at_once_naming_the_settin
     """A wrong --weight-sync-address (or a network between them) is a setting, not a fault: no engine joins the group,
     and the trainer stops at its first deadline with one sentence naming the setting, instead of retrying."""
     system = make_system(num_engines=0)
-    urls = [start_engine("--fault", "unreachable", module="tests.rollout.faulty_engine") for _ in range(2)]
+    urls = start_engine.many([("--fault", "unreachable")] * 2, [None, None], module="tests.rollout.faulty_engine")
     for url in urls:
         system.gateway.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=url), timeout=30)
     sender = _sender(system, timeout_s=5)
