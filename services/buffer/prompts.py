@@ -56,35 +56,24 @@ def _load_tokenizer(path: str):
 
 def prepare_rows(rows: list[RawRow], spec: RowSpec) -> list[bytes | Skipped]:
     """Each row as serialized `PromptGroup` bytes (no id yet), or `Skipped`. Raises DatasetError for a bad row
-    unless `spec.skip_invalid_rows`. The rows' prompts are tokenized in one call: one at a time, the tokenizer's
-    Python around each short prompt costs more than the tokenizing."""
-    results: list[common_pb2.PromptGroup | Skipped] = []
+    unless `spec.skip_invalid_rows`."""
+    results: list[bytes | Skipped] = []
     for raw in rows:
         try:
-            results.append(prompt_group(raw, spec))
+            group = prompt_group(raw, spec)
         except DatasetError as e:
             if not spec.skip_invalid_rows:
                 raise
             results.append(Skipped("invalid_row", str(e)))
-    groups = [group for group in results if not isinstance(group, Skipped)]
-    if groups:
-        tokenizer = load_tokenizer(spec.tokenizer_path)
-        texts = [group.prompt_text for group in groups]
-        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        for group, ids in zip(groups, encoded, strict=True):
-            group.prompt_tokens = samples.encode_tokens(ids)
-    return [_checked(raw, group, spec) for raw, group in zip(rows, results, strict=True)]
-
-
-def _checked(raw: RawRow, group: common_pb2.PromptGroup | Skipped, spec: RowSpec) -> bytes | Skipped:
-    """The group's bytes, or Skipped when its prompt is over the bound."""
-    if isinstance(group, Skipped):
-        return group
-    num_tokens = samples.num_tokens(group.prompt_tokens)
-    if spec.max_prompt_len is not None and num_tokens > spec.max_prompt_len:
-        bound = "--eval-max-prompt-len" if spec.flags == "--eval-" else "--rollout-max-prompt-len"
-        return Skipped("prompt_too_long", f"{raw.where}: {num_tokens} prompt tokens > {bound}")
-    return group.SerializeToString()
+            continue
+        num_tokens = samples.num_tokens(group.prompt_tokens)
+        if spec.max_prompt_len is not None and num_tokens > spec.max_prompt_len:
+            bound = "--eval-max-prompt-len" if spec.flags == "--eval-" else "--rollout-max-prompt-len"
+            message = f"{raw.where}: {num_tokens} prompt tokens > {bound}"
+            results.append(Skipped("prompt_too_long", message))
+            continue
+        results.append(group.SerializeToString())
+    return results
 
 
 def check_rows(rows: list[RawRow], spec: RowSpec) -> int:
@@ -123,14 +112,17 @@ def _row_fields(raw: RawRow, spec: RowSpec) -> tuple[Any, str, dict | None, list
 
 
 def prompt_group(raw: RawRow, spec: RowSpec) -> common_pb2.PromptGroup:
-    """The row's group with its prompt text, not yet tokenized (prepare_rows tokenizes the rows together)."""
     prompt, label, metadata, tools = _row_fields(raw, spec)
     group = common_pb2.PromptGroup(prompt_index=raw.row, label=label)
     if metadata or spec.metadata:
         group.metadata.update({**(metadata or {}), **spec.metadata})
     if tools:
         group.tools_json = json.dumps(tools, ensure_ascii=False)
-    group.prompt_text = _prompt_text(prompt, tools, spec)
+    text = _prompt_text(prompt, tools, spec)
+    group.prompt_text = text
+    group.prompt_tokens = samples.encode_tokens(
+        load_tokenizer(spec.tokenizer_path).encode(text, add_special_tokens=False)
+    )
     return group
 
 
