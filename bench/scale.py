@@ -126,7 +126,7 @@ def profile(pids: dict[str, list[int]], folder: Path, py_spy: str, seconds: floa
 def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folder: Path, model: Path, data: Path,
             engine_urls: list[str], engine_pids: list[int]) -> dict:  # fmt: skip
     folder.mkdir(parents=True)
-    server = start_redis(folder, getattr(args, "redis_cluster", 0))
+    server = start_redis(folder, args.redis_cluster)
     client = server.client()
     ns = dataplane.namespace("slipstream", RUN)
     run_node = client.get_redis_connection(client.get_node_from_key(ns)) if server.cluster else client

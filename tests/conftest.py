@@ -21,7 +21,7 @@ import pytest
 
 from services.common import processes
 from services.common.clients import wait_until_serving
-from services.common.redis_connection import EmbeddedRedis, RedisHandle
+from services.common.redis_connection import EmbeddedRedis
 from services.common.server import GrpcServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,9 +132,9 @@ def redis_url(request) -> str:
 @pytest.fixture
 def redis_client(redis_url):
     """A client of the session Redis, flushed after the test so tests do not see each other's keys."""
-    from tests.redis_servers import ClusterURL
+    from tests.redis_servers import handle
 
-    client = RedisHandle(redis_url, cluster=isinstance(redis_url, ClusterURL)).client()
+    client = handle(redis_url).client()
     yield client
     client.flushdb()
     client.close()

@@ -22,6 +22,11 @@ def redis_url_on_both(request) -> str:
     return request.getfixturevalue(SERVERS[request.param])
 
 
+def handle(url: str) -> RedisHandle:
+    """`url` as a service opens it: a cluster's node with cluster clients."""
+    return RedisHandle(url, cluster=isinstance(url, ClusterURL))
+
+
 def settings(url: str, **more) -> dict:
     """A service's Redis settings (RedisConfig) for `url`."""
     return {"url": url, "cluster": isinstance(url, ClusterURL), **more}
@@ -29,7 +34,7 @@ def settings(url: str, **more) -> dict:
 
 def async_client(url: str):
     """A client of `url` as a service opens it: a cluster client for a cluster's node."""
-    return RedisHandle(url, cluster=isinstance(url, ClusterURL)).async_client()
+    return handle(url).async_client()
 
 
 def skip_without_containers() -> None:

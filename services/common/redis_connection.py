@@ -203,12 +203,11 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
     if config.cluster and urlsplit(config.url).scheme == "unix":
         raise StartupError(f"--redis-cluster: a cluster's nodes listen on TCP; name one as redis://host:port, not "
                            f"{redacted(config.url)}")  # fmt: skip
-    handle = RedisHandle(config.url, options=options, cluster=config.cluster)
+    handle, client = RedisHandle(config.url, options=options, cluster=config.cluster), None
     try:
         client = handle.client(socket_connect_timeout=config.connect_timeout_s)
         client.ping()
         if not config.cluster and client.info("cluster").get("cluster_enabled"):
-            client.close()
             raise StartupError(f"Redis at {redacted(config.url)} is a node of a Redis Cluster: pass --redis-cluster")
     except RedisClusterException as e:
         raise StartupError(
@@ -234,6 +233,7 @@ def open_redis(config: RedisConfig, run_dir: Path) -> RedisHandle:
             f"cannot reach Redis at {redacted(config.url)} ({e}); start Redis there, fix --redis-url, "
             "or leave it unset to use the embedded Redis"
         ) from None
-    else:
-        client.close()
+    finally:
+        if client is not None:
+            client.close()
     return handle
