@@ -33,8 +33,12 @@ install: $(VENV)/.installed $(CHECKOV_VENV)/.installed
 CONTAINERS_SETUP ?= $(wildcard ../shared/containers/setup.sh)
 WITH_CONTAINERS = $(if $(CONTAINERS_SETUP),$(CONTAINERS_SETUP) >/dev/null && eval "$$($(CONTAINERS_SETUP) --env)" &&,)
 
+# Two test processes by default (pytest-xdist), as many as CI's cores: most tests wait on processes they started, so
+# two of them on two cores take about 15 minutes where one took 23 (docs/development.md).
+TEST_WORKERS ?= 2
+
 test: install
-	$(WITH_CONTAINERS) $(PY) -m pytest -q -m "not slow and not faults"
+	$(WITH_CONTAINERS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not faults"
 
 # Every process kind SIGKILLed and SIGSTOPped mid-run (docs/RELIABILITY.md); `make test` runs a few of these cases.
 test-faults: install
