@@ -8,14 +8,13 @@ from pathlib import Path
 
 import grpc
 import torch
-import torch.distributed as dist
 
 from services.common.clients import Credentials, open_channel
 from services.common.redis_connection import open_redis
 from services.trainer import checkpoint, data_parallel
 from services.trainer.actor import Groups
 from services.trainer.config import TrainerConfig
-from services.trainer.parallel import ParallelInfo, init_parallel
+from services.trainer.parallel import ParallelInfo, control_group, init_parallel
 from slipstream.v1 import buffer_pb2_grpc
 
 
@@ -173,7 +172,7 @@ def weight_sender(config: TrainerConfig, info: ParallelInfo, model, gpt):
 
     model_parallel = info.tp_size * config.parallel.pipeline_model_parallel_size > 1
     peers = parallel_state.get_model_parallel_group() if model_parallel else None
-    peers = dist.group.WORLD if all_ranks else peers
+    peers = control_group() if all_ranks else peers  # its decisions only: no tensor goes over it
     sender = info.dp_rank == 0 and info.tp_rank == 0
     stages = config.parallel.pipeline_model_parallel_size > 1
     senders = parallel_state.get_pipeline_model_parallel_group() if sender and stages else None

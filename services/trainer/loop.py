@@ -17,6 +17,7 @@ from services.trainer import assembly, checkpoint, data_parallel
 from services.trainer.actor import Actor
 from services.trainer.config import TrainerConfig
 from services.trainer.metrics import StepLog, mfu, rollout_times
+from services.trainer.parallel import control_group
 from slipstream import samples
 from slipstream.v1 import buffer_pb2
 
@@ -223,7 +224,7 @@ class Trainer:
             decision = [reply is not None, c.stop, c.save_after_stop, c.save_now, resync]
             c.save_now = None
             if dist.get_world_size() > 1:
-                dist.broadcast_object_list(decision, src=0)
+                dist.broadcast_object_list(decision, src=0, group=control_group())
             ready, stop, save_after_stop, save_now, resync = decision
             if resync and self.weights is not None:  # an engine came back with old weights: it gets the policy
                 c.phase = "sync"

@@ -29,6 +29,17 @@ class ParallelInfo:
     ep_rank: int | None = None
 
 
+_control: "dist.ProcessGroup | None" = None  # gloo over every rank, on GPUs (init_parallel)
+
+
+def control_group() -> "dist.ProcessGroup":
+    """Every rank, for the small decisions they share while the GPUs should be left alone (which batch, stop or save,
+    a colocated sync's hand-over): gloo, on the CPU. A rank waiting in an NCCL collective keeps a kernel spinning on its
+    GPU, and an engine colocated on that GPU then gets it only in time slices: the second rank, waiting for rank 0's
+    decision through the whole rollout, halved its engine's speed."""
+    return _control if _control is not None else dist.group.WORLD
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value is None else int(value)
@@ -84,6 +95,9 @@ def init_parallel(
             device_id=device if cuda_available() else None,
             store=_rendezvous_store(world_size),
         )
+    global _control
+    if cuda_available() and _control is None and world_size > 1:
+        _control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp_size,
@@ -118,8 +132,10 @@ def destroy_parallel() -> None:
     """Tears down megatron's groups and the default process group, so a process can initialise again."""
     from megatron.core import parallel_state
 
+    global _control
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _control = None  # destroyed with the default group
     if dist.is_initialized():
         dist.destroy_process_group()
 

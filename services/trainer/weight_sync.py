@@ -401,9 +401,9 @@ class WeightSender:
         """The sender's decision to start over, shared with the peers (they gather with it once more)."""
         if self.peers is None:
             return again
-        flag = torch.tensor([int(again)], device="cuda" if torch.cuda.is_available() else "cpu")
-        dist.broadcast(flag, src=dist.get_global_rank(self.peers, 0), group=self.peers)
-        return bool(flag.item())
+        flag = [again]
+        dist.broadcast_object_list(flag, src=dist.get_global_rank(self.peers, 0), group=self.peers)
+        return bool(flag[0])
 
     def _drop_group(self) -> None:
         """With broadcasts in flight the group is aborted, not destroyed: destroying waits for them, and they may
