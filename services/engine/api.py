@@ -17,6 +17,7 @@ from starlette.routing import Route
 from services.engine.batch import Sequence
 from services.engine.core import Engine
 from services.engine.ipc import IpcUpdates
+from services.engine.memory import HostCopy
 from services.engine.responses import SSE_DONE, error, generate_output, json_response, sse
 from services.engine.routing import check_start_len
 from services.engine.sampling import BadRequest, parse_sampling
@@ -30,6 +31,7 @@ class EngineAPI:
         self.engine, self.info = engine, info
         self.weights = WeightReceiver(engine, weight_update_timeout_s)
         self.ipc = IpcUpdates(self.weights, weight_update_timeout_s)
+        self.host_copy = HostCopy(engine.model, engine.device)
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.started = time.time()
@@ -246,7 +248,7 @@ class EngineAPI:
             return error("release_memory_occupation needs an idle engine; pause or abort generation first")
 
         def release() -> None:
-            self.engine.model.to("cpu")
+            self.host_copy.release()
             self.weights.tensors = None  # moved: buffers are new tensors
             if self.engine.device.type == "cuda":
                 torch.cuda.empty_cache()  # back to the device, for the trainer on the same GPU
@@ -256,7 +258,7 @@ class EngineAPI:
 
     async def resume_memory(self, request: Request) -> Response:
         def resume() -> None:
-            self.engine.model.to(self.engine.device)
+            self.host_copy.resume()
             self.weights.tensors = None
 
         await asyncio.wrap_future(self.engine.call(resume))
