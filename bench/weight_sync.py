@@ -288,11 +288,13 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (gloo)"
     gb = size / 1e9
     best_raw = min(raw)
-    print(f"\nWeight sync, {args.shape}: {gb:.2f} GB in {count} tensors; trainer GPU 0 → engine GPU 1; {device}; "
+    route = "trainer and engine on GPU 0 (CUDA IPC)" if args.colocate else "trainer GPU 0 → engine GPU 1"
+    print(f"\nWeight sync, {args.shape}: {gb:.2f} GB in {count} tensors; {route}; {device}; "
           f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
     formats = f" --load-formats {' '.join(args.load_formats)}" if args.load_formats != ["per-tensor"] else ""
     formats += f" --buckets-in-flight {args.buckets_in_flight}" if args.buckets_in_flight != 2 else ""
     formats += " --streamed" if args.streamed else ""
+    formats += " --colocate" if args.colocate else ""
     formats += f" --update-weight-mode {args.update_weight_mode}" if args.update_weight_mode != "full" else ""
     formats += f" --lr {args.lr:g}" if args.lr is not None else ""
     print(f"command: python bench/weight_sync.py --shape {args.shape} --bucket-mib "
@@ -301,16 +303,17 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
           "prepare / send / commit (median) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     raw_median = statistics.median(raw)
-    print(f"| raw NCCL broadcast | - | - | {raw_median * 1e3:.1f} ms, {best_raw * 1e3:.1f} ms | "
-          f"{gb / best_raw:.1f} | 100% | - |")  # fmt: skip
+    if not args.colocate:  # no broadcast to compare with on one GPU
+        print(f"| raw NCCL broadcast | - | - | {raw_median * 1e3:.1f} ms, {best_raw * 1e3:.1f} ms | "
+              f"{gb / best_raw:.1f} | 100% | - |")  # fmt: skip
     for mib, load_format, layout, times, phases in rows:
         parts = " / ".join(f"{statistics.median(p[k] for p in phases) * 1e3:.1f}"
                            for k in ("prepare_s", "send_s", "commit_s"))  # fmt: skip
         median = statistics.median(times)
         path = "streamed" if args.streamed else load_format
+        share = "-" if args.colocate else f"{raw_median / median:.0%}, {best_raw / min(times):.0%}"
         print(f"| end to end, {path} | {mib:g} MiB | {len(layout)} | {median * 1e3:.1f} ms, "
-              f"{min(times) * 1e3:.1f} ms | {gb / min(times):.1f} | {raw_median / median:.0%}, "
-              f"{best_raw / min(times):.0%} | {parts} ms |")  # fmt: skip
+              f"{min(times) * 1e3:.1f} ms | {gb / min(times):.1f} | {share} | {parts} ms |")  # fmt: skip
     if args.streamed:  # where the send's time went, on each side
         for mib, _, _, _, phases in rows:
             waits = " / ".join(f"{statistics.median(p.get(k, 0) for p in phases) * 1e3:.1f}"
