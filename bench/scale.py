@@ -184,11 +184,12 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         )
         elapsed, completed = t1 - t0, after - before
         window = [gid.decode() for gid in client.zrangebyscore(done, before + 1, after)]  # completed in the window
-        latencies = []
+        latencies, parts = [], []  # lease → score; (lease → generated, generated → score)
         for gid in window[:: max(1, len(window) // 2000)]:
-            group = common_pb2.PromptGroup.FromString(client.get(dataplane.completed_key(ns, gid)) or b"")
-            if "scored" in group.timings and "leased" in group.timings:
-                latencies.append(group.timings["scored"] - group.timings["leased"])
+            t = common_pb2.PromptGroup.FromString(client.get(dataplane.completed_key(ns, gid)) or b"").timings
+            if {"leased", "generated", "scored"} <= t.keys():
+                latencies.append(t["scored"] - t["leased"])
+                parts.append((t["generated"] - t["leased"], t["scored"] - t["generated"]))
         latencies.sort()
         used = {pid: cpu1.get(pid, 0.0) - cpu0.get(pid, 0.0) for pid in cpu1}
         cpu = {kind: sum(used.get(pid, 0.0) for pid in found) for kind, found in pids.items()}
@@ -202,6 +203,7 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
             "groups_s": completed / elapsed,
             "p50_ms": 1000 * statistics.median(latencies) if latencies else float("nan"),
             "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))] if latencies else float("nan"),
+            "p50_parts_ms": [1000 * statistics.median(p) for p in zip(*parts, strict=True)] or [float("nan")] * 2,
             "redis_ops_s": ops / elapsed,
             "redis_ops_group": ops / per_group,
             "redis_kb_group": moved / per_group / 1024,
@@ -250,10 +252,11 @@ def log_tails(folder: Path, lines: int = 30) -> str:
 
 
 def table(rows: list[dict]) -> None:
-    print("| K | G | B | R | groups/s | of linear | p50 ms | p99 ms | Redis ops/s | Redis ops / KB a group "
+    print("| K | G | B | R | groups/s | of linear | p50 ms | p50 ms: generate / score | p99 ms | Redis ops/s "
+          "| Redis ops / KB a group "
           "| LeasePrompts calls a group / groups a call "
           "| CPU ms a group: gateways / buffers / rewards / Redis / engines | busiest process (cores) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         same = [r for r in rows if (r["engines"], r["buffers"], r["rewards"]) == (row["engines"], row["buffers"],
                                                                                     row["rewards"])]  # fmt: skip
@@ -262,7 +265,8 @@ def table(rows: list[dict]) -> None:
         cpu = " / ".join(f"{row['cpu_ms_group'][kind]:.2f}" for kind in KINDS)
         kind, cores = row["busiest"]
         print(f"| {row['engines']} | {row['gateways']} | {row['buffers']} | {row['rewards']} | {row['groups_s']:.0f} "
-              f"| {share:.0%} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['redis_ops_s']:.0f} "
+              f"| {share:.0%} | {row['p50_ms']:.1f} | {row['p50_parts_ms'][0]:.1f} / {row['p50_parts_ms'][1]:.1f} "
+              f"| {row['p99_ms']:.1f} | {row['redis_ops_s']:.0f} "
               f"| {row['redis_ops_group']:.0f} / {row['redis_kb_group']:.1f} "
               f"| {row['lease_calls_group']:.2f} / {row['groups_lease_call']:.1f} | {cpu} "
               f"| {kind} ({cores:.2f}) |")  # fmt: skip
