@@ -80,6 +80,9 @@ class RolloutConfig(ServiceConfig):
     partial_rollout: bool = False
     """Samples aborted by a pause keep their tokens and continue later with max_new_tokens reduced (slime's
     --partial-rollout); off, they are generated again from the prompt."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """With --partial-rollout: the tokens a group's samples had before a pause (made by older weights) stay in the
+    samples but are not trained (loss mask 0); only the tokens generated after it are."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How engines pause around a weight sync: abort in-flight requests (their groups go back to the buffer with what
     they generated), retract them to the engine's queue, or keep them in place to continue under the new weights."""

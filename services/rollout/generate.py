@@ -65,6 +65,14 @@ async def generate_group(ctx: GenerateContext, group: common_pb2.PromptGroup, re
     return done
 
 
+def mask_offpolicy(group: common_pb2.PromptGroup) -> None:
+    """--mask-offpolicy-in-partial-rollout: every response token the group's samples had before this round of
+    generation, finished or not, gets loss mask 0 (older weights made it); only what is generated now is trained.
+    slime masks the same tokens, before a custom generate function sees the samples as well."""
+    for sample in group.samples:
+        sample.loss_mask = arrays.encode_mask([0] * sample.response_length)
+
+
 async def _fresh(ctx: GenerateContext, prompt: list[int], n: int) -> list:
     answer = await ctx.generate(prompt, {**ctx.sampling_params, "n": n})
     return [

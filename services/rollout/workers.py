@@ -20,7 +20,7 @@ from services.common.plugins import load_callable
 from services.common.waits import logged_wait
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
-from services.rollout.generate import GenerateContext, check_samples, generate_group
+from services.rollout.generate import GenerateContext, check_samples, generate_group, mask_offpolicy
 from services.rollout.scoring import ScoreBatcher
 from services.rollout.submits import SubmitBatcher
 from slipstream import samples
@@ -242,6 +242,8 @@ class Rollout:
     async def _generate(self, group: common_pb2.PromptGroup, sampling: dict) -> list:
         ctx = GenerateContext(self.pool, sampling, self.config, self.tokenizer, self.reward, affinity=group.group_id)
         custom = self.eval_custom.get(group.dataset, self.custom)
+        if self.config.partial_rollout and self.config.mask_offpolicy_in_partial_rollout:
+            mask_offpolicy(group)
         if custom is None:
             return await generate_group(ctx, group, resume=self.config.partial_rollout)
         return check_samples(group, await custom(ctx, group))

@@ -44,6 +44,13 @@ class LossSettings(StrictModel):
     """Lower clip of the TIS weights."""
     use_rollout_logprobs: bool = False
     """Use the engine's log-probs as the old policy's instead of recomputing them."""
+    use_unbiased_kl: bool = False
+    """Weigh the KL loss by each token's importance ratio to the old policy (DeepSeek-V3.2's unbiased estimate)."""
+    use_opsm: bool = False
+    """Off-policy sequence masking: no policy loss on the negative-advantage tokens of a sample that drifted more than
+    --opsm-delta from the old policy."""
+    opsm_delta: float = 1e-4
+    """OPSM's bound on a sample's mean of old minus new log-probs over its trained tokens."""
 
 
 class OptimizerSettings(StrictModel):

@@ -1,7 +1,7 @@
 """The trainer's losses for one micro-batch: the policy-gradient surrogates (PPO clip with dual-clip, GSPO, CISPO),
-KL estimators, truncated importance sampling, the entropy bonus, the critic's value loss, the SFT loss, and the
-log-probs and entropy of the sampled tokens computed from the logits chunk by chunk. Semantics follow slime's
-`ppo_utils.py` and `loss.py`.
+KL estimators (unbiased under importance weights), truncated importance sampling, off-policy sequence masking, the
+entropy bonus, the critic's value loss, the SFT loss, and the log-probs and entropy of the sampled tokens computed
+from the logits chunk by chunk. Semantics follow slime's `ppo_utils.py` and `loss.py`.
 
 Per-token tensors are right-padded `[B, T]` with `loss_mask_BT` (1 on trained tokens), as in `advantages.py`;
 padding must hold finite numbers (0 is fine) so that masking by multiplication keeps gradients finite.
@@ -113,21 +113,38 @@ def vocab_parallel_chunk(
     return reduce_tp(target_C) - log_z_C, log_z_C - expected_C
 
 
-def approx_kl(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, kl_type: str) -> Tensor:
+def approx_kl(
+    logprobs_BT: Tensor, ref_logprobs_BT: Tensor, kl_type: str, importance_ratio_BT: Tensor | None = None
+) -> Tensor:
     """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs (Schulman's k1, k2, k3).
 
     k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 with log r = logp - ref_logp; `low_var_kl` is k3
-    clamped to [-10, 10].
+    clamped to [-10, 10]. With `importance_ratio_BT` (pi / pi_old: the tokens were sampled from the old policy) each
+    token's estimate is weighed by it before the clamp, which makes it unbiased for the current policy.
     """
     if kl_type not in KL_TYPES:
         raise ValueError(f"kl_loss_type {kl_type!r} is unknown; expected one of {', '.join(KL_TYPES)}")
     log_ratio_BT = logprobs_BT.float() - ref_logprobs_BT.float()
     if kl_type == "k1":
-        return log_ratio_BT
-    if kl_type == "k2":
-        return log_ratio_BT**2 / 2
-    kl_BT = torch.exp(-log_ratio_BT) + log_ratio_BT - 1
+        kl_BT = log_ratio_BT
+    elif kl_type == "k2":
+        kl_BT = log_ratio_BT**2 / 2
+    else:
+        kl_BT = torch.exp(-log_ratio_BT) + log_ratio_BT - 1
+    if importance_ratio_BT is not None:
+        kl_BT = importance_ratio_BT * kl_BT
     return kl_BT.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND) if kl_type == "low_var_kl" else kl_BT
+
+
+def opsm_keep(
+    logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, loss_mask_BT: Tensor, delta: float
+) -> Tensor:
+    """Off-policy sequence masking (OPSM): 0 on the negative-advantage tokens of each sample whose mean of
+    old_logp - logp over its trained tokens exceeds `delta` (the policy has drifted from the one that sampled it,
+    and pushing such a sample down further is what destabilizes training), 1 elsewhere; no gradient."""
+    mask_BT = loss_mask_BT.to(logprobs_BT.dtype)
+    drift_B = ((old_logprobs_BT - logprobs_BT).detach() * mask_BT).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
+    return 1 - ((advantages_BT < 0) & (drift_B[:, None] > delta)).to(logprobs_BT.dtype)
 
 
 def aggregate(values_BT: Tensor, loss_mask_BT: Tensor, loss_aggregation: str = "token") -> Tensor:
@@ -263,13 +280,16 @@ def policy_loss(
             tis_clip=(s.tis_clip_low, s.tis_clip),
             loss_aggregation=loss_aggregation,
             tis_function=tis_function,
+            opsm_delta=s.opsm_delta if s.use_opsm else None,
         )
     if entropy_BT is not None:
         entropy = aggregate(entropy_BT, loss_mask_BT, loss_aggregation)
         loss = loss - s.entropy_coef * entropy
         metrics["entropy"] = entropy.detach()
     if s.use_kl_loss:
-        kl_loss = aggregate(approx_kl(logprobs_BT, ref_logprobs_BT, s.kl_loss_type), loss_mask_BT, loss_aggregation)
+        ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT.detach()) if s.use_unbiased_kl else None
+        kl_BT = approx_kl(logprobs_BT, ref_logprobs_BT, s.kl_loss_type, ratio_BT)
+        kl_loss = aggregate(kl_BT, loss_mask_BT, loss_aggregation)
         loss = loss + s.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     metrics["loss"] = loss.detach()
@@ -298,9 +318,10 @@ def _surrogate_loss(
     tis_clip: tuple[float, float],
     loss_aggregation: str,
     tis_function: Callable | None = None,
+    opsm_delta: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The aggregated policy-gradient loss and its metrics. `clip` is (eps_clip, eps_clip_high, eps_clip_c),
-    `tis_clip` (low, high); TIS applies when `rollout_logprobs_BT` is given."""
+    `tis_clip` (low, high); TIS applies when `rollout_logprobs_BT` is given, OPSM when `opsm_delta` is."""
     eps_clip, eps_clip_high, eps_clip_c = clip
     old_logprobs_BT = old_logprobs_BT.detach()
     if advantage_estimator == "gspo":
@@ -312,6 +333,10 @@ def _surrogate_loss(
     else:
         pg_loss_BT, clipped_BT = ppo_clip_loss(log_ratio_BT, advantages_BT, eps_clip, eps_clip_high, eps_clip_c)
     metrics: dict[str, Tensor] = {}
+    if opsm_delta is not None:
+        keep_BT = opsm_keep(logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT, opsm_delta)
+        pg_loss_BT = pg_loss_BT * keep_BT
+        metrics["opsm_clipfrac"] = aggregate(1 - keep_BT, loss_mask_BT, loss_aggregation)
     if rollout_logprobs_BT is not None and tis_function is not None:
         pg_loss_BT, kept_BT, extra = tis_function(pg_loss_BT, old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT)
         pg_loss_BT = pg_loss_BT * kept_BT  # rejected tokens add nothing; the mean stays over the trained tokens
@@ -342,6 +367,7 @@ def _check_policy_args(s: LossSettings, loss_aggregation: str, tensors: dict[str
     _check_shapes(given.pop("loss_mask_BT"), **given)
     needs = [
         ("old_logprobs_BT", s.loss_type == "policy_loss" and not s.use_rollout_logprobs, "policy_loss"),
+        ("old_logprobs_BT", s.use_kl_loss and s.use_unbiased_kl and not s.use_rollout_logprobs, "use_unbiased_kl"),
         ("advantages_BT", s.loss_type == "policy_loss", "policy_loss"),
         ("ref_logprobs_BT", s.use_kl_loss, "use_kl_loss"),
         ("rollout_logprobs_BT", s.use_tis or s.use_rollout_logprobs, "use_tis / use_rollout_logprobs"),

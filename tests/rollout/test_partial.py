@@ -41,9 +41,10 @@ def _all_samples(buffer) -> list[common_pb2.Sample]:
     return found
 
 
-def _check_aligned(sample: common_pb2.Sample) -> list[tuple[str, int, int]]:
+def _check_aligned(sample: common_pb2.Sample, masked: int = 0) -> list[tuple[str, int, int]]:
+    """`masked`: the response tokens that must have loss mask 0 (the first ones), the rest 1."""
     assert len(samples.decode_logprobs(sample.rollout_logprobs)) == sample.response_length
-    assert samples.decode_mask(sample.loss_mask).tolist() == [1] * sample.response_length
+    assert samples.decode_mask(sample.loss_mask).tolist() == [0] * masked + [1] * (sample.response_length - masked)
     assert (
         samples.num_tokens(sample.tokens)
         == sample.prompt_length + sample.response_length
@@ -55,9 +56,12 @@ def _check_aligned(sample: common_pb2.Sample) -> list[tuple[str, int, int]]:
     return spans
 
 
-def test_abort_pause_returns_partial_groups_that_resume_where_they_stopped(make_system):
+@pytest.mark.parametrize("mask_offpolicy", [False, True])
+def test_abort_pause_returns_partial_groups_that_resume_where_they_stopped(make_system, mask_offpolicy):
+    """With --mask-offpolicy-in-partial-rollout, the tokens a resumed sample had before the pause are not trained,
+    nor any sample that a returned group had finished before it (all made by the old weights)."""
     system = make_system(partial_rollout=True, pause_mode="abort", rollout_max_response_len=MAX_LEN,
-                         num_prompts=PROMPTS)  # fmt: skip
+                         num_prompts=PROMPTS, mask_offpolicy_in_partial_rollout=mask_offpolicy)  # fmt: skip
     _pause_mid_rollout(system, "abort")
     state = wait_completed(system.buffer, PROMPTS, timeout_s=300)
     system.gateway.StopRollout(rollout_pb2.StopRolloutRequest(), timeout=30)
@@ -65,7 +69,11 @@ def test_abort_pause_returns_partial_groups_that_resume_where_they_stopped(make_
     assert state.counters["completed"] == state.counters["started"] == PROMPTS
     resumed = 0
     for sample in _all_samples(system.buffer):
-        spans = _check_aligned(sample)
+        spans = [(s.version, s.start, s.end) for s in sample.weight_versions]
+        old = sum(end - start for version, start, end in spans if version == "default")
+        mask = samples.decode_mask(sample.loss_mask)
+        masked = old if mask_offpolicy and (len(spans) > 1 or not mask.any()) else 0
+        _check_aligned(sample, masked)
         assert sample.status in (common_pb2.SAMPLE_STATUS_COMPLETED, common_pb2.SAMPLE_STATUS_TRUNCATED)
         if [v for v, _, _ in spans] == ["default", "v2"]:
             resumed += 1  # its first tokens from before the pause, the rest after: one response, one budget

@@ -47,20 +47,26 @@ def _actor(**settings) -> Actor:
     return Actor(config, model, optimizer, scheduler, Groups())
 
 
+@pytest.mark.parametrize("loss", [{}, {"use_opsm": True, "opsm_delta": -1.0}], ids=["grpo", "opsm"])
 @pytest.mark.parametrize("aggregation", [True, False])
-def test_gradients_do_not_depend_on_micro_batching(aggregation):
+def test_gradients_do_not_depend_on_micro_batching(aggregation, loss):
+    """Also with OPSM, whose mask is each sample's own (at a delta of -1 it drops every negative-advantage token)."""
     grads = []
     for settings in (
         {"micro_batch_size": 1},
         {"micro_batch_size": 4},
         {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 12},
     ):
-        actor = _actor(calculate_per_token_loss=aggregation, **settings)
+        actor = _actor(calculate_per_token_loss=aggregation, **settings, **loss)
         actor.train_rollout(_batch())
         grads.append([p.grad.clone() for p in actor.model.parameters()])
     for other in grads[1:]:
         for a, b in zip(grads[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    if loss:  # the masked tokens are missing from the gradient
+        plain = _actor(calculate_per_token_loss=aggregation, micro_batch_size=1)
+        plain.train_rollout(_batch())
+        assert any(not torch.allclose(a, p.grad) for a, p in zip(grads[0], plain.model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("aggregation", [True, False])

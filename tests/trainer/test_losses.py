@@ -249,3 +249,97 @@ def test_policy_loss_takes_the_configs_loss_settings_whole():
     _close(loss, -1.5)
     with pytest.raises(TypeError, match="eps_clipp"):
         policy_loss(logp, mask, settings, eps_clipp=0.5, **kwargs)
+
+
+def _ragged(seed: int, lengths=(5, 3, 7, 1)):
+    """Random per-sample tensors as slime keeps them (one 1-D tensor per sample) and the same right-padded [B, T]."""
+    g = torch.Generator().manual_seed(seed)
+    per = {k: [torch.randn(n, generator=g) * 0.3 for n in lengths] for k in ("new", "old", "ref")}
+    per["new"] = [(t - 1.0).requires_grad_() for t in per["new"]]
+    per["old"] = [t.detach() + 0.1 * torch.randn(t.shape, generator=g) for t in per["new"]]
+    per["adv"] = [torch.full((n,), float(torch.randn(1, generator=g))) for n in lengths]
+    per["mask"] = [torch.ones(n) for n in lengths]
+    per["mask"][0][1] = 0.0  # a token that is not trained
+
+    def pad(ts):
+        out = torch.zeros(len(ts), max(lengths))
+        for i, t in enumerate(ts):
+            out[i, : len(t)] = t
+        return out
+
+    return per, {k: pad([t.detach() for t in per[k]]) for k in ("new", "old", "ref", "adv", "mask")}
+
+
+def _slime_sample_mean(values: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+    """slime's sum_of_sample_mean (per-sample mean over its loss mask), averaged over the samples."""
+    return torch.stack([(v * m).sum() / m.sum().clamp(min=1) for v, m in zip(values, masks, strict=True)]).mean()
+
+
+def test_opsm_equals_slimes_mask_on_random_samples():
+    """slime's compute_opsm_mask (ppo_utils.py at 624b824) and its use in policy_loss_function: per sample,
+    seq_kl = mean over the loss mask of old - new; tokens with advantage < 0 of a sample with seq_kl > delta get
+    no policy loss."""
+    seen = set()
+    for seed in range(8):
+        per, pad = _ragged(seed)
+        delta = 0.02
+        ref_terms = []
+        for new, old, adv, mask in zip(per["new"], per["old"], per["adv"], per["mask"], strict=True):
+            seq_kl = ((old - new) * mask).sum() / torch.clamp_min(mask.sum(), 1)
+            opsm = 1 - ((adv < 0) & (seq_kl > delta)).float()
+            ratio = (new - old).exp()
+            pg = torch.maximum(-ratio * adv, -ratio.clamp(0.8, 1.2) * adv)
+            ref_terms.append(pg * opsm)
+        expected = _slime_sample_mean(ref_terms, per["mask"])
+        expected_grads = torch.autograd.grad(expected, per["new"])
+        new = pad["new"].detach().requires_grad_()
+        loss, metrics = policy_loss(new, pad["mask"], old_logprobs_BT=pad["old"], advantages_BT=pad["adv"],
+                                    loss_aggregation="sequence", use_opsm=True, opsm_delta=delta)  # fmt: skip
+        _close(loss, expected.detach())
+        (grad,) = torch.autograd.grad(loss, new)
+        for i, g in enumerate(expected_grads):
+            _close(grad[i, : len(g)], g)
+        masked = [bool(((o - n) * m).sum() / m.sum() > delta) and bool(a[0] < 0)
+                  for n, o, a, m in zip(per["new"], per["old"], per["adv"], per["mask"], strict=True)]  # fmt: skip
+        assert (metrics["opsm_clipfrac"] > 0) == any(masked)
+        unmasked, _ = policy_loss(new, pad["mask"], old_logprobs_BT=pad["old"], advantages_BT=pad["adv"],
+                                  loss_aggregation="sequence")  # fmt: skip
+        assert any(masked) == (not torch.isclose(unmasked, loss)), seed
+        seen.add(any(masked))
+    assert seen == {True, False}  # the seeds mask some samples and leave others
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3", "low_var_kl"])
+def test_unbiased_kl_equals_slimes_on_random_samples(kl_type):
+    """slime's compute_approx_kl with importance_ratio = exp(log_probs - old_log_probs) (--use-unbiased-kl): the
+    estimate times the ratio, clamped after for low_var_kl; the ratio carries gradient."""
+    per, pad = _ragged(7)
+    ref_terms = []
+    for new, old, ref in zip(per["new"], per["old"], per["ref"], strict=True):
+        log_ratio = new - ref
+        kl = {"k1": log_ratio, "k2": log_ratio**2 / 2}.get(kl_type)
+        if kl is None:
+            kl = (-log_ratio).exp() - 1 + log_ratio
+        kl = torch.exp(new - old) * kl
+        ref_terms.append(kl.clamp(-10, 10) if kl_type == "low_var_kl" else kl)
+    expected = _slime_sample_mean(ref_terms, per["mask"])
+    expected_grads = torch.autograd.grad(expected, per["new"])
+    new = pad["new"].detach().requires_grad_()
+    settings = dict(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type=kl_type, use_unbiased_kl=True)
+    _, metrics = policy_loss(new, pad["mask"], old_logprobs_BT=pad["old"], advantages_BT=pad["adv"],
+                             ref_logprobs_BT=pad["ref"], loss_aggregation="sequence", **settings)  # fmt: skip
+    _close(metrics["kl_loss"], expected.detach())
+    kl = aggregate(approx_kl(new, pad["ref"], kl_type, torch.exp(new - pad["old"])), pad["mask"], "sequence")
+    (grad,) = torch.autograd.grad(kl, new)
+    for i, g in enumerate(expected_grads):
+        _close(grad[i, : len(g)], g)
+    _, biased = policy_loss(new, pad["mask"], old_logprobs_BT=pad["old"], advantages_BT=pad["adv"],
+                            ref_logprobs_BT=pad["ref"], loss_aggregation="sequence",
+                            **{**settings, "use_unbiased_kl": False})  # fmt: skip
+    assert not torch.isclose(biased["kl_loss"], metrics["kl_loss"])  # the ratios are not all 1
+
+
+def test_unbiased_kl_needs_the_old_log_probs_and_names_them():
+    with pytest.raises(ValueError, match="old_logprobs_BT is required with use_unbiased_kl"):
+        policy_loss(torch.zeros(1, 2), torch.ones(1, 2), loss_type="sft_loss", ref_logprobs_BT=torch.zeros(1, 2),
+                    use_kl_loss=True, use_unbiased_kl=True)  # fmt: skip
