@@ -59,9 +59,19 @@ def pytest_unconfigure(config):
         faulthandler.dump_traceback(all_threads=True)
         os._exit(3)
 
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker waits for the controller's shutdown, however long the other worker's tests take
     watchdog = threading.Timer(EXIT_GRACE_S, report)
     watchdog.daemon = True  # a session that ends cleanly does not wait for it
     watchdog.start()
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker, and every process it starts, draws ports from its own share of the range
+    (services/common/processes.py), so two workers never hand out the same port at once."""
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        processes.split_port_range(int(worker["workerid"].removeprefix("gw")), int(worker["workercount"]))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,7 @@ ports they are given."""
 import contextlib
 import ctypes
 import functools
+import os
 import random
 import signal
 import socket
@@ -25,10 +26,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now ("" for every interface), never one handed out before in this process.
 
     It is drawn from below the kernel's ephemeral range: a port from that range, once freed here, can be taken by any
-    outgoing connection or port-0 listener on the machine before the child binds it."""
-    low = _ephemeral_low()
+    outgoing connection or port-0 listener on the machine before the child binds it; from a share of that where
+    `split_port_range` gave this process one (SLIPSTREAM_PORT_RANGE)."""
+    lowest, low = _port_range()
     for _ in range(200):
-        port = _RANDOM.randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT else 0
+        port = _RANDOM.randrange(lowest, low) if low > lowest else 0
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))
@@ -54,6 +56,24 @@ def free_port_pair(offset: int = 1, host: str = "127.0.0.1") -> int:
 _LOWEST_PORT = 10_000
 _RANDOM = random.SystemRandom()
 _HANDED_OUT: set[int] = set()
+PORT_RANGE_ENV = "SLIPSTREAM_PORT_RANGE"  # "low-high": where free_port draws, in this process and those it starts
+
+
+def _port_range() -> tuple[int, int]:
+    if value := os.environ.get(PORT_RANGE_ENV):
+        low, high = (int(part) for part in value.split("-"))
+        return low, high
+    return _LOWEST_PORT, _ephemeral_low()
+
+
+def split_port_range(index: int, count: int) -> None:
+    """This process (and every process it starts) draws ports from the `index`-th of `count` equal shares of the
+    range, so that `count` such process trees never hand out the same port."""
+    lowest, low = _LOWEST_PORT, _ephemeral_low()
+    if low <= lowest:
+        return  # the ephemeral range is unknown: any free port
+    share = (low - lowest) // count
+    os.environ[PORT_RANGE_ENV] = f"{lowest + index * share}-{lowest + (index + 1) * share}"
 
 
 @functools.cache

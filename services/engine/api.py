@@ -249,7 +249,7 @@ class EngineAPI:
 
         def release() -> None:
             self.host_copy.release()
-            self.weights.tensors = None  # moved: buffers are new tensors
+            self.weights.tensors = None  # looked up again after the move
             if self.engine.device.type == "cuda":
                 torch.cuda.empty_cache()  # back to the device, for the trainer on the same GPU
 

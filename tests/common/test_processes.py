@@ -1,8 +1,9 @@
 """The ports handed to child processes: free, distinct, and out of reach of the kernel's ephemeral ports."""
 
+import os
 import socket
 
-from services.common.processes import _ephemeral_low, free_port
+from services.common.processes import PORT_RANGE_ENV, _ephemeral_low, free_port, split_port_range
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
@@ -11,3 +12,13 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
     assert all(1024 < port < _ephemeral_low() for port in ports)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports[0]))
+
+
+def test_each_share_of_the_range_draws_only_its_own_ports(monkeypatch):
+    """pytest-xdist's workers each take a share (tests/conftest.py), so two never hand out the same port."""
+    monkeypatch.delenv(PORT_RANGE_ENV, raising=False)  # restored after the test, whatever split_port_range sets
+    split_port_range(1, 3)
+    low, high = (int(part) for part in os.environ[PORT_RANGE_ENV].split("-"))
+    share = (_ephemeral_low() - 10_000) // 3
+    assert (low, high) == (10_000 + share, 10_000 + 2 * share)
+    assert all(low <= free_port() < high for _ in range(50))

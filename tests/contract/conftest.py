@@ -5,6 +5,7 @@ put the wheel there by hand."""
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,9 @@ def wheel(project: str, version: str) -> Path:
     if found:
         return found[0]
     CACHE.mkdir(parents=True, exist_ok=True)
-    partial = CACHE / f".download-{project}-{version}"  # moved into place whole: an interrupted one is not taken
-    shutil.rmtree(partial, ignore_errors=True)
+    # This process's own folder (pytest-xdist workers may download at once), moved into place whole: an interrupted
+    # download is not taken.
+    partial = Path(tempfile.mkdtemp(prefix=f".download-{project}-{version}-", dir=CACHE))
     command = [sys.executable, "-m", "pip", "download", f"{project}=={version}", "--no-deps", "--only-binary=:all:",
                *PLATFORM, "--dest", str(partial), "--quiet"]  # fmt: skip
     try:  # within the test's own deadline (pytest-timeout, 300 s)

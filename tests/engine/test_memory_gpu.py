@@ -21,6 +21,5 @@ def test_release_frees_the_gpu_and_resume_brings_back_the_same_weights(hf_model)
         copy.resume()
         assert all(t.device.type == "cuda" for t in [*model.parameters(), *model.buffers()])
         assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items()), round_
-        assert model.lm_head.weight is model.model.embed_tokens.weight or not model.config.tie_word_embeddings
     copy.release()
     assert [h.data_ptr() for h in copy.host] == hosts  # the host copy is made once
