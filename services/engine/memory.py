@@ -35,9 +35,9 @@ class HostCopy:
         return [*self.model.parameters(), *self.model.buffers()]
 
     def release(self) -> None:
-        tensors = self._tensors()
         if self.device.type != "cuda":
             return  # already in host memory
+        tensors = self._tensors()
         if self.host is None:
             self.host = host_views(tensors, pin=True)
         for t, host in zip(tensors, self.host, strict=True):

@@ -142,9 +142,14 @@ def opsm_keep(
     """Off-policy sequence masking (OPSM): 0 on the negative-advantage tokens of each sample whose mean of
     old_logp - logp over its trained tokens exceeds `delta` (the policy has drifted from the one that sampled it,
     and pushing such a sample down further is what destabilizes training), 1 elsewhere; no gradient."""
-    mask_BT = loss_mask_BT.to(logprobs_BT.dtype)
-    drift_B = ((old_logprobs_BT - logprobs_BT).detach() * mask_BT).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
+    drift_B = sample_means((old_logprobs_BT - logprobs_BT).detach(), loss_mask_BT)
     return 1 - ((advantages_BT < 0) & (drift_B[:, None] > delta)).to(logprobs_BT.dtype)
+
+
+def sample_means(values_BT: Tensor, loss_mask_BT: Tensor) -> Tensor:
+    """Each sample's mean of a per-token quantity over its trained tokens, `[B]` (0 for a sample with none)."""
+    mask_BT = loss_mask_BT.to(values_BT.dtype)
+    return (values_BT * mask_BT).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
 
 
 def aggregate(values_BT: Tensor, loss_mask_BT: Tensor, loss_aggregation: str = "token") -> Tensor:
@@ -156,10 +161,10 @@ def aggregate(values_BT: Tensor, loss_mask_BT: Tensor, loss_aggregation: str = "
     """
     if loss_aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss_aggregation {loss_aggregation!r} is unknown; expected 'token' or 'sequence'")
-    mask_BT = loss_mask_BT.to(values_BT.dtype)
     if loss_aggregation == "token":
+        mask_BT = loss_mask_BT.to(values_BT.dtype)
         return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
-    return ((values_BT * mask_BT).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)).mean()
+    return sample_means(values_BT, loss_mask_BT).mean()
 
 
 def ppo_clip_loss(
@@ -195,10 +200,7 @@ def cispo_loss(
 def gspo_log_ratio(logprobs_BT: Tensor, old_logprobs_BT: Tensor, loss_mask_BT: Tensor) -> Tensor:
     """GSPO's sequence-level log importance ratio, the mean of logp - old_logp over each sample's trained tokens,
     on every token of the sample; the gradient flows to every token through the mean."""
-    mask_BT = loss_mask_BT.to(logprobs_BT.dtype)
-    per_token_BT = (logprobs_BT - old_logprobs_BT) * mask_BT
-    seq_B = per_token_BT.sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
-    return seq_B[:, None].expand_as(logprobs_BT)
+    return sample_means(logprobs_BT - old_logprobs_BT, loss_mask_BT)[:, None].expand_as(logprobs_BT)
 
 
 def tis_weights(
