@@ -223,7 +223,7 @@ def main() -> None:
         rows, version = [], 0
         for mib, load_format in [(mib, form) for mib in args.bucket_mib for form in args.load_formats]:
             config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=int(mib * 2**20),
-                                     update_weight_mode=args.update_weight_mode,
+                                     update_weight_mode=args.update_weight_mode, update_weight_transport="nccl",
                                      colocate=args.colocate, update_weight_flattened_bucket=load_format == "flattened",
                                      update_weight_buckets_in_flight=args.buckets_in_flight,
                                      weight_sync_address="127.0.0.1", weight_sync_timeout_s=300, tls=TlsConfig(),

@@ -144,6 +144,23 @@ def test_train_runs_the_demo_on_an_moe_checkpoint(service_process, tmp_path, arc
 
 
 @pytest.mark.timeout(600)
+def test_the_demo_learns_with_its_weights_going_through_disk(service_process, tmp_path):
+    """--update-weight-transport disk: each sync an HF checkpoint under --update-weight-disk-dir, which the engine
+    reloads through /update_weights_from_disk; the run learns as over a weight group, and leaves no folder behind."""
+    weights = tmp_path / "weights"
+    run = service_process("train", *train_args(tmp_path, steps=24), "--lr", "3e-3", "--update-weight-transport",
+                          "disk", "--update-weight-disk-dir", str(weights))  # fmt: skip
+    assert run.wait(480) == 0, run.log[-3000:]
+    steps = steps_of(tmp_path / "demo")
+    assert [s["policy_version"] for s in steps] == list(range(1, 25))
+    rewards = [s["metrics"]["reward"] for s in steps]
+    assert mean(rewards[-6:]) > mean(rewards[:6]) + 0.05, rewards
+    trainer_log = (tmp_path / "demo" / "logs" / "trainer.log").read_text()
+    assert "weights of version 24 sent to 1 engine(s) (disk)" in trainer_log, trainer_log[-3000:]
+    assert list(weights.iterdir()) == []  # each removed once loaded (--update-weight-disk-keep-files keeps them)
+
+
+@pytest.mark.timeout(600)
 def test_train_streams_the_weights_through_a_receiver_beside_each_launched_engine(service_process, tmp_path):
     """--weight-receiver-port-offset: the gateway starts a weight receiver beside each engine it launches, and every
     sync streams through them (one control call per sync); they stop with the run. With --engine-api-key-file the

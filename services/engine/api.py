@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from services.engine.batch import Sequence
 from services.engine.core import Engine
+from services.engine.disk import DiskUpdates
 from services.engine.ipc import IpcUpdates
 from services.engine.memory import HostCopy
 from services.engine.responses import SSE_DONE, error, generate_output, json_response, sse
@@ -27,10 +28,13 @@ HEALTH_TIMEOUT_S = 20.0
 
 
 class EngineAPI:
-    def __init__(self, engine: Engine, info: dict, weight_update_timeout_s: float = 300.0):
+    def __init__(
+        self, engine: Engine, info: dict, weight_update_timeout_s: float = 300.0, weight_disk_dir: str | None = None
+    ):
         self.engine, self.info = engine, info
         self.weights = WeightReceiver(engine, weight_update_timeout_s)
         self.ipc = IpcUpdates(self.weights, weight_update_timeout_s)
+        self.disk = DiskUpdates(self.weights, weight_disk_dir)
         self.host_copy = HostCopy(engine.model, engine.device)
         self.unpaused = asyncio.Event()
         self.unpaused.set()
@@ -282,6 +286,7 @@ class EngineAPI:
             ("/resume_memory_occupation", self.resume_memory, both),
             *self.weights.routes(),
             *self.ipc.routes(),
+            *self.disk.routes(),
         ]
         return [Route(path, handler, methods=methods) for path, handler, methods in table]
 

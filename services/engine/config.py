@@ -29,6 +29,9 @@ class EngineConfig(StrictModel):
     weight_update_timeout_s: float = Field(300.0, gt=0)
     """Deadline of one bucket's receive in a weight update: a broadcast that has not arrived by then (its sender
     stalled or died) is aborted and the update fails, so the engine never waits on a dead weight group."""
+    weight_disk_dir: str | None = None
+    """The folder /update_weights_from_disk may load checkpoints from (any folder under it); unset, the route loads
+    none. The gateway's --update-weight-disk-dir, for engines it launches."""
     enable_return_routed_experts: bool = False
     """Capture each MoE layer's chosen experts so that /generate can return them (SGLang's option, for rollout
     routing replay); Qwen3-MoE, GLM-4.5 and DeepSeek-V3 models only."""

@@ -72,7 +72,7 @@ def serve(config: EngineConfig) -> int:
         "base_gpu_id": config.base_gpu_id,
         "gpu_id_step": 1,
     }
-    app = EngineAPI(engine, info, config.weight_update_timeout_s).app()
+    app = EngineAPI(engine, info, config.weight_update_timeout_s, config.weight_disk_dir).app()
     if config.api_key:
         app = require_api_key(app, config.api_key)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)

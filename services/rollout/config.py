@@ -69,6 +69,11 @@ class RolloutConfig(ServiceConfig):
     weight_sync_timeout_s: float = Field(120.0, gt=0)
     """Deadline of each engine call of a weight sync (joining the group, loading a bucket, committing); an engine
     past it is evicted and the sync goes on without it."""
+    update_weight_disk_dir: str | None = None
+    """The folder a trainer with --update-weight-transport disk writes each sync's checkpoint into, as the engines
+    see it (the trainer's --update-weight-disk-dir, mounted here or elsewhere): the engines load
+    `<folder>/weight_v000042` through /update_weights_from_disk. Reference engines this gateway launches may load
+    from it (their --weight-disk-dir)."""
     weight_receiver_port_offset: int | None = Field(None, ge=-65535, le=65535)
     """Each engine has a weight receiver beside it (`slipstream receiver`, same host) on the engine's port plus this:
     weight syncs stream through the receivers, one control call per sync, into SGLang's /update_weights_from_ipc

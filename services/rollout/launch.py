@@ -54,7 +54,8 @@ def engine_command(config: RolloutConfig, port: int, tp_size: int, on_gpu: bool,
     if tp_size > 1:
         raise StartupError("the reference engine runs without tensor parallelism; set --rollout-num-gpus-per-engine 1")
     device = ["--device", "cuda"] if on_gpu else []
-    return [sys.executable, "-m", "services.engine", *common, *device, *config.sglang_args]
+    disk = ["--weight-disk-dir", config.update_weight_disk_dir] if config.update_weight_disk_dir else []
+    return [sys.executable, "-m", "services.engine", *common, *device, *disk, *config.sglang_args]
 
 
 def receiver_command(config: RolloutConfig, engine_port: int, tp_size: int, on_gpu: bool, base_gpu_id: int) -> list:

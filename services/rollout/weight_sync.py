@@ -68,7 +68,7 @@ class WeightSync:
         self.aborted: asyncio.Future | None = None  # of the open sync: resolves with the reason when it is aborted
         self.delivering = asyncio.Lock()  # buckets reach the engines in turn, whichever sender sent them
         self.deliveries: set[asyncio.Future] = set()  # buckets being loaded: a Prepare waits for them (below)
-        self.transport: Transport = choose("nccl", [], None)  # of the open sync
+        self.transport: Transport = choose("nccl", [], config)  # of the open sync
 
     async def prepare(
         self, version: int, sources: list[tuple[str, str, int]], backend: str, delta: bool = False, delta_base: int = 0
@@ -79,6 +79,7 @@ class WeightSync:
         with the same version after an engine left, it starts the sync over with the engines still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
             raise InvalidArgument(f"sources: each sender needs its own group_name, got {[n for n, _, _ in sources]}")
+        choose(backend, [], self.config)  # refuses a backend this gateway is not set up for, before pausing
         if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
             await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
         self._watch(0)
@@ -100,7 +101,7 @@ class WeightSync:
         if not engines:  # the pool goes on (its health checks pause with it): a restarted engine is re-admitted
             await self.pool.resume()
             raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
-        transport = choose(backend, engines, self.config.weight_receiver_port_offset)
+        transport = choose(backend, engines, self.config)
         members = tuple((e.url, transport.member(e)[1]) for e in engines)
         group = Group(members, tuple(sources), backend, transport.name, tuple(e.admissions for e in engines))
         offsets = [1 + sum(ranks for _, ranks in members[:i]) for i in range(len(members))]
@@ -217,6 +218,10 @@ class WeightSync:
         if failed:
             await self._break("commit", failed)
             raise FailedPrecondition(f"engines left the weight sync of version {version}; prepare it again")
+        loads = self.transport.loads(self.engines, version)
+        if loads is not None:  # an engine that cannot load it is evicted (a later sync re-admits it)
+            for result in (r for r in (await self._load_everywhere(-1, *loads, self.group))[0] if not r.success):
+                self.pool.evict(self.pool.engines[result.url], f"weight sync of version {version}: {result.message}")
         body = {"new_version": str(version), "abort_all_requests": False}
         # Independent calls, at once. A buffer that is restarting (its state is in Redis) is waited for: it must
         # learn the version before generation goes on under it, or synchronous training would wait forever.

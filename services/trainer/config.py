@@ -134,6 +134,16 @@ class TrainerConfig(ServiceConfig):
     it (a new or restarted engine gets every bucket whole), checked per tensor by checksum. Needs the weight receivers
     (the gateway's --weight-receiver-port-offset); keeps a copy of the model's weights on the trainer's GPU and one
     beside each engine's (docs/rollout.md, "Delta sync")."""
+    update_weight_transport: Literal["nccl", "disk"] = "nccl"
+    """How the weights travel: `nccl`, over the weight group the gateway sets up (gloo on CPU; CUDA IPC handles with
+    --colocate); `disk`, as an HF checkpoint written under --update-weight-disk-dir at each sync, which the engines
+    load through /update_weights_from_disk (for engines the trainer's network cannot reach)."""
+    update_weight_disk_dir: str | None = None
+    """With --update-weight-transport disk: the folder, shared with the engines, that each sync's checkpoint is
+    written into (`weight_v000042/`, renamed into place once complete). The gateway's --update-weight-disk-dir names
+    the same folder as the engines see it."""
+    update_weight_disk_keep_files: bool = False
+    """Keep each sync's checkpoint folder once the engines loaded it (by default it is removed then)."""
     weight_sync_address: str = "127.0.0.1"
     """Address at which the engines reach this trainer's rank 0 to join the weight group."""
     colocate: bool = False
@@ -291,6 +301,8 @@ class TrainerConfig(ServiceConfig):
                 "--update-weight-mode delta sends changes over the weight group, and colocated engines "
                 "share the trainer's tensors by handle: drop one of them"
             )
+        if self.update_weight_transport == "disk":
+            self._check_disk()
         if self.colocate and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "--colocate hands every engine's GPU the whole model, and a pipeline stage holds only its "
@@ -327,3 +339,20 @@ class TrainerConfig(ServiceConfig):
         except BatchSizeError as e:
             raise ValueError(str(e)) from None
         return self
+
+    def _check_disk(self) -> None:
+        if not self.update_weight_disk_dir:
+            raise ValueError(
+                "--update-weight-transport disk writes each sync's checkpoint into a folder the engines read: "
+                "add --update-weight-disk-dir <folder shared with the engines>"
+            )
+        if self.colocate:
+            raise ValueError(
+                "--colocate hands the weights to the engines on the same GPUs by handle: drop "
+                "--update-weight-transport disk"
+            )
+        if self.update_weight_mode == "delta":
+            raise ValueError(
+                "--update-weight-mode delta sends changes through the weight receivers, not through disk: use "
+                "--update-weight-mode full with --update-weight-transport disk"
+            )

@@ -73,8 +73,7 @@ class WeightSender:
         # Colocated on several GPUs, every rank hands the engines on its GPU its own copy of each bucket.
         self.handing_over = config.colocate and peers is not None
         self.peers_waiting = False  # the sender's: the colocated peers wait in the next bucket's hand-over
-        stage = dist.get_rank(senders) if senders is not None else None
-        self.group_name = GROUP_NAME if stage is None else f"{GROUP_NAME}_pp{stage}"
+        self.group_name = _group_name(dist.get_rank(senders) if senders is not None else None)
         self.address = config.weight_sync_address if self.coordinator else _own_address(config.weight_sync_address)
         self.group, self.port, self.stream = None, 0, None
         self.in_flight = False  # broadcasts were started on the group and not all have completed
@@ -87,7 +86,7 @@ class WeightSender:
         # a planned sync of it committed: the base of the next sync's deltas
         self.copies: list[torch.Tensor] = []
         self.copies_version = 0
-        self.transport = ""  # of the last attempt: how the buckets went (services/trainer/transports)
+        self.transport: transports.Transport | None = None  # of the last attempt (services/trainer/transports)
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
         # torch's own deadline on the group's collectives comes last: it ends the process
         self.collective_timeout = self.timeout * STALL_FACTOR * 2
@@ -174,11 +173,10 @@ class WeightSender:
             self.stream.cancel()
 
     def _send(self, version: int, buckets, watchdog: "Watchdog") -> None:
-        colocated = self.config.colocate
-        backend = "ipc" if colocated else "nccl" if torch.cuda.is_available() else "gloo"
+        backend = transports.backend(self.config)
         started = time.perf_counter()
         prepared = self._prepare(version, backend)
-        if not colocated and (prepared.group_created or self.group is None):
+        if backend not in transports.GROUPLESS and (prepared.group_created or self.group is None):
             watchdog.progress("joining the weight group")  # its own deadline, the timeout, ends first
             self._drop_group()
             self._join(backend, prepared)
@@ -187,8 +185,7 @@ class WeightSender:
         requests: queue.Queue = queue.Queue()
         responses = self.stream = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
         try:
-            transport = transports.choose(self, prepared, version, requests, responses, watchdog)
-            self.transport = type(transport).__name__.lower()
+            self.transport = transport = transports.choose(self, prepared, version, requests, responses, watchdog)
             for index, (specs, tensors) in enumerate(buckets):
                 transport.send(index, specs, tensors)
                 watchdog.progress(f"after bucket {index}")
@@ -203,7 +200,7 @@ class WeightSender:
     def _prepare(self, version: int, backend: str) -> rollout_pb2.PrepareWeightSyncResponse:
         """The coordinator prepares the sync for every sender's group; a sender that lost its group offers a new
         address (port), for which the gateway builds new groups."""
-        if self.group is None and backend != "ipc":
+        if self.group is None and backend not in transports.GROUPLESS:
             self._listen()
         mine = rollout_pb2.WeightSource(master_address=self.address, master_port=self.port, group_name=self.group_name)
         sources = [mine]
@@ -240,6 +237,7 @@ class WeightSender:
 
     def _commit(self, version: int) -> None:
         started = time.perf_counter()
+        self.transport.publish()
         committed = self.gateway.CommitWeightSync(
             rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.rpc_timeout_s
         )
@@ -250,7 +248,9 @@ class WeightSender:
                 f"no engine committed version {version}: "
                 + "; ".join(f"{e.url}: {e.message}" for e in committed.engines)
             )
-        log.info("weights of version %d sent to %d engine(s) (%s)", version, live, self.transport)
+        self.transport.committed()
+        name = type(self.transport).__name__.lower()
+        log.info("weights of version %d sent to %d engine(s) (%s)", version, live, name)
 
     def _join(self, backend: str, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
         """Hosts the weight group as rank 0 and waits for the engines to join it."""
@@ -343,6 +343,12 @@ class WeightSender:
         dist.broadcast_object_list(flag, src=dist.get_global_rank(self.peers, 0), group=self.peers)
         self.peers_waiting = self.sender and bool(flag[0])
         return bool(flag[0])
+
+    def group_names(self) -> list[str]:
+        """Every sender's group name, in stage order."""
+        return (
+            [GROUP_NAME] if self.senders is None else [_group_name(s) for s in range(dist.get_world_size(self.senders))]
+        )
 
     def lagging(self, version: int) -> list[str]:
         """The healthy engines that do not serve `version` (re-admitted after a crash, or missed a sync)."""
@@ -491,6 +497,10 @@ def _failure(watchdog: Watchdog, step: Callable, *args) -> Exception | None:
     except RuntimeError as e:  # joining the group failed, or a broadcast did
         return EnginesLeft(watchdog.stalled or str(e))
     return None
+
+
+def _group_name(stage: int | None) -> str:
+    return GROUP_NAME if stage is None else f"{GROUP_NAME}_pp{stage}"
 
 
 def _own_address(coordinator_address: str) -> str:

@@ -72,6 +72,7 @@ async def _drive(url: str) -> None:
     config = RolloutConfig(
         use_rollout_routing_replay=True, partial_rollout=True, rollout_stop=["\n\n"], rollout_stop_token_ids=[7],
         eval_temperature=0.5, eval_top_p=0.9, eval_top_k=20, eval_max_response_len=16,
+        update_weight_disk_dir="/shared/weights",
     )  # fmt: skip
     pool = EnginePool(config)
     try:
@@ -91,6 +92,9 @@ async def _drive(url: str) -> None:
         await sync.prepare(2, sources, "ipc")
         await sync.bucket(Bucket(0, ["w"], ["bfloat16"], [[2, 2]], "", (b"handles",)))
         await sync.abort(2, "the trainer went away")
+        await sync.prepare(3, sources, "disk")  # --update-weight-transport disk: loaded at the commit
+        await sync.bucket(Bucket(0, ["w"], ["bfloat16"], [[2, 2]], "", (), "weights-0"))
+        await sync.commit(3)
     finally:
         await pool.close()
 

@@ -142,3 +142,52 @@ def test_update_weight_version(engine_url):
     reply = post(engine_url, "/update_weight_version", {"new_version": "7"}).json()
     assert reply == {"success": True, "message": "Weight version updated to 7", "new_version": "7"}
     assert httpx.get(f"{engine_url}/model_info").json()["weight_version"] == "7"
+
+
+def test_weights_from_disk_are_loaded_from_under_the_weight_disk_dir_only(start_engine, hf_model, tmp_path):
+    """/update_weights_from_disk reads the folder's indexed safetensors bit-identical and sets the version; a folder
+    outside --weight-disk-dir, a missing one or one whose tensors the model lacks is refused in SGLang's shape, and
+    the engine keeps its weights."""
+    from safetensors.torch import save_file
+
+    from services.trainer.export import write_index
+
+    model, _ = hf_model
+    root = tmp_path / "weights"
+    folder = root / "weight_v000001"
+    folder.mkdir(parents=True)
+    torch.manual_seed(2)
+    named = {name: torch.randn_like(p) for name, p in model.named_parameters() if "layers.1." in name}
+    save_file(named, folder / "model-a.safetensors")
+    save_file({"lm_head.weight": torch.zeros(1)}, folder / "model-stale.safetensors")  # no index names it
+    write_index(folder, dict.fromkeys(named, "model-a.safetensors"), 0)
+    url = start_engine("--weight-disk-dir", str(root))
+    before = greedy(url)
+
+    refused = {
+        str(tmp_path): "is not under this engine's --weight-disk-dir",
+        str(root / "weight_v000001" / ".." / ".."): "is not under",
+        str(root / "weight_v000002"): "is not a folder",
+    }
+    for path, message in refused.items():
+        answer = post(url, "/update_weights_from_disk", {"model_path": path, "weight_version": "x"})
+        assert answer.status_code == 400 and not answer.json()["success"] and message in answer.json()["message"]
+    bad = root / "bad"
+    bad.mkdir()
+    save_file({"model.nonexistent.weight": torch.zeros(2)}, bad / "model.safetensors")
+    answer = post(url, "/update_weights_from_disk", {"model_path": str(bad)}).json()
+    assert not answer["success"] and "no parameter named 'model.nonexistent.weight'" in answer["message"]
+    assert greedy(url) == before and httpx.get(f"{url}/model_info").json()["weight_version"] == "default"
+
+    answer = post(url, "/update_weights_from_disk", {"model_path": str(folder), "weight_version": "7"})
+    assert answer.json() == {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+    for name, tensor in named.items():
+        got = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}).json()
+        assert torch.equal(torch.tensor(got, dtype=tensor.dtype), tensor), name
+    assert httpx.get(f"{url}/model_info").json()["weight_version"] == "7"
+    assert greedy(url) != before
+
+
+def test_an_engine_without_a_weight_disk_dir_loads_nothing_from_disk(engine_url, tiny_model):
+    answer = post(engine_url, "/update_weights_from_disk", {"model_path": str(tiny_model)})
+    assert answer.status_code == 400 and "start it with --weight-disk-dir" in answer.json()["message"]

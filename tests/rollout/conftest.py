@@ -6,6 +6,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
@@ -125,10 +126,12 @@ class System:
 def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, service_process, tmp_path):
     """`make_system(num_engines=2, buffer={...}, reward={...}, num_prompts=24, receivers=False, **gateway_settings)`:
     every part real; prompts "What is i + 1?" with labels, and the eval set "arith" (the first 6 prompts).
-    `receivers`: a weight receiver beside each engine, through which weight syncs stream."""
+    `receivers`: a weight receiver beside each engine, through which weight syncs stream; `disk`: the folder weight
+    syncs go through (--update-weight-transport disk)."""
 
     def make(num_engines: int = 2, buffer: dict | None = None, reward: dict | None = None, model=tiny_model,
-             num_prompts: int = NUM_PROMPTS, receivers: bool = False, **gateway) -> System:  # fmt: skip
+             num_prompts: int = NUM_PROMPTS, receivers: bool = False, disk: Path | None = None,
+             **gateway) -> System:  # fmt: skip
         data = tmp_path / "prompts.jsonl"
         rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(num_prompts)]
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -143,8 +146,11 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, s
         )
         # Engine i on "GPU" i: colocated, it reads the tensor handles of trainer rank i.
         ports = [free_port_pair() if receivers else None for _ in range(num_engines)]
-        engines = start_engine.many([("--model-path", str(model), "--base-gpu-id", str(i)) for i in range(num_engines)],
-                                    ports)  # fmt: skip
+        loads = ("--weight-disk-dir", str(disk)) if disk else ()
+        engines = start_engine.many([("--model-path", str(model), "--base-gpu-id", str(i), *loads)
+                                     for i in range(num_engines)], ports)  # fmt: skip
+        if disk:  # the trainer's checkpoint per sync, loaded from there
+            gateway["update_weight_disk_dir"] = str(disk)
         if receivers:  # beside each engine, on its port + 1: the weights stream through them
             procs = [service_process("receiver", "--engine-url", url, "--port", str(port + 1), "--timeout-s", "60")
                      for url, port in zip(engines, ports, strict=True)]  # fmt: skip

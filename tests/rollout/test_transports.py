@@ -2,6 +2,10 @@
 
 from types import SimpleNamespace
 
+import pytest
+
+from services.common.errors import FailedPrecondition
+from services.rollout.config import RolloutConfig
 from services.rollout.transports import Bucket, choose
 from services.rollout.transports.streamed import receiver_url
 
@@ -10,13 +14,30 @@ def _engine(url: str, ordered: bool = True, tp: int = 2):
     return SimpleNamespace(url=url, ordered_buckets=ordered, tp_size=tp, gpus=(0,))
 
 
+def _config(offset: int | None = None, disk: str | None = None) -> RolloutConfig:
+    return RolloutConfig(weight_receiver_port_offset=offset, update_weight_disk_dir=disk)
+
+
 def test_each_sync_takes_the_transport_its_setting_says():
     engines = [_engine("http://a:30000"), _engine("http://b:30000", ordered=False)]
-    assert choose("ipc", engines, 1).name == "handles"  # colocated, whatever else is set
-    assert choose("nccl", engines, 100).name == "streamed"
-    broadcast = choose("nccl", engines, None)
+    assert choose("ipc", engines, _config(1)).name == "handles"  # colocated, whatever else is set
+    assert choose("disk", engines, _config(1, "/shared/w")).name == "disk"  # the trainer's setting
+    assert choose("nccl", engines, _config(100)).name == "streamed"
+    broadcast = choose("nccl", engines, _config())
     assert broadcast.name == "broadcast" and not broadcast.ordered  # one engine takes one bucket at a time
-    assert choose("gloo", engines[:1], None).ordered
+    assert choose("gloo", engines[:1], _config()).ordered
+
+
+def test_a_disk_sync_loads_the_versions_folder_as_the_engines_see_it_at_the_commit():
+    with pytest.raises(FailedPrecondition, match="--update-weight-disk-dir"):
+        choose("disk", [], _config())
+    disk = choose("disk", [], _config(disk="/mnt/weights/"))
+    engines = [_engine("http://a:30000"), _engine("http://b:30000")]
+    assert not disk.uses_group and disk.requests(engines, Bucket(0, ["w"], ["bfloat16"], [[2]])) is None
+    path, bodies = disk.loads(engines, 42)
+    assert path == "/update_weights_from_disk" and set(bodies) == {"http://a:30000", "http://b:30000"}
+    assert bodies["http://a:30000"]["model_path"] == "/mnt/weights/weight_v000042"
+    assert bodies["http://a:30000"]["weight_version"] == "42"
 
 
 def test_a_receiver_is_on_its_engines_host_at_the_offset_port():
@@ -27,7 +48,7 @@ def test_a_receiver_is_on_its_engines_host_at_the_offset_port():
 
 
 def test_a_streamed_sync_delivers_each_senders_plan_once_it_is_complete():
-    streamed = choose("nccl", [], 1)
+    streamed = choose("nccl", [], _config(1))
     engines = [_engine("http://a:30000", tp=2)]
     assert streamed.member(engines[0]) == ("http://a:30001", 1)  # one rank per engine, whatever its TP size
     first = Bucket(0, ["w1"], ["bfloat16"], [[2, 2]], group_name="g0", num_buckets=2)

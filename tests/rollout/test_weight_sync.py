@@ -243,17 +243,20 @@ def _usage(pid: int) -> dict:
 
 
 def _sender(system, bucket_mib: float = 0.1, colocate: bool = False, timeout_s: float = 60,
-            mode: str = "full") -> WeightSender:  # fmt: skip
+            mode: str = "full", disk: Path | None = None, keep_files: bool = False,
+            hf_checkpoint: Path | None = None) -> WeightSender:  # fmt: skip
     config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=int(bucket_mib * 2**20),
                              update_weight_flattened_bucket=False, update_weight_mode=mode,
+                             update_weight_transport="disk" if disk else "nccl", update_weight_disk_dir=disk,
+                             update_weight_disk_keep_files=keep_files, hf_checkpoint=hf_checkpoint,
                              update_weight_buckets_in_flight=2, weight_sync_address="127.0.0.1", colocate=colocate,
                              weight_sync_timeout_s=timeout_s, tls=TlsConfig(), auth=AuthConfig())  # fmt: skip
     return WeightSender(config, weights=None, sender=True)
 
 
-def _send_with(system, weights, version: int) -> bool:
+def _send_with(system, weights, version: int, **settings) -> bool:
     """One sync by a sender of its own (a trainer), closed after."""
-    sender = _sender(system)
+    sender = _sender(system, **settings)
     sender.weights = weights
     try:
         return sender.sync(version)
@@ -265,10 +268,13 @@ def _engines(system) -> dict:
     return {e.url: e for e in system.gateway.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=10).engines}
 
 
-@pytest.mark.parametrize("path", ["broadcast", "streamed"])
+@pytest.mark.parametrize("path", ["broadcast", "streamed", "disk"])
 def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(make_system, start_engine, tiny_model,
-                                                                             caplog, path):  # fmt: skip
-    system = make_system(num_engines=2, receivers=path == "streamed")
+                                                                             caplog, path, tmp_path):  # fmt: skip
+    """Killed while the trainer sends (with disk: writes) the buckets. Over a weight group the survivor gets every
+    bucket from the start again; from disk it loads the folder at the commit, which the victim fails."""
+    disk = tmp_path / "weights" if path == "disk" else None
+    system = make_system(num_engines=2, receivers=path == "streamed", disk=disk)
     hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
     victim, survivor = system.engines
     sent = {n: t + 0.25 for n, t in hf.items()}
@@ -281,8 +287,11 @@ def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(mak
                 start_engine.procs[victim].proc.kill()
             yield name, tensor
 
-    assert _send_with(system, weights, version=1)
-    assert len(passes) == 2 and "starting over" in caplog.text  # the survivor got every bucket from the start again
+    assert _send_with(system, weights, version=1, disk=disk, hf_checkpoint=tiny_model)
+    if disk is None:
+        assert len(passes) == 2 and "starting over" in caplog.text  # the survivor got every bucket from the start again
+    else:
+        assert len(passes) == 1 and not any(disk.iterdir())  # loaded by the survivor, then removed
     engines = _engines(system)
     assert engines[victim].state == rollout_pb2.ENGINE_STATE_EVICTED and "weight sync" in engines[victim].last_error
     assert engines[survivor].state == rollout_pb2.ENGINE_STATE_HEALTHY and engines[survivor].weight_version == "1"
@@ -573,7 +582,8 @@ from services.trainer.weight_sync import WeightSender, WeightSyncFailed
 hf = sorted(load_file(sys.argv[2]).items())
 config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=int(0.1 * 2**20),
                          update_weight_flattened_bucket=False,
-                         update_weight_buckets_in_flight=2, update_weight_mode="full", weight_sync_address="127.0.0.1",
+                         update_weight_buckets_in_flight=2, update_weight_mode="full", update_weight_transport="nccl",
+                         weight_sync_address="127.0.0.1",
                          weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 syncs = []
 
@@ -629,7 +639,8 @@ rank = dist.get_rank()
 mine = [(name, (tensor + 0.25).contiguous()) for name, tensor in sorted(load_file(model).items())[rank::2]]
 config = SimpleNamespace(rollout_addr=address, update_weight_buffer_size=int(0.05 * 2**20),
                          update_weight_flattened_bucket=False,
-                         update_weight_buckets_in_flight=2, update_weight_mode="full", weight_sync_address="127.0.0.1",
+                         update_weight_buckets_in_flight=2, update_weight_mode="full", update_weight_transport="nccl",
+                         weight_sync_address="127.0.0.1",
                          weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 passes = []
 

@@ -1,9 +1,10 @@
 """How a weight sync's buckets reach the engines, one module per transport, chosen at each PrepareWeightSync
 (`choose`): `broadcast` (each bucket posted to the engines' /update_weights_from_distributed while the trainer
-broadcasts it), `handles` (colocated: the bucket's CUDA IPC handles, posted to /update_weights_from_tensor) and
+broadcasts it), `handles` (colocated: the bucket's CUDA IPC handles, posted to /update_weights_from_tensor),
 `streamed` (the sync's whole plan to the weight receiver beside each engine, the buckets streamed with no call
-between them). The sync itself (services/rollout/weight_sync.py) holds the group, the sessions, faults and commits,
-and asks the transport only what differs."""
+between them) and `disk` (a checkpoint folder the trainer wrote, loaded at the commit). The sync itself
+(services/rollout/weight_sync.py) holds the group, the sessions, faults and commits, and asks the transport only
+what differs."""
 
 from dataclasses import dataclass
 
@@ -41,14 +42,21 @@ class Transport:
         when it is delivered later, with others (its answer is then given at once)."""
         raise NotImplementedError
 
+    def loads(self, engines: list, version: int) -> tuple[str, dict] | None:
+        """The call that loads the sync at its commit, in the same form; None when the buckets loaded it."""
+        return None
 
-def choose(backend: str, engines: list, receiver_port_offset: int | None) -> Transport:
+
+def choose(backend: str, engines: list, config) -> Transport:
     from services.rollout.transports.broadcast import Broadcast
+    from services.rollout.transports.disk import Disk
     from services.rollout.transports.handles import Handles
     from services.rollout.transports.streamed import Streamed
 
     if backend == "ipc":
         return Handles()
-    if receiver_port_offset is not None:
-        return Streamed(receiver_port_offset)
+    if backend == "disk":
+        return Disk(config.update_weight_disk_dir)
+    if config.weight_receiver_port_offset is not None:
+        return Streamed(config.weight_receiver_port_offset)
     return Broadcast(ordered=all(e.ordered_buckets for e in engines))

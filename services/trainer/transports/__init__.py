@@ -1,11 +1,25 @@
 """How the trainer's sender sends a sync's buckets once the gateway prepared it, one module per transport, chosen by
-the gateway's answer (`choose`): `broadcast` (each bucket's specs to the gateway, then its broadcast, a few in
-flight), `handles` (colocated: the bucket's tensor handles, every GPU's) and `streamed` (the whole plan first, then
-every bucket's bytes, with no answer awaited between them). The sync itself (services/trainer/weight_sync.py) holds
-the groups, attempts, the watchdog and commits; a transport sends buckets (`send`) and waits for the engines
-(`finish`), raising EnginesLeft when an engine failed."""
+the settings and the gateway's answer (`choose`): `broadcast` (each bucket's specs to the gateway, then its
+broadcast, a few in flight), `handles` (colocated: the bucket's tensor handles, every GPU's), `streamed` (the whole
+plan first, then every bucket's bytes, with no answer awaited between them) and `disk` (an HF checkpoint the engines
+load at the commit). The sync itself (services/trainer/weight_sync.py) holds the groups, attempts, the watchdog and
+commits; a transport sends buckets (`send`), waits for the engines (`finish`), raising EnginesLeft when an engine
+failed, and (the coordinator's) makes the sync loadable before the commit (`publish`)."""
 
 import queue
+
+import torch
+
+GROUPLESS = ("ipc", "disk")  # the backends whose weights do not travel over a weight group
+
+
+def backend(config) -> str:
+    """What a sync asks the gateway for (PrepareWeightSync's backend)."""
+    if config.update_weight_transport == "disk":
+        return "disk"
+    if config.colocate:
+        return "ipc"
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 class Transport:
@@ -19,9 +33,16 @@ class Transport:
     def finish(self) -> None:
         """Returns once the engines loaded every bucket sent."""
 
+    def publish(self) -> None:
+        """The coordinator's, once every sender's buckets went: what must happen before the commit."""
+
+    def committed(self) -> None:
+        """The coordinator's, once the engines serve the sync."""
+
 
 def choose(sender, prepared, version: int, requests: queue.Queue, responses, watchdog) -> Transport:
     from services.trainer.transports.broadcast import Broadcast
+    from services.trainer.transports.disk import Disk
     from services.trainer.transports.handles import Handles
     from services.trainer.transports.streamed import Streamed
     from services.trainer.weight_sync import Unreachable
@@ -31,5 +52,7 @@ def choose(sender, prepared, version: int, requests: queue.Queue, responses, wat
             "--update-weight-mode delta needs a weight receiver beside each engine: start the gateway "
             "with --weight-receiver-port-offset (docs/rollout.md, 'Streamed weight sync')"
         )
+    if sender.config.update_weight_transport == "disk":
+        return Disk(sender, prepared, version, requests, responses, watchdog)
     kind = Handles if sender.config.colocate else Streamed if prepared.streamed else Broadcast
     return kind(sender, prepared, version, requests, responses, watchdog)

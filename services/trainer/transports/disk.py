@@ -1,0 +1,88 @@
+"""--update-weight-transport disk: each sync is an HF checkpoint folder under --update-weight-disk-dir, which the
+engines load at the commit (the gateway posts /update_weights_from_disk). Each sender writes its buckets as shards
+named for its stage (`model-<group>-NNNNN.safetensors`) and its part of the index into the sync's staging folder; the
+coordinator, once every sender wrote, merges the index, copies the checkpoint's other files (config, tokenizer) and
+renames the folder to the version's name, so no engine ever loads a half-written one. Each bucket's specs still go
+to the gateway as it is written: their answers keep the sync alive while a large checkpoint is written."""
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from services.common import weight_folders
+from services.trainer.export import copy_hf_metadata, write_index
+from services.trainer.transports import Transport
+from slipstream.v1 import rollout_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Disk(Transport):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.root = Path(self.sender.config.update_weight_disk_dir)
+        self.folder = self.root / weight_folders.staging(self.version)
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+
+    def send(self, index: int, specs: list, tensors) -> None:
+        from safetensors.torch import save_file
+
+        name = f"model-{self.sender.group_name}-{index:05d}.safetensors"
+        # Converted tensors can be views of one fused tensor; safetensors refuses shared storage.
+        bucket = {s.name: t.detach().to("cpu", copy=True).contiguous() for s, t in zip(specs, tensors, strict=True)}
+        _writing(self.folder, lambda: save_file(bucket, self.folder / name, metadata={"format": "pt"}))
+        self.weight_map.update(dict.fromkeys(bucket, name))
+        self.total += sum(t.numel() * t.element_size() for t in bucket.values())
+        self.requests.put(
+            rollout_pb2.WeightBucket(
+                version=self.version, bucket_index=index, tensors=specs, group_name=self.sender.group_name
+            )
+        )
+        self.sender._check(next(self.responses))
+
+    def finish(self) -> None:
+        part = {"total_size": self.total, "weight_map": self.weight_map}
+        _writing(
+            self.folder, lambda: (self.folder / f"index-{self.sender.group_name}.json").write_text(json.dumps(part))
+        )
+
+    def publish(self) -> None:
+        """One index for every sender's shards (a shard of an earlier attempt or run that no index names is not
+        loaded), the checkpoint's other files, and the folder renamed into place."""
+
+        def publish() -> None:
+            weight_map, total = {}, 0
+            for name in self.sender.group_names():
+                path = self.folder / f"index-{name}.json"
+                part = json.loads(path.read_text())
+                weight_map.update(part["weight_map"])
+                total += part["total_size"]
+                path.unlink()
+            write_index(self.folder, weight_map, total)
+            copy_hf_metadata(self.sender.config.hf_checkpoint, self.folder)
+            target = self.root / weight_folders.published(self.version)
+            shutil.rmtree(target, ignore_errors=True)  # of an attempt whose commit failed, or of an earlier run
+            self.folder.rename(target)
+
+        _writing(self.folder, publish)
+
+    def committed(self) -> None:
+        """Unless --update-weight-disk-keep-files: the engines loaded it, so this sync's folder goes, with those of
+        earlier versions that failed (an engine that joins later gets a sync of its own)."""
+        if self.sender.config.update_weight_disk_keep_files:
+            return
+        for path in self.root.iterdir():
+            version = weight_folders.version_of(path.name)
+            if version is not None and version <= self.version and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _writing(folder: Path, write) -> None:
+    """`write`, with an error that names the folder: a full or unwritable disk fails the sync (and is retried)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write()
+    except OSError as e:
+        raise RuntimeError(f"--update-weight-disk-dir: cannot write the weights into {folder}: {e}") from None
