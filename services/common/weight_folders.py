@@ -16,6 +16,10 @@ def staging(version: int) -> str:
     return f".{published(version)}.partial"
 
 
+def is_published(name: str) -> bool:
+    return bool(PUBLISHED.match(name))
+
+
 def version_of(name: str) -> int | None:
     """The version of a folder named by `published` or `staging`; None for any other name."""
     if not (PUBLISHED.match(name) or STAGING.match(name)):

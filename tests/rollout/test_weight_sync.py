@@ -300,6 +300,37 @@ def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(mak
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 1
 
 
+def test_a_disk_sync_is_an_hf_checkpoint_loaded_once_complete(make_system, tiny_model, tmp_path):
+    """--update-weight-transport disk: a sync that fails while the checkpoint is written leaves only its staging
+    folder, which no engine is told of (they keep their version); the next is loaded bit for bit, and with
+    --update-weight-disk-keep-files stays as an HF checkpoint that transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    disk = tmp_path / "weights"
+    system = make_system(num_engines=2, disk=disk)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sent = {n: t * 0.5 for n, t in hf.items()}
+
+    def failing():
+        for index, (name, tensor) in enumerate(sent.items()):
+            if index == len(sent) // 2:
+                raise OSError("the disk is gone")
+            yield name, tensor
+
+    with pytest.raises(OSError):
+        _send_with(system, failing, version=1, disk=disk, hf_checkpoint=tiny_model)
+    assert [p.name for p in disk.iterdir()] == [".weight_v000001.partial"]
+    assert {e.weight_version for e in _engines(system).values()} == {"default"}
+    assert _send_with(system, lambda: iter(sent.items()), 2, disk=disk, hf_checkpoint=tiny_model, keep_files=True)
+    for url in system.engines:
+        assert _engines(system)[url].weight_version == "2"
+        for name in sent:
+            assert torch.equal(weights_of(url, name), sent[name])
+    assert [p.name for p in disk.iterdir()] == ["weight_v000002"]  # the failed one's staging folder removed
+    exported = AutoModelForCausalLM.from_pretrained(disk / "weight_v000002", dtype=torch.float32)
+    assert all(torch.equal(exported.state_dict()[name], sent[name]) for name in sent)
+
+
 @pytest.mark.parametrize(("when", "path"), [("between-syncs", "broadcast"), ("mid-sync", "broadcast"),
                                              ("mid-sync", "streamed")])  # fmt: skip
 def test_a_hung_engine_is_evicted_and_the_others_get_the_weights(make_system, start_engine, tiny_model, when, path):

@@ -69,13 +69,17 @@ class Disk(Transport):
         _writing(self.folder, publish)
 
     def committed(self) -> None:
-        """Unless --update-weight-disk-keep-files: the engines loaded it, so this sync's folder goes, with those of
-        earlier versions that failed (an engine that joins later gets a sync of its own)."""
-        if self.sender.config.update_weight_disk_keep_files:
-            return
+        """The engines loaded it: unless --update-weight-disk-keep-files this sync's folder goes, with those of
+        earlier versions (an engine that joins later gets a sync of its own); staging folders of syncs that failed
+        go in any case."""
+        keep = self.sender.config.update_weight_disk_keep_files
         for path in self.root.iterdir():
             version = weight_folders.version_of(path.name)
-            if version is not None and version <= self.version and path.is_dir():
+            if (
+                version is not None
+                and version <= self.version
+                and not (keep and weight_folders.is_published(path.name))
+            ):
                 shutil.rmtree(path, ignore_errors=True)
 
 
