@@ -46,7 +46,7 @@ def num_tokens(data: bytes) -> int:
 # the bytes can skip hops: the worker writes them to Redis, the trainer reads them from there (buffer.proto). Their
 # form is a serialized PromptGroup whose samples hold only these fields, encoded and decoded here at the wire level so
 # that each array is copied once each way (through the message API it would be copied three times, then twice).
-ARRAYS = ("tokens", "loss_mask", "rollout_logprobs", "routed_experts")
+ARRAYS = ("tokens", "loss_mask", "rollout_logprobs", "routed_experts", "teacher_logprobs")
 _NUMBERS = [common_pb2.Sample.DESCRIPTOR.fields_by_name[name].number for name in ARRAYS]
 _SAMPLES = common_pb2.PromptGroup.DESCRIPTOR.fields_by_name["samples"].number
 

@@ -12,16 +12,17 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.trainer.advantages import compute_advantages, normalized_rewards, whiten
+from services.trainer.advantages import compute_advantages, normalized_rewards, opd_term, whiten
 from services.trainer.batching import micro_batches, split_steps
 from services.trainer.config import TrainerConfig
-from services.trainer.data import RolloutBatch, input_tensors, response_tensors
+from services.trainer.data import BatchError, RolloutBatch, input_tensors, pad_rows, response_tensors
 from services.trainer.data_parallel import DistributedAdamW
 from services.trainer.hooks import Hooks
-from services.trainer.losses import approx_kl, policy_loss, token_logprobs_and_entropy
+from services.trainer.losses import approx_kl, policy_loss, sample_means, token_logprobs_and_entropy
 from services.trainer.optimizer import clip_gradients
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class Actor:
         if ddp is not None and self.pipelined:  # the schedule lets the DDP reduce after the last micro-batch only
             model.config.no_sync_func = ddp.no_sync
         self.critic = None  # PPO: a Critic trained beside the policy
+        self.teacher = None  # on-policy distillation with --opd-type megatron: the teacher model, forward only
         self.routing = None
         if config.replays_routing:
             from services.trainer.routing_replay import RoutingReplay
@@ -172,6 +174,10 @@ class Actor:
         ref_BR = self.full_logprobs(self.ref_model, batch) if self.ref_model is not None else None
         values_BR = self.critic.full_values(batch) if self.critic is not None else None
         kl_BR = approx_kl(old_BR, ref_BR, "k1") * mask_BR if ref_BR is not None and c.kl_coef else None
+        opd_BR, opd_metrics = None, {}
+        if c.use_opd:
+            opd_BR, reverse_kl_BR = opd_term(old_BR, self._teacher_logprobs(batch, mask_BR), mask_BR, c.opd_kl_coef)
+            opd_metrics = {"opd_reverse_kl": self._dp_mean(sample_means(reverse_kl_BR, mask_BR))}
         rewards_B = batch.rewards_B
         if not (batch.normalized or c.disable_rewards_normalization):
             std = not c.disable_grpo_std_normalization
@@ -186,6 +192,8 @@ class Actor:
         if self.hooks["custom_advantage_function_path"]:
             kl = kl_BR if kl_BR is not None else torch.zeros_like(mask_BR)
             advantages_BR, returns_BR = self.hooks.advantages(batch, {**per_step, "values": values_BR, "kl": kl})
+            if opd_BR is not None:
+                advantages_BR = (advantages_BR - opd_BR) * mask_BR
             if c.normalize_advantages:
                 advantages_BR = whiten(advantages_BR, mask_BR)
         else:
@@ -201,13 +209,14 @@ class Actor:
                 lambd=c.lambd,
                 normalize_advantages=c.normalize_advantages,
                 rewards_normalization=False,
+                opd_BT=opd_BR,
             )
         per_step["adv"] = advantages_BR
         critic_t = {"old_values": values_BR, "returns": returns_BR, "mask": mask_BR}
         self.model.train()
         results = []
         for indices in steps:
-            metrics = {}
+            metrics = dict(opd_metrics)
             if self.critic is not None:
                 critic = self.critic._step(batch, indices, critic_t)
                 metrics.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic.items()})
@@ -218,6 +227,28 @@ class Actor:
             if part is not None:
                 part._gather_weights()
         return results
+
+    def _teacher_logprobs(self, batch: RolloutBatch, mask_BR: torch.Tensor) -> torch.Tensor:
+        """The teacher's log-prob of each response token: forwarded here (--opd-type megatron), or as the gateway's
+        teacher engines gave them with the samples (sglang), which every trained sample must have."""
+        if self.teacher is not None:
+            return self.full_logprobs(self.teacher, batch)
+        given = batch.teacher_logprobs or [[] for _ in range(len(batch))]
+        lengths = batch.response_lengths()
+        for i, teacher in enumerate(given):
+            if len(teacher) != lengths[i] and mask_BR[i].any():
+                raise BatchError(
+                    f"sample {batch.sample_ids[i]} has no teacher log-probs, and --use-opd --opd-type sglang trains "
+                    "none without: run the gateway with --use-opd --opd-type sglang and teacher engines "
+                    "(--opd-teacher-urls or --opd-teacher-hf-checkpoint)"
+                )
+        rows = [t if len(t) else np.zeros(n, np.float32) for t, n in zip(given, lengths, strict=True)]
+        return pad_rows(rows, mask_BR.shape[1])
+
+    def _dp_mean(self, values_B: torch.Tensor) -> float:
+        """The mean of a per-sample quantity over every data-parallel rank's samples."""
+        total = self._all_reduce_dp(torch.tensor([float(values_B.sum()), float(len(values_B))], dtype=torch.float64))
+        return float(total[0] / total[1].clamp(min=1))
 
     def _step(self, batch: RolloutBatch, indices: list[int], t: dict) -> dict[str, float]:
         c = self.config

@@ -30,6 +30,7 @@ def compute_advantages(
     disable_std_normalization: bool = False,
     normalize_advantages: bool = False,
     rewards_normalization: bool = True,
+    opd_BT: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Returns `(advantages_BT, returns_BT)` for slime's `--advantage-estimator`.
 
@@ -41,6 +42,8 @@ def compute_advantages(
     `kl_BT` is the per-token KL to the reference policy (`losses.approx_kl`), needed when `kl_coef` is not 0.
     Without `rewards_normalization` the rewards are taken as already normalized (slime's
     `--disable-rewards-normalization`, or a custom reward post-processing): no group statistics are applied.
+    `opd_BT`, on-policy distillation's term (`opd_term`), is subtracted from the advantages (not the returns)
+    before they are whitened, as slime's `apply_opd_kl_to_advantages`.
     """
     mask_BT = _checked_mask(advantage_estimator, rewards_B, loss_mask_BT, group_size, kl_BT, values_BT, kl_coef)
     rewards_B = rewards_B.to(torch.float32)
@@ -57,9 +60,19 @@ def compute_advantages(
         advantages_BT = returns_BT = discounted_returns(rewards_BT, gamma) * mask_BT
     else:
         advantages_BT = returns_BT = (rewards_B[:, None] - kl_coef * kl_BT) * mask_BT
+    if opd_BT is not None:
+        advantages_BT = (advantages_BT - opd_BT) * mask_BT
     if normalize_advantages or advantage_estimator.startswith("reinforce_plus_plus"):
         advantages_BT = whiten(advantages_BT, mask_BT)
     return advantages_BT, returns_BT
+
+
+def opd_term(student_BT: Tensor, teacher_BT: Tensor, mask_BT: Tensor, kl_coef: float) -> tuple[Tensor, Tensor]:
+    """On-policy distillation (slime's `apply_opd_kl_to_advantages`): `kl_coef` * the reverse KL per token,
+    (student - teacher) log-prob, the student's being the old policy's (the rollout engine's with
+    --use-rollout-logprobs); returns (the term, the reverse KL), both 0 on untrained tokens."""
+    reverse_kl_BT = (student_BT.float() - teacher_BT.float()) * mask_BT
+    return kl_coef * reverse_kl_BT, reverse_kl_BT
 
 
 def normalized_rewards(estimator: str, rewards_B: Tensor, group_size: int, std_normalization: bool = True) -> Tensor:

@@ -75,6 +75,23 @@ def load_reference(config: TrainerConfig):
     return reference.eval().requires_grad_(False)
 
 
+def load_teacher(config: TrainerConfig, model_shard: str):
+    """On-policy distillation's teacher with --opd-type megatron (None otherwise): the policy's architecture, with the
+    weights of --opd-teacher-load (an HF folder, or this rank's shard `model_shard` of a --save folder), frozen."""
+    if not (config.use_opd and config.opd_type == "megatron"):
+        return None
+    from services.trainer.models import SafetensorsWeights, load_gpt_model, load_hf_weights
+
+    teacher, gpt = load_gpt_model(config.hf_checkpoint, dtype=model_dtype(config))
+    folder = Path(config.opd_teacher_load)
+    if checkpoint.latest_step(folder) is None and config.opd_teacher_ckpt_step is None:
+        load_hf_weights(teacher, gpt, SafetensorsWeights(folder))
+    else:
+        state = checkpoint.load(folder, model_shard, step=config.opd_teacher_ckpt_step, rng=False)
+        teacher.load_state_dict(state["model"])
+    return teacher.eval().requires_grad_(False)
+
+
 def load_critic(config: TrainerConfig, groups: Groups):
     """PPO's critic, with its own optimizer and schedule (None for the other advantage estimators)."""
     if config.loss.advantage_estimator != "ppo":

@@ -72,9 +72,11 @@ def latest_step(root: Path) -> int | None:
     return int(path.read_text().strip()) if path.is_file() else None
 
 
-def load(root: Path, shard: str = shard_name(0, 0), step: int | None = None, own: str | None = None) -> dict:
+def load(
+    root: Path, shard: str = shard_name(0, 0), step: int | None = None, own: str | None = None, rng: bool = True
+) -> dict:
     """This rank's state (`shard`, and the file `own` merged in) of the latest (or the given) step; restores the RNG
-    states."""
+    states (unless not `rng`)."""
     step = latest_step(root) if step is None else step
     if step is None:
         raise FileNotFoundError(f"{root} holds no checkpoint ({LATEST} is missing); check --load")
@@ -89,7 +91,9 @@ def load(root: Path, shard: str = shard_name(0, 0), step: int | None = None, own
                 "--use-distributed-optimizer, or with another data-parallel size?"
             )
         state.update(torch.load(path.parent / own, map_location="cpu", weights_only=False))
-    set_rng_state(state.pop("rng"))
+    saved_rng = state.pop("rng")
+    if rng:
+        set_rng_state(saved_rng)
     return state
 
 

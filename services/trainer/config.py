@@ -1,6 +1,7 @@
 """Configuration of the trainer. Names are Megatron's (`--tensor-model-parallel-size`, `--lr`, `--clip-grad`, …) and
 slime's (`--advantage-estimator`, `--use-kl-loss`, …), so a slime command line carries over."""
 
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -245,6 +246,20 @@ class TrainerConfig(ServiceConfig):
     """Train on the rewards as scored: no group mean (or std) is taken before the estimator."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty in the reward (reinforce++ and PPO)."""
+    use_opd: bool = False
+    """On-policy distillation (slime's): each response token's advantage less --opd-kl-coef * (the policy's log-prob
+    - the teacher's), on top of any estimator; needs --opd-type."""
+    opd_type: Literal["sglang", "megatron"] | None = None
+    """Where the teacher's log-probs come from: `sglang`, teacher engines the gateway asks as it finishes each group
+    (they come with the batch); `megatron`, a teacher model loaded here (--opd-teacher-load) and run forward on each
+    batch, as the reference model is."""
+    opd_kl_coef: float = 1.0
+    """Weight of the distillation term in the advantages."""
+    opd_teacher_load: str | None = None
+    """With --opd-type megatron: the teacher, of the policy's architecture: an HF folder, or a folder written by
+    --save (its latest step, or --opd-teacher-ckpt-step)."""
+    opd_teacher_ckpt_step: int | None = Field(None, ge=0)
+    """The step of --opd-teacher-load's checkpoint to load (default: its latest)."""
     loss: LossSettings = LossSettings()
     """The actor's loss (flags --eps-clip, --use-kl-loss, …: slime's names, no prefix)."""
     calculate_per_token_loss: bool = True
@@ -303,6 +318,7 @@ class TrainerConfig(ServiceConfig):
             )
         if self.update_weight_transport == "disk":
             self._check_disk()
+        self._check_opd()
         if self.colocate and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "--colocate hands every engine's GPU the whole model, and a pipeline stage holds only its "
@@ -339,6 +355,19 @@ class TrainerConfig(ServiceConfig):
         except BatchSizeError as e:
             raise ValueError(str(e)) from None
         return self
+
+    def _check_opd(self) -> None:
+        if self.use_opd and self.opd_type is None:
+            raise ValueError("--use-opd needs --opd-type: sglang (teacher engines) or megatron (--opd-teacher-load)")
+        if self.opd_teacher_load is not None and not (self.use_opd and self.opd_type == "megatron"):
+            raise ValueError(
+                "--opd-teacher-load is the teacher of --use-opd --opd-type megatron: add those, or drop it (with "
+                "--opd-type sglang the teacher is served by engines: the gateway's --opd-teacher-urls)"
+            )
+        if self.use_opd and self.opd_type == "megatron" and not self.opd_teacher_load:
+            raise ValueError("--opd-type megatron loads the teacher here: add --opd-teacher-load <HF or --save folder>")
+        if self.opd_teacher_load is not None and not Path(self.opd_teacher_load).is_dir():
+            raise ValueError(f"--opd-teacher-load {self.opd_teacher_load}: no such folder")
 
     def _check_disk(self) -> None:
         if not self.update_weight_disk_dir:

@@ -28,6 +28,9 @@ class RolloutBatch:
     group_size: int
     sample_ids: list[str]
     routed_experts: list[bytes] | None = None  # the engines' routing per sample (int32), for rollout routing replay
+    # The teacher's log-prob of each response token (on-policy distillation, --opd-type sglang); empty where a sample
+    # has none (None: no sample has)
+    teacher_logprobs: list[np.ndarray] | None = None
     raw_rewards_B: torch.Tensor | None = None  # the rewards as scored, where a hook has replaced `rewards_B`
     normalized: bool = False  # `rewards_B` is already normalized (by a custom reward post-processing or conversion)
 
@@ -46,7 +49,7 @@ class RolloutBatch:
 
 
 def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> RolloutBatch:
-    tokens, prompts, masks, logprobs, rewards, ids, routed = [], [], [], [], [], [], []
+    tokens, prompts, masks, logprobs, rewards, ids, routed, teacher = [], [], [], [], [], [], [], []
     for group in groups:
         if len(group.samples) != group_size:
             raise BatchError(f"group {group.group_id} has {len(group.samples)} samples, expected {group_size}")
@@ -67,6 +70,12 @@ def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> Rollou
                     f"{where}: loss_mask has {len(mask)} and rollout_logprobs {len(lps)} entries for "
                     f"{sample.response_length} response tokens"
                 )
+            teacher_lps = arrays.decode_logprobs(sample.teacher_logprobs)
+            if len(teacher_lps) not in (0, sample.response_length):
+                raise BatchError(
+                    f"{where}: teacher_logprobs has {len(teacher_lps)} entries for {sample.response_length} response "
+                    "tokens"
+                )
             if not math.isfinite(sample.reward):
                 raise BatchError(f"{where}: reward is {sample.reward}; fix the reward function or its --reward-key")
             if sample.status in (common_pb2.SAMPLE_STATUS_FAILED, common_pb2.SAMPLE_STATUS_ABORTED):
@@ -78,8 +87,12 @@ def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> Rollou
             rewards.append(sample.reward)
             ids.append(sample.sample_id)
             routed.append(sample.routed_experts)
+            teacher.append(teacher_lps)
     rewards_B = torch.tensor(rewards, dtype=torch.float32)
-    return RolloutBatch(tokens, prompts, masks, logprobs, rewards_B, group_size, ids, routed)
+    teacher_or_none = teacher if any(len(t) for t in teacher) else None
+    return RolloutBatch(
+        tokens, prompts, masks, logprobs, rewards_B, group_size, ids, routed, teacher_logprobs=teacher_or_none
+    )
 
 
 def pad_rows(rows: list[np.ndarray], width: int, dtype=torch.float32) -> torch.Tensor:

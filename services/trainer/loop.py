@@ -57,6 +57,7 @@ class Trainer:
         groups = assembly.process_groups(self.info, self.gpt.shape)
         self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference, ddp=self.ddp)
         self.actor.critic = assembly.load_critic(config, groups)
+        self.actor.teacher = assembly.load_teacher(config, self.shards.model)
         self.channel, self.buffer = assembly.buffer_client(config)
         self.redis = assembly.data_plane(config)
         self.layout_checked = False  # the data plane's layout in the buffer's Redis, at the first keys read

@@ -68,7 +68,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., sampling_seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "index", "tokens", "prompt_length", "response_length", "response_text", "loss_mask", "rollout_logprobs", "reward", "reward_details", "status", "status_message", "weight_versions", "metadata", "engine_url", "num_turns", "routed_experts")
+    __slots__ = ("sample_id", "index", "tokens", "prompt_length", "response_length", "response_text", "loss_mask", "rollout_logprobs", "reward", "reward_details", "status", "status_message", "weight_versions", "metadata", "engine_url", "num_turns", "routed_experts", "teacher_logprobs")
     class RewardDetailsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Sample(_message.Message):
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     index: int
     tokens: bytes
@@ -110,7 +111,8 @@ class Sample(_message.Message):
     engine_url: str
     num_turns: int
     routed_experts: bytes
-    def __init__(self, sample_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., response_text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., rollout_logprobs: _Optional[bytes] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., status_message: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., engine_url: _Optional[str] = ..., num_turns: _Optional[int] = ..., routed_experts: _Optional[bytes] = ...) -> None: ...
+    teacher_logprobs: bytes
+    def __init__(self, sample_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., response_text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., rollout_logprobs: _Optional[bytes] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., status_message: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., engine_url: _Optional[str] = ..., num_turns: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., teacher_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
     __slots__ = ("group_id", "dataset", "prompt_index", "epoch", "prompt_tokens", "prompt_text", "label", "metadata", "tools_json", "n_samples", "samples", "min_weight_version", "timings")

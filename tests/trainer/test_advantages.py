@@ -131,3 +131,48 @@ def test_bad_inputs_name_the_argument():
         compute_advantages("grpo", torch.zeros(4), mask_BT, group_size=1, kl_BT=mask_BT, kl_coef=0.1)
     with pytest.raises(ValueError, match="no trained token in sample 1"):
         compute_advantages("reinforce_plus_plus", torch.zeros(2), torch.tensor([[1, 1], [0, 0]]), group_size=1)
+
+
+def _slime_apply_opd_kl_to_advantages(advantages, student, teacher, kl_coef):
+    """slime 624b824 `slime/backends/megatron_utils/loss.py::apply_opd_kl_to_advantages`, per sample as it keeps
+    them (lists of response-length tensors)."""
+    reverse_kls = []
+    for i, adv in enumerate(advantages):
+        reverse_kl = student[i] - teacher[i]
+        advantages[i] = adv - kl_coef * reverse_kl
+        reverse_kls.append(reverse_kl)
+    return advantages, reverse_kls
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "ppo"])  # (reinforce++ whitens inside: no base to compare)
+def test_on_policy_distillation_subtracts_the_reverse_kl_before_whitening_as_slime(estimator):
+    """On random samples of different lengths: the advantages equal slime's estimator, then its OPD term per sample,
+    then (here with --normalize-advantages) whitening over every trained token; the returns are untouched."""
+    from services.trainer.advantages import opd_term, whiten
+    from services.trainer.losses import sample_means
+
+    torch.manual_seed(0)
+    lengths = [5, 3, 7, 2]
+    mask_BT = torch.zeros(4, 7)
+    for i, n in enumerate(lengths):
+        mask_BT[i, :n] = 1
+    rewards_B, values_BT = torch.rand(4), torch.randn(4, 7)
+    student_BT, teacher_BT = -torch.rand(4, 7) * 3, -torch.rand(4, 7) * 3
+    base, returns = compute_advantages(estimator, rewards_B, mask_BT, group_size=2, values_BT=values_BT)
+    term_BT, reverse_kl_BT = opd_term(student_BT, teacher_BT, mask_BT, 0.7)
+    got, got_returns = compute_advantages(estimator, rewards_B, mask_BT, group_size=2, values_BT=values_BT,
+                                          opd_BT=term_BT, normalize_advantages=True)  # fmt: skip
+    rows = [base[i, :n].clone() for i, n in enumerate(lengths)]
+    student, teacher = (
+        [student_BT[i, :n] for i, n in enumerate(lengths)],
+        [teacher_BT[i, :n] for i, n in enumerate(lengths)],
+    )
+    expected, reverse_kls = _slime_apply_opd_kl_to_advantages(rows, student, teacher, 0.7)
+    expected_BT = torch.zeros(4, 7)
+    for i, n in enumerate(lengths):
+        expected_BT[i, :n] = expected[i]
+    torch.testing.assert_close(got, whiten(expected_BT, mask_BT))
+    torch.testing.assert_close(got_returns, returns)
+    # opd_reverse_kl as slime reports it: each sample's mean over its tokens (sum_of_sample_mean, per sample)
+    slime_metric = torch.stack([r.mean() for r in reverse_kls]).mean()
+    torch.testing.assert_close(sample_means(reverse_kl_BT, mask_BT).mean(), slime_metric)
