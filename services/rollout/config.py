@@ -69,6 +69,18 @@ class RolloutConfig(ServiceConfig):
     weight_sync_timeout_s: float = Field(120.0, gt=0)
     """Deadline of each engine call of a weight sync (joining the group, loading a bucket, committing); an engine
     past it is evicted and the sync goes on without it."""
+    use_opd: bool = False
+    """On-policy distillation (slime's): with --opd-type sglang, the teacher's log-prob of every response token is
+    fetched from teacher engines as each training group finishes, and stored with its samples."""
+    opd_type: Literal["sglang", "megatron"] | None = None
+    """sglang: the teacher engines are this gateway's (--opd-teacher-urls, --opd-teacher-hf-checkpoint); megatron:
+    the trainer runs the teacher, and the gateway does nothing for it."""
+    opd_teacher_urls: list[str] = []
+    """Engines serving the teacher model (SGLang servers, or `slipstream engine`), SGLang's /generate."""
+    opd_teacher_hf_checkpoint: str | None = None
+    """Launch teacher engines serving this HF folder (as the policy's engines are, on the GPUs after theirs)."""
+    opd_teacher_num_gpus: int = Field(1, ge=1)
+    """GPUs of the launched teacher engines (--rollout-num-gpus-per-engine each)."""
     update_weight_disk_dir: str | None = None
     """The folder a trainer with --update-weight-transport disk writes each sync's checkpoint into, as the engines
     see it (the trainer's --update-weight-disk-dir, mounted here or elsewhere): the engines load
@@ -188,6 +200,14 @@ class RolloutConfig(ServiceConfig):
         self.eval_sets()  # a bad file stops here, naming the set and the key
         if self.use_router and self.redis.url:
             raise ValueError("--use-router routes through one router per gateway; with --redis-url drop it")
+        teachers = bool(self.opd_teacher_urls or self.opd_teacher_hf_checkpoint)
+        if self.use_opd and self.opd_type == "sglang" and not teachers:
+            raise ValueError(
+                "--use-opd --opd-type sglang asks teacher engines for log-probs: add --opd-teacher-urls <url ...> or "
+                "--opd-teacher-hf-checkpoint <HF folder>"
+            )
+        if teachers and not (self.use_opd and self.opd_type == "sglang"):
+            raise ValueError("teacher engines serve --use-opd --opd-type sglang: add those, or drop the teacher")
         if self.engine_api_key_file is not None and not self.engine_api_key():
             raise ValueError(f"--engine-api-key-file {self.engine_api_key_file}: no such file, or it is empty")
         return self

@@ -16,22 +16,24 @@ from services.common.processes import free_port, free_port_pair
 from services.rollout.config import RolloutConfig
 
 
-async def launch_engines(config: RolloutConfig) -> list[Child]:
-    """Starts `--rollout-num-gpus / --rollout-num-gpus-per-engine` engines and waits until each one is healthy."""
+async def launch_engines(config: RolloutConfig, name: str = "engine", first_gpu: int = 0) -> list[Child]:
+    """Starts `--rollout-num-gpus / --rollout-num-gpus-per-engine` engines (from GPU `first_gpu` on) and waits until
+    each one is healthy."""
     per_engine = config.rollout_num_gpus_per_engine
     gpus = num_gpus()
-    if gpus and gpus < config.rollout_num_gpus:
-        raise StartupError(f"--rollout-num-gpus {config.rollout_num_gpus} but this machine has {gpus} GPU(s)")
+    if gpus and gpus < first_gpu + config.rollout_num_gpus:
+        raise StartupError(f"{first_gpu + config.rollout_num_gpus} GPUs for the engines, but this machine has {gpus}")
     children = []
     offset = config.weight_receiver_port_offset
     for index in range(config.rollout_num_gpus // per_engine):
         port = free_port() if offset is None else free_port_pair(offset)
         # Placed by SGLang's --base-gpu-id, every engine seeing the node's GPUs as the trainer does: colocated, it
         # reads the tensor handles of the trainer rank on its GPU (on CPU, engine i those of local rank i).
-        args = engine_command(config, port, per_engine, on_gpu=bool(gpus), base_gpu_id=index * per_engine)
-        children.append(start(f"engine-{index}", args, port, Path(config.engine_log_dir)))
+        gpu = first_gpu + index * per_engine
+        args = engine_command(config, port, per_engine, on_gpu=bool(gpus), base_gpu_id=gpu)
+        children.append(start(f"{name}-{index}", args, port, Path(config.engine_log_dir)))
         if offset is not None:  # its weight receiver, beside it
-            args = receiver_command(config, port, per_engine, bool(gpus), index * per_engine)
+            args = receiver_command(config, port, per_engine, bool(gpus), gpu)
             children.append(start(f"receiver-{index}", args, port + offset, Path(config.engine_log_dir)))
     try:
         await asyncio.gather(*(wait_ready(c, "/health") for c in children))
@@ -98,3 +100,15 @@ async def wait_workers(router: Child, urls: list[str], timeout_s: float = 60.0) 
                 return
             await asyncio.sleep(0.2)
     raise StartupError(f"the router did not take the engines {urls} within {timeout_s:.0f} s; see {router.log_path}")
+
+
+async def launch_teachers(config: RolloutConfig) -> list[Child]:
+    """On-policy distillation's teacher engines (--opd-teacher-hf-checkpoint), on the GPUs after the policy's."""
+    if not config.opd_teacher_hf_checkpoint:
+        return []
+    teacher = config.model_copy(
+        update={"hf_checkpoint": config.opd_teacher_hf_checkpoint, "rollout_num_gpus": config.opd_teacher_num_gpus,
+                "weight_receiver_port_offset": None, "update_weight_disk_dir": None,
+                "use_rollout_routing_replay": False}
+    )  # fmt: skip
+    return await launch_engines(teacher, "teacher", first_gpu=config.rollout_num_gpus)

@@ -14,8 +14,9 @@ from services.common.server import Service, Servicer
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool, normalize
 from services.rollout.fleet import Fleet, follow, own_address, reconcile
-from services.rollout.launch import launch_engines, launch_router, wait_workers
+from services.rollout.launch import launch_engines, launch_router, launch_teachers, wait_workers
 from services.rollout.servicer import RolloutServicer
+from services.rollout.teacher import Teacher
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
 from slipstream.v1 import buffer_pb2_grpc, reward_pb2_grpc
@@ -31,7 +32,13 @@ async def build(config: RolloutConfig) -> Service:
         fleet = Fleet(redis_handle.async_client(), config.redis.prefix, config.run_id, me, config.fleet_ttl_s)
         pool.paused_elsewhere = fleet.syncing
     children = await launch_engines(config) if config.rollout_num_gpus else []
+    teacher = Teacher(config) if config.use_opd and config.opd_type == "sglang" else None
     try:
+        children += await launch_teachers(config)
+        if teacher is not None:
+            await teacher.register(
+                [*config.opd_teacher_urls, *(c.url for c in children if c.name.startswith("teacher"))]
+            )
         if config.use_router:
             children.append(router := await launch_router(config))
             pool.use_router(router.url)
@@ -59,6 +66,7 @@ async def build(config: RolloutConfig) -> Service:
             tokenizer=_tokenizer(config.hf_checkpoint),
             redis=fleet.redis if fleet is not None else None,
             failed=failed,
+            teacher=teacher,
         )
     except BaseException as e:
         await stop(children)
@@ -71,6 +79,8 @@ async def build(config: RolloutConfig) -> Service:
 
     async def ready() -> None:
         tasks.append(asyncio.create_task(pool.check_forever()))
+        if teacher is not None:
+            tasks.append(asyncio.create_task(teacher.pool.check_forever()))
         if fleet is not None:  # serving once its share of the engines (or, as the coordinator, every one) is admitted
             await fleet.beat()
             await reconcile(fleet, pool)
@@ -83,6 +93,8 @@ async def build(config: RolloutConfig) -> Service:
                 await task
         await rollout.stop(abort_in_flight=True)  # unfinished groups go back to the buffer
         await pool.close()
+        if teacher is not None:
+            await teacher.close()
         for channel in (buffer_channel, reward_channel, version_channel):
             await channel.close()
         await stop(children)

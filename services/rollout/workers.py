@@ -50,10 +50,20 @@ THROUGHPUT = prometheus_client.Gauge(
 
 class Rollout:
     def __init__(
-        self, config: RolloutConfig, pool: EnginePool, buffer, reward, tokenizer=None, redis=None, failed=None
+        self,
+        config: RolloutConfig,
+        pool: EnginePool,
+        buffer,
+        reward,
+        tokenizer=None,
+        redis=None,
+        failed=None,
+        teacher=None,
     ):
-        """`failed`: a future that is given the error that must stop the gateway (another data-plane layout)."""
+        """`failed`: a future that is given the error that must stop the gateway (another data-plane layout);
+        `teacher`: on-policy distillation's teacher engines (teacher.Teacher), asked for each training group."""
         self.config, self.pool, self.buffer, self.reward, self.tokenizer = config, pool, buffer, reward, tokenizer
+        self.teacher = teacher
         self.redis = redis  # the buffer's Redis (--redis-url): training groups are completed or uploaded there
         self.failed: asyncio.Future | None = failed
         self.scorer = ScoreBatcher(reward)
@@ -186,7 +196,10 @@ class Rollout:
                 return None
             done.timings["generated"] = time.time()
             with logged_wait(log, "group %s to be scored", group.group_id):
-                await self._score(done)
+                if self.teacher is not None and done.dataset in ("", "train"):
+                    await asyncio.gather(self._score(done), self.teacher.annotate(done))
+                else:
+                    await self._score(done)
             done.timings["scored"] = time.time()
             with logged_wait(log, "group %s to be submitted", group.group_id):
                 await self._submit(lease, done)

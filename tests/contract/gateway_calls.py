@@ -20,6 +20,7 @@ from services.common import launch
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, generate_group
+from services.rollout.teacher import Teacher
 from services.rollout.transports import Bucket
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
@@ -72,7 +73,7 @@ async def _drive(url: str) -> None:
     config = RolloutConfig(
         use_rollout_routing_replay=True, partial_rollout=True, rollout_stop=["\n\n"], rollout_stop_token_ids=[7],
         eval_temperature=0.5, eval_top_p=0.9, eval_top_k=20, eval_max_response_len=16,
-        update_weight_disk_dir="/shared/weights",
+        update_weight_disk_dir="/shared/weights", use_opd=True, opd_type="sglang", opd_teacher_urls=["http://t:1"],
     )  # fmt: skip
     pool = EnginePool(config)
     try:
@@ -83,6 +84,12 @@ async def _drive(url: str) -> None:
         rollout = Rollout(config, pool, buffer=None, reward=None)
         for sampling in (rollout.sampling(), rollout.sampling(_every_override(), evaluation=True)):
             await generate_group(GenerateContext(pool, sampling, config), _group_with_partial_sample(), resume=True)
+        teacher = Teacher(config)  # on-policy distillation: the teacher's log-probs of a finished group
+        await teacher.register([url])
+        finished = _group_with_partial_sample()
+        finished.samples[0].status = common_pb2.SAMPLE_STATUS_COMPLETED
+        await teacher.annotate(finished)
+        await teacher.close()
         sync = WeightSync(config, pool, _Buffer())
         sources = [("weights-0", "127.0.0.1", 29500)]
         await sync.release()  # colocated: memory released before the sync, taken back by it
@@ -172,7 +179,9 @@ def _answer(path: str, body, version: str):
     if path == "/generate":
         n = (body.get("sampling_params") or {}).get("n", 1)
         meta = {"id": "r", "finish_reason": {"type": "length", "length": 2}, "weight_version": "0",
-                "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]]}  # fmt: skip
+                "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
+                "input_token_logprobs": [[None, 1, None], [-0.1, 2, None], [-0.2, 3, None],
+                                         [-0.3, 4, None]]}  # fmt: skip
         output = {"text": "ab", "output_ids": [5, 6], "meta_info": meta}
         return [output] * n if n > 1 else output
     if path in ("/release_memory_occupation", "/resume_memory_occupation"):
