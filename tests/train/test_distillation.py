@@ -1,0 +1,56 @@
+"""On-policy distillation end to end (examples/on_policy_distillation): a student learns the demo's task from a
+teacher trained on it, with every training reward 0 (slime's pure distillation), the teacher served by an engine the
+gateway launches; and with the teacher loaded in a trainer of two tensor-parallel CPU processes."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from examples.on_policy_distillation.run import args_for
+from services.trainer.config import TrainerConfig
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line)["metrics"] for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+@pytest.mark.timeout(600)
+def test_the_student_learns_the_task_from_the_teachers_signal_alone(service_process, tmp_path):
+    run = service_process("train", *args_for(tmp_path, steps=40))
+    assert run.wait(480) == 0, run.log[-3000:]
+    steps = _metrics(tmp_path / "opd")
+    rewards, kl = [s["reward"] for s in steps], [s["opd_reverse_kl"] for s in steps]
+    assert len(steps) == 40 and _mean(rewards[:8]) <= 0.1, rewards
+    assert _mean(rewards[-8:]) >= _mean(rewards[:8]) + 0.1, rewards  # the task's reward, never trained on
+    assert _mean(kl[-8:]) < _mean(kl[:8]), kl
+
+
+@pytest.mark.timeout(600)
+def test_a_megatron_teacher_trains_under_tensor_parallelism(service_process, tmp_path):
+    args = [a for a in args_for(tmp_path, steps=3)]
+    at = args.index("--opd-type")
+    args[at + 1] = "megatron"
+    teacher = args.pop(args.index("--opd-teacher-hf-checkpoint") + 1)
+    args.remove("--opd-teacher-hf-checkpoint")
+    args += ["--opd-teacher-load", teacher, "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
+    run = service_process("train", *args)
+    assert run.wait(480) == 0, run.log[-3000:]
+    kl = [s["opd_reverse_kl"] for s in _metrics(tmp_path / "opd")]
+    assert len(kl) == 3 and all(8 < k < 20 for k in kl), kl  # the untrained student against a sure teacher
+
+
+def test_the_distillation_settings_are_checked_naming_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="--use-opd needs --opd-type"):
+        TrainerConfig(use_opd=True)
+    with pytest.raises(ValueError, match="add --opd-teacher-load"):
+        TrainerConfig(use_opd=True, opd_type="megatron")
+    with pytest.raises(ValueError, match="no such folder"):
+        TrainerConfig(use_opd=True, opd_type="megatron", opd_teacher_load=str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="--opd-teacher-load is the teacher of"):
+        TrainerConfig(use_opd=True, opd_type="sglang", opd_teacher_load=str(tmp_path))
