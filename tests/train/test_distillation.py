@@ -43,8 +43,8 @@ def test_a_megatron_teacher_trains_under_tensor_parallelism(service_process, tmp
     assert run.wait(480) == 0, run.log[-3000:]
     kl = [s["opd_reverse_kl"] for s in _metrics(tmp_path / "opd")]
     assert len(kl) == 3 and all(8 < k < 20 for k in kl), kl  # the untrained student against a sure teacher
-    # A --save folder as the teacher (this rank's shard of its last step, 3): the student after three steps, close to the
-    # student from the start, unlike the sure teacher
+    # A --save folder as the teacher (each rank's shard of its last step, 3): the student after three steps, close to
+    # the student from the start, unlike the sure teacher
     at = args.index("--opd-teacher-load")
     args[at + 1] = str(tmp_path / "opd" / "checkpoints")
     args += ["--opd-teacher-ckpt-step", "3", "--run-id", "again", "--save", str(tmp_path / "again" / "checkpoints")]
