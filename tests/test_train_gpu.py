@@ -47,6 +47,9 @@ LAYOUTS = {  # name: (GPUs needed, flags)
     # through a weight receiver beside the engine (its GPU): NCCL to the receiver, CUDA IPC into the engine
     "streamed": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1",
                      "--weight-receiver-port-offset", "1"]),
+    # an HF checkpoint per sync under the test's folder, reloaded by the engine (/update_weights_from_disk)
+    "disk": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--update-weight-transport", "disk",
+                 "--update-weight-disk-dir", "{tmp}/weights"]),
     "colocated": (1, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--colocate"]),
     "colocated-2gpu": (2, ["--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "2", "--colocate",
                            "--use-distributed-optimizer"]),
@@ -62,6 +65,7 @@ def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, m
     (data-parallel, the distributed optimizer) and two engines on GPUs 0 and 1, each engine reading the handles of
     the rank on its GPU."""
     gpus, flags = LAYOUTS[layout]
+    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     model, train = model_and_data
@@ -78,6 +82,7 @@ def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, m
     for version in range(1, STEPS + 1):  # every step's weights reached the engines, which serve them
         assert f"weights of version {version} sent to {engines} engine(s)" in logs["trainer"]
         assert (f"sent to {engines} engine(s) (streamed)" in logs["trainer"]) == (layout == "streamed")
+        assert (f"sent to {engines} engine(s) (disk)" in logs["trainer"]) == (layout == "disk")
         assert f"weights of version {version} are live on {engines} engine(s)" in logs["rollout"]
     assert "starting over" not in logs["trainer"]  # no engine failed a sync
     print(f"\n{layout}: {STEPS} steps of 8 prompts x 8 samples, 128-token responses; {torch.cuda.get_device_name(0)}")
