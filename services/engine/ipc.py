@@ -105,7 +105,8 @@ class IpcUpdates:
         """Loads one bucket; why it could not be, or None."""
         try:
             names = [m["name"] for m in metadata]
-            tensors = [_view(buffer, m["dtype"], m["shape"], int(m["offset"])) for m in metadata]
+            typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype, made once a bucket
+            tensors = [_view(buffer, typed, m["dtype"], m["shape"], int(m["offset"])) for m in metadata]
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             return f"bad bucket metadata: {e}"
         problem = self.weights.check(names, tensors)
@@ -117,8 +118,17 @@ class IpcUpdates:
         return [("/update_weights_from_ipc", self.update_from_ipc, ["POST"])]
 
 
-def _view(buffer: torch.Tensor, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:
-    size = torch.Size(shape).numel() * dtype.itemsize
-    if offset < 0 or offset + size > buffer.numel() or offset % dtype.itemsize:
+def _view(buffer: torch.Tensor, typed: dict, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:
+    """The tensor at `offset` of `buffer`, in one view op (`typed` keeps the buffer viewed as each dtype)."""
+    numel = torch.Size(shape).numel()
+    if offset < 0 or offset + numel * dtype.itemsize > buffer.numel() or offset % dtype.itemsize:
+        size = numel * dtype.itemsize
         raise ValueError(f"{size} bytes at offset {offset} do not fit the {buffer.numel()}-byte buffer aligned")
-    return buffer[offset : offset + size].view(dtype).view(shape)
+    if dtype not in typed:
+        typed[dtype] = buffer[: buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+    flat = typed[dtype]
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return flat.as_strided(shape, strides[::-1], flat.storage_offset() + offset // dtype.itemsize)

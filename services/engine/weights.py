@@ -38,8 +38,8 @@ class WeightReceiver:
         # name → (process group, its cancel flag: set by destroy, a pending receive of that group gives up)
         self.groups: dict[str, tuple[object, threading.Event]] = {}
         self.session_open = False
-        # The model's tensors by checkpoint name, looked up once per session: the session holds no memory release
-        # (which moves them), and building the map costs a model walk (~1 ms for 36 layers) per bucket otherwise.
+        # The model's tensors by checkpoint name, looked up once and again only after a memory release or resume
+        # (which move them: api.py): building the map is a model walk (state_dict), several ms for a 4B model.
         self.tensors: dict[str, torch.Tensor] | None = None
         self.receiving = asyncio.Lock()  # a group is destroyed only between receives
         # Ordered buckets (a slipstream extension, `sequence` in the body): each is posted in its turn, in the
@@ -79,13 +79,13 @@ class WeightReceiver:
         self.turn = 0  # ordered buckets count from here, even in a session a gateway that died left open
         if self.session_open:
             return control(False, "A weight update session is already open; call end_weight_update() first.")
-        self.session_open, self.tensors = True, None
+        self.session_open = True
         return control(True, "Weight update session started.")
 
     async def end(self, request: Request) -> Response:
         if not self.session_open:
             return control(False, "No weight update session is open; call begin_weight_update() first.")
-        self.session_open, self.tensors = False, None
+        self.session_open = False
         return control(True, "Weight update session ended.")
 
     async def update_from_distributed(self, request: Request) -> Response:
@@ -186,9 +186,8 @@ class WeightReceiver:
             if abort:
                 self.engine.abort(self.engine.running(), "Abort by weight update")
             parameters = self._tensors()
-            with torch.no_grad():
-                for name, tensor in zip(names, tensors, strict=True):
-                    parameter_view(parameters, name).copy_(tensor)
+            with torch.no_grad():  # one call for the bucket: a copy_ a tensor costs the dispatcher's overhead each
+                torch._foreach_copy_([parameter_view(parameters, name) for name in names], list(tensors))
             if self.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.engine.device)
             if version is not None:

@@ -224,9 +224,9 @@ class Sync:
             first, *others = (tensor[start : start + size] for tensor in self.buffers.tensors)
             for other in others:  # the engine's other GPUs: their own copy, from this one
                 other.copy_(first)
-        for tensor in self.buffers.tensors:
-            if tensor.is_cuda:
-                torch.cuda.synchronize(tensor.device)
+        for tensor in self.buffers.tensors:  # the copies done (each bucket's broadcast is: its work completed)
+            if tensor.is_cuda:  # the current stream only: a device synchronize would wait for the receives posted ahead
+                torch.cuda.current_stream(tensor.device).synchronize()
         metadata = []
         for index in indices:
             bucket, start = self.buckets[index], self.buffers.start(index)
