@@ -51,6 +51,13 @@ def load_policy(config: TrainerConfig):
     from services.trainer.models import load_gpt_model
 
     model, gpt = load_gpt_model(config.hf_checkpoint, dtype=model_dtype(config), **model_settings(config))
+    if config.lora_rank:
+        from services.trainer import lora
+
+        settings = lora.LoraSettings(
+            config.lora_rank, config.lora_alpha, config.lora_dropout, tuple(config.target_modules)
+        )
+        lora.apply(model, settings, gpt.shape)
     if config.replays_routing and not gpt.shape.num_experts:
         raise ValueError(
             f"routing replay replays the experts' routing: {config.hf_checkpoint} has no experts "

@@ -246,6 +246,15 @@ class TrainerConfig(ServiceConfig):
     """Train on the rewards as scored: no group mean (or std) is taken before the estimator."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty in the reward (reinforce++ and PPO)."""
+    lora_rank: int = Field(0, ge=0)
+    """LoRA: train low-rank adapters of this rank on the --target-modules layers, the base weights frozen (0: train
+    every weight). Weight syncs send the weights with the adapters folded in (docs/trainer.md, "LoRA")."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """The adapters' scale is lora_alpha / lora_rank (peft's)."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input."""
+    target_modules: list[str] = ["all-linear"]
+    """The layers adapted, by HF's names: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all-linear."""
     use_opd: bool = False
     """On-policy distillation (slime's): each response token's advantage less --opd-kl-coef * (the policy's log-prob
     - the teacher's), on top of any estimator; needs --opd-type."""
@@ -319,6 +328,10 @@ class TrainerConfig(ServiceConfig):
         if self.update_weight_transport == "disk":
             self._check_disk()
         self._check_opd()
+        if self.lora_rank:
+            from services.trainer.lora import check_targets
+
+            check_targets(self.target_modules)
         if self.colocate and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "--colocate hands every engine's GPU the whole model, and a pipeline stage holds only its "

@@ -33,6 +33,7 @@ from services.trainer.hf_names import (
     megatron_to_hf,
     tp_split_dim,
 )
+from services.trainer.lora import is_adapter, merged
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -365,10 +366,19 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
 
 
 def checkpoint_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint holds: the parameters, and the routers' expert-score corrections (DeepSeek-V3's
-    `e_score_correction_bias`, megatron's `expert_bias` buffer)."""
+    """The tensors an HF checkpoint holds: the parameters (not LoRA's adapters), and the routers' expert-score
+    corrections (DeepSeek-V3's `e_score_correction_bias`, megatron's `expert_bias` buffer)."""
     buffers = {name: buffer for name, buffer in model.named_buffers() if name.endswith("router.expert_bias")}
-    return dict(model.named_parameters()) | buffers
+    return {name: p for name, p in model.named_parameters() if not is_adapter(name)} | buffers
+
+
+def served_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
+    """`checkpoint_tensors` as the engines serve them: a LoRA-adapted layer's weight with its adapter folded in."""
+    tensors = checkpoint_tensors(model)
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A"):
+            tensors[f"{name}.weight"] = merged(name, module)
+    return tensors
 
 
 def _global_layer_names(model: GPTModel) -> dict[str, str]:
@@ -456,7 +466,7 @@ def hf_weights_of(model: GPTModel, config: GPTConfig) -> Iterator[tuple[str, tor
     rank of those groups iterates it to the end)."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     global_names = _global_layer_names(model)
-    for name, param in checkpoint_tensors(model).items():
+    for name, param in served_tensors(model).items():
         if not is_expert(name):
             full = gather_tp_param(global_names[name], param.detach(), group=tp_group)
             yield from megatron_to_hf(global_names[name], full, config.shape)

@@ -1,0 +1,171 @@
+"""LoRA (`--lora-rank`, `--lora-alpha`, `--lora-dropout`, `--target-modules`): low-rank adapters on megatron-core's
+linear layers, the base weights frozen. Each targeted layer gets `lora_A` [rank, in] and `lora_B` [out, rank] beside
+its `weight` and adds `alpha / rank * B(A(x))` to its output; B starts at 0, so training starts from the base model.
+
+Under tensor parallelism the adapters split as their layer does. A column-parallel layer (QKV, gate+up) splits B by
+rows with its output; A sees the whole input, is the same on every rank, and its gradient is summed over the ranks
+(each computed it through its rows of B). A row-parallel layer (the attention's output, down) splits A by columns
+with its input; the ranks' A(x) are summed before B, which is the same on every rank. Under sequence parallelism the
+adapter gathers (column) or scatters (row) the sequence as its layer does, and B of a row-parallel layer has its
+gradient summed too. Every rank draws its adapters from the same seed, so a layout does not change the start.
+
+HF's names select what is adapted: `q_proj`, `k_proj`, `v_proj` (megatron's fused `linear_qkv`), `o_proj`
+(`linear_proj`), `gate_proj`, `up_proj` (the fused `linear_fc1`), `down_proj` (`linear_fc2`), or `all-linear`. A fused
+layer with only some of its parts targeted keeps the other parts' rows of B at 0 (their gradient is masked)."""
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+
+MODULES = {  # HF projection -> (megatron layer, its part of the fused output or None)
+    "q_proj": ("linear_qkv", "q"),
+    "k_proj": ("linear_qkv", "k"),
+    "v_proj": ("linear_qkv", "v"),
+    "o_proj": ("linear_proj", None),
+    "gate_proj": ("linear_fc1", "gate"),
+    "up_proj": ("linear_fc1", "up"),
+    "down_proj": ("linear_fc2", None),
+}
+ALL_LINEAR = "all-linear"
+SEED = 1234  # the adapters' A: the same on every rank, whatever the layout
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def parts(self) -> dict[str, set[str | None]]:
+        """Megatron layer name -> the parts of its output that are adapted."""
+        names = MODULES if ALL_LINEAR in self.target_modules else self.target_modules
+        wanted: dict[str, set[str | None]] = {}
+        for name in names:
+            layer, part = MODULES[name]
+            wanted.setdefault(layer, set()).add(part)
+        return wanted
+
+
+def check_targets(target_modules: list[str]) -> None:
+    unknown = [t for t in target_modules if t not in MODULES and t != ALL_LINEAR]
+    if unknown:
+        raise ValueError(
+            f"--target-modules {' '.join(unknown)}: not a layer this trainer adapts; use {', '.join(MODULES)} "
+            f"or {ALL_LINEAR}"
+        )
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+def apply(model: torch.nn.Module, settings: LoraSettings, shape) -> int:
+    """Adds adapters to the targeted layers of `model` (a GPTModel, before its optimizer is built) and freezes
+    everything else; returns the number of layers adapted."""
+    wanted = settings.parts()
+    adapted = 0
+    for name, module in model.named_modules():
+        layer = name.rsplit(".", 1)[-1]
+        if layer not in wanted:
+            continue
+        if ".experts." in name or ".shared_experts." in name:
+            raise ValueError(f"LoRA on MoE experts is not supported yet ({name}): target the attention only")
+        if type(module) not in (ColumnParallelLinear, RowParallelLinear):
+            raise ValueError(f"{name} is a {type(module).__name__}: LoRA adapts megatron's local linear layers")
+        _adapt(module, name, settings, _rows(layer, wanted[layer], module, shape))
+        adapted += 1
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+    return adapted
+
+
+def merged(name: str, module: torch.nn.Module) -> torch.Tensor:
+    """This rank's shard of `module`'s weight with its adapter folded in (W + scale * B A): what the engines serve."""
+    if not hasattr(module, "lora_A"):
+        return module.weight.detach()
+    delta = module.lora_B.detach().float() @ module.lora_A.detach().float()
+    return (module.weight.detach().float() + module.lora_scale * delta).to(module.weight.dtype)
+
+
+def _adapt(module, name: str, settings: LoraSettings, rows: torch.Tensor | None) -> None:
+    column = isinstance(module, ColumnParallelLinear)
+    if column and module.gather_output:
+        raise ValueError(f"{name} gathers its output: LoRA adapts layers that keep it split")
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    weight = module.weight
+    full_in = module.input_size
+    generator = torch.Generator().manual_seed(SEED + zlib.crc32(name.encode()))
+    a = torch.empty(settings.rank, full_in)
+    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # PEFT's start for A
+    if not column:  # A splits with the input's columns
+        a = a.chunk(tp_size, dim=1)[tp_rank]
+    out = module.output_size_per_partition if column else module.output_size
+    module.lora_A = torch.nn.Parameter(a.to(weight.device, weight.dtype).contiguous())
+    module.lora_B = torch.nn.Parameter(torch.zeros(out, settings.rank, device=weight.device, dtype=weight.dtype))
+    if tp_size > 1:  # the gradient-norm code counts a split parameter's shards once each
+        split, dim = (module.lora_B, 0) if column else (module.lora_A, 1)
+        split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, dim, 1
+    if rows is not None:  # the parts of a fused layer not targeted: their rows of B stay 0
+        mask = rows.to(weight.device, weight.dtype)[:, None]
+        module.lora_B.register_hook(lambda grad: grad * mask)
+    module.lora_scale, module.lora_dropout = settings.scale, settings.dropout
+    base = module.forward
+
+    def forward(input_, *args, **kwargs):
+        output, bias = base(input_, *args, **kwargs)
+        return output + (_column_delta if column else _row_delta)(module, input_).to(output.dtype), bias
+
+    module.forward = forward
+
+
+def _column_delta(module, x: torch.Tensor) -> torch.Tensor:
+    if module.sequence_parallel:
+        x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+    else:
+        x = copy_to_tensor_model_parallel_region(x)
+    x = F.dropout(x, module.lora_dropout, module.training) if module.lora_dropout else x
+    h = F.linear(x, copy_to_tensor_model_parallel_region(module.lora_A))
+    return F.linear(h, module.lora_B) * module.lora_scale
+
+
+def _row_delta(module, x: torch.Tensor) -> torch.Tensor:
+    x = F.dropout(x, module.lora_dropout, module.training) if module.lora_dropout else x
+    h = reduce_from_tensor_model_parallel_region(F.linear(x, module.lora_A))
+    if not module.sequence_parallel:
+        return F.linear(h, module.lora_B) * module.lora_scale
+    delta = F.linear(h, copy_to_tensor_model_parallel_region(module.lora_B)) * module.lora_scale
+    return scatter_to_sequence_parallel_region(delta)
+
+
+def _rows(layer: str, parts: set, module, shape) -> torch.Tensor | None:
+    """Which of this rank's output rows of a fused layer are adapted (1) or not (0); None when all are."""
+    if None in parts or (layer == "linear_qkv" and parts >= {"q", "k", "v"}) or parts >= {"gate", "up"}:
+        return None
+    rows = module.output_size_per_partition
+    if layer == "linear_fc1":  # this rank's gate rows, then its up rows
+        half = torch.zeros(rows // 2)
+        return torch.cat([half + ("gate" in parts), half + ("up" in parts)])
+    # megatron's QKV: per query group, its query heads, then one key head, then one value head
+    groups = shape.num_query_groups // parallel_state.get_tensor_model_parallel_world_size()
+    per_group = shape.num_attention_heads // shape.num_query_groups
+    head = rows // groups // (per_group + 2)
+    group = torch.cat([torch.full((per_group * head,), float("q" in parts)), torch.full((head,), float("k" in parts)),
+                       torch.full((head,), float("v" in parts))])  # fmt: skip
+    return group.repeat(groups)
