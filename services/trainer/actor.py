@@ -171,7 +171,7 @@ class Actor:
             old_BR = tensors["rollout_logprobs_BR"]
         else:
             old_BR = self.full_logprobs(self.model, batch)
-        ref_BR = self.full_logprobs(self.ref_model, batch) if self.ref_model is not None else None
+        ref_BR = self._reference_logprobs(batch)
         values_BR = self.critic.full_values(batch) if self.critic is not None else None
         kl_BR = approx_kl(old_BR, ref_BR, "k1") * mask_BR if ref_BR is not None and c.kl_coef else None
         opd_BR, opd_metrics = None, {}
@@ -227,6 +227,19 @@ class Actor:
             if part is not None:
                 part._gather_weights()
         return results
+
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """The reference policy's log-probs (for a KL loss or penalty): its own model's, or with LoRA the policy's
+        with the adapters switched off (the base model, not held twice)."""
+        c = self.config
+        if self.ref_model is not None:
+            return self.full_logprobs(self.ref_model, batch)
+        if c.lora_rank and (c.loss.use_kl_loss or c.kl_coef):
+            from services.trainer import lora
+
+            with lora.disabled(self.model):
+                return self.full_logprobs(self.model, batch)
+        return None
 
     def _teacher_logprobs(self, batch: RolloutBatch, mask_BR: torch.Tensor) -> torch.Tensor:
         """The teacher's log-prob of each response token: forwarded here (--opd-type megatron), or as the gateway's

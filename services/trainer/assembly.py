@@ -54,10 +54,7 @@ def load_policy(config: TrainerConfig):
     if config.lora_rank:
         from services.trainer import lora
 
-        settings = lora.LoraSettings(
-            config.lora_rank, config.lora_alpha, config.lora_dropout, tuple(config.target_modules)
-        )
-        lora.apply(model, settings, gpt.shape)
+        lora.apply(model, lora.settings_of(config), gpt.shape)
     if config.replays_routing and not gpt.shape.num_experts:
         raise ValueError(
             f"routing replay replays the experts' routing: {config.hf_checkpoint} has no experts "
@@ -73,8 +70,9 @@ def load_policy(config: TrainerConfig):
 
 
 def load_reference(config: TrainerConfig):
-    """The frozen reference the KL is taken against (None without a KL loss or penalty)."""
-    if not (config.loss.use_kl_loss or config.kl_coef):
+    """The frozen reference the KL is taken against (None without a KL loss or penalty, and with LoRA, whose
+    reference is the policy with its adapters off)."""
+    if not (config.loss.use_kl_loss or config.kl_coef) or config.lora_rank:
         return None
     from services.trainer.models import load_gpt_model
 

@@ -119,7 +119,12 @@ class Trainer:
         if self.shards.optimizer:  # this rank's shards of the actor's (and critic's) distributed optimizer
             own = (self.shards.optimizer, {name: state.pop(name) for name in list(state) if name.endswith("optimizer")})
         path = checkpoint.save(root, self.step, state, self.shards.model, writes=self.shards.writes, own=own)
-        if self.config.save_hf:
+        if self.config.save_hf and self.config.lora_rank:  # the adapters, as a peft folder
+            from services.trainer import lora
+
+            lora.save_adapter(self.model, self.gpt.shape, lora.settings_of(self.config), self.config.hf_checkpoint,
+                              self.config.save_hf)  # fmt: skip
+        elif self.config.save_hf:
             from services.trainer.export import export_hf_checkpoint
 
             export_hf_checkpoint(self.model, self.gpt, self.config.hf_checkpoint, self.config.save_hf)

@@ -13,6 +13,7 @@ HF's names select what is adapted: `q_proj`, `k_proj`, `v_proj` (megatron's fuse
 (`linear_proj`), `gate_proj`, `up_proj` (the fused `linear_fc1`), `down_proj` (`linear_fc2`), or `all-linear`. A fused
 layer with only some of its parts targeted keeps the other parts' rows of B at 0 (their gradient is masked)."""
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -60,6 +61,10 @@ class LoraSettings:
             layer, part = MODULES[name]
             wanted.setdefault(layer, set()).add(part)
         return wanted
+
+
+def settings_of(config) -> LoraSettings:
+    return LoraSettings(config.lora_rank, config.lora_alpha, config.lora_dropout, tuple(config.target_modules))
 
 
 def check_targets(target_modules: list[str]) -> None:
@@ -125,11 +130,14 @@ def _adapt(module, name: str, settings: LoraSettings, rows: torch.Tensor | None)
     if rows is not None:  # the parts of a fused layer not targeted: their rows of B stay 0
         mask = rows.to(weight.device, weight.dtype)[:, None]
         module.lora_B.register_hook(lambda grad: grad * mask)
-    module.lora_scale, module.lora_dropout = settings.scale, settings.dropout
+    module.lora_scale, module.lora_dropout, module.lora_on = settings.scale, settings.dropout, True
+    module.lora_parts = None if rows is None else {"q", "k", "v", "gate", "up"} & _targeted(name, settings)
     base = module.forward
 
     def forward(input_, *args, **kwargs):
         output, bias = base(input_, *args, **kwargs)
+        if not module.lora_on:
+            return output, bias
         return output + (_column_delta if column else _row_delta)(module, input_).to(output.dtype), bias
 
     module.forward = forward
@@ -154,6 +162,10 @@ def _row_delta(module, x: torch.Tensor) -> torch.Tensor:
     return scatter_to_sequence_parallel_region(delta)
 
 
+def _targeted(name: str, settings: LoraSettings) -> set:
+    return settings.parts().get(name.rsplit(".", 1)[-1], set())
+
+
 def _rows(layer: str, parts: set, module, shape) -> torch.Tensor | None:
     """Which of this rank's output rows of a fused layer are adapted (1) or not (0); None when all are."""
     if None in parts or (layer == "linear_qkv" and parts >= {"q", "k", "v"}) or parts >= {"gate", "up"}:
@@ -169,3 +181,79 @@ def _rows(layer: str, parts: set, module, shape) -> torch.Tensor | None:
     group = torch.cat([torch.full((per_group * head,), float("q" in parts)), torch.full((head,), float("k" in parts)),
                        torch.full((head,), float("v" in parts))])  # fmt: skip
     return group.repeat(groups)
+
+
+@contextlib.contextmanager
+def disabled(model: torch.nn.Module):
+    """The base model, the adapters switched off: the reference policy of a LoRA run, with no second copy."""
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
+    for module in adapted:
+        module.lora_on = False
+    try:
+        yield model
+    finally:
+        for module in adapted:
+            module.lora_on = True
+
+
+def adapter_tensors(model: torch.nn.Module, shape) -> dict[str, torch.Tensor]:
+    """This pipeline stage's adapters under peft's names for the HF model (`base_model.model.model.layers.0.self_attn
+    .q_proj.lora_A.weight`, …), gathered over the tensor-parallel ranks (a collective: each of them calls it). A fused
+    layer's A is every part's A; its B is split into the parts' rows as the layer's weight is."""
+    from services.trainer.hf_names import gather_tp_param, megatron_to_hf
+    from services.trainer.models import _global_layer_names
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    global_names = _global_layer_names(model)
+    out = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        weight = global_names[f"{name}.weight"]
+        column = isinstance(module, ColumnParallelLinear)
+        a = module.lora_A.detach()
+        a = a if column else gather_tp_param(weight, a, group)  # a row layer's A splits as its weight's columns
+        b = module.lora_B.detach()
+        b = gather_tp_param(weight, b, group) if column else b  # a column layer's B as its weight's rows
+        for hf_name, b_part in megatron_to_hf(weight, b, shape):  # the rows of each part (q, k, v; gate, up)
+            if column and module.lora_parts is not None and not module.lora_parts & {_part(hf_name)}:
+                continue  # a part not targeted: no adapter in the folder
+            stem = "base_model.model." + hf_name.removesuffix(".weight")
+            out[f"{stem}.lora_A.weight"] = a.clone()
+            out[f"{stem}.lora_B.weight"] = b_part.clone()
+    return out
+
+
+def _part(hf_name: str) -> str:
+    return hf_name.rsplit(".", 2)[-2].removesuffix("_proj")
+
+
+def save_adapter(model: torch.nn.Module, shape, settings: LoraSettings, base: str, out_dir) -> None:
+    """Writes a peft adapter folder (adapter_config.json, adapter_model.safetensors) that peft, SGLang and vLLM load
+    onto the base model `base`. A collective over the model-parallel ranks of data-parallel replica 0: each stage's
+    adapters are gathered to global rank 0, which writes them."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    tensors = adapter_tensors(model, shape)
+    if dist.is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        group = parallel_state.get_pipeline_model_parallel_group()
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, tensors if parallel_state.get_tensor_model_parallel_rank() == 0 else {}, group)
+        tensors = {k: v for part in parts for k, v in part.items()}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "adapter_model.safetensors")
+    targets = sorted({name.rsplit(".", 3)[-3] for name in tensors})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": settings.rank,
+        "lora_alpha": settings.alpha, "lora_dropout": settings.dropout, "target_modules": targets, "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
+        "modules_to_save": None,
+    }  # fmt: skip
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -96,3 +96,41 @@ def test_the_served_weights_carry_the_adapters(model):
         ]
     finally:
         destroy_parallel()
+
+
+def test_the_saved_adapter_loads_with_peft_and_gives_the_trainers_logprobs(filled_buffer, service_process, model,
+                                                                           tmp_path):  # fmt: skip
+    """--save-hf with LoRA writes a peft folder: peft puts it on the HF base model, whose log-probs (float32) are the
+    trainer's own with the trained adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer import lora
+    from services.trainer.models import load_gpt_model
+    from services.trainer.parallel import destroy_parallel, init_parallel
+
+    args = trainer_args(model, filled_buffer("hf"), tmp_path / "ckpt", *LORA, "--save-hf", str(tmp_path / "adapter"))
+    proc = service_process(*args)
+    assert proc.wait(timeout_s=240) == 0, proc.log
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    tokens = torch.tensor([[3, 17, 29, 5, 11, 42, 8, 2, 19, 23]])
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                                           tmp_path / "adapter").eval()  # fmt: skip
+    with torch.no_grad():
+        expected = torch.log_softmax(peft_model(input_ids=tokens).logits.float(), dim=-1)
+    init_parallel(tp_size=1)
+    try:
+        trainer_model, gpt = load_gpt_model(model)
+        lora.apply(trainer_model, lora.LoraSettings(4, 8.0, 0.0, ("all-linear",)), gpt.shape)
+        trained = weights(tmp_path / "ckpt", 2)
+        trainer_model.load_state_dict(trained)
+        positions = torch.arange(tokens.shape[1])[None]
+        with torch.no_grad():
+            logits = trainer_model(input_ids=tokens, position_ids=positions, attention_mask=None).float()
+        got = torch.log_softmax(logits[..., : expected.shape[-1]], dim=-1)
+    finally:
+        destroy_parallel()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
