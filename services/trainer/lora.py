@@ -37,6 +37,7 @@ MODULES = {  # HF projection -> (megatron layer, its part of the fused output or
     "gate_proj": ("linear_fc1", "gate"),
     "up_proj": ("linear_fc1", "up"),
     "down_proj": ("linear_fc2", None),
+    "lm_head": ("output_layer", None),  # not in all-linear (as peft's): name it to adapt the output layer
 }
 ALL_LINEAR = "all-linear"
 SEED = 1234  # the adapters' A: the same on every rank, whatever the layout
@@ -55,9 +56,11 @@ class LoraSettings:
 
     def parts(self) -> dict[str, set[str | None]]:
         """Megatron layer name -> the parts of its output that are adapted."""
-        names = MODULES if ALL_LINEAR in self.target_modules else self.target_modules
+        names = set(self.target_modules) - {ALL_LINEAR}
+        if ALL_LINEAR in self.target_modules:
+            names |= set(MODULES) - {"lm_head"}
         wanted: dict[str, set[str | None]] = {}
-        for name in names:
+        for name in sorted(names):
             layer, part = MODULES[name]
             wanted.setdefault(layer, set()).add(part)
         return wanted
@@ -112,6 +115,8 @@ def _adapt(module, name: str, settings: LoraSettings, rows: torch.Tensor | None)
     column = isinstance(module, ColumnParallelLinear)
     if column and module.gather_output:
         raise ValueError(f"{name} gathers its output: LoRA adapts layers that keep it split")
+    if module.weight is None:
+        raise ValueError(f"{name} shares the embedding's weight: lm_head takes an adapter only when it is not tied")
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     weight = module.weight

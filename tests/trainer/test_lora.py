@@ -98,8 +98,9 @@ def test_the_served_weights_carry_the_adapters(model):
         destroy_parallel()
 
 
+@pytest.mark.parametrize("targets", [["all-linear"], ["all-linear", "lm_head"]])
 def test_the_saved_adapter_loads_with_peft_and_gives_the_trainers_logprobs(filled_buffer, service_process, model,
-                                                                           tmp_path):  # fmt: skip
+                                                                           tmp_path, targets):  # fmt: skip
     """--save-hf with LoRA writes a peft folder: peft puts it on the HF base model, whose log-probs (float32) are the
     trainer's own with the trained adapters."""
     from peft import PeftModel
@@ -109,7 +110,8 @@ def test_the_saved_adapter_loads_with_peft_and_gives_the_trainers_logprobs(fille
     from services.trainer.models import load_gpt_model
     from services.trainer.parallel import destroy_parallel, init_parallel
 
-    args = trainer_args(model, filled_buffer("hf"), tmp_path / "ckpt", *LORA, "--save-hf", str(tmp_path / "adapter"))
+    args = trainer_args(model, filled_buffer("hf"), tmp_path / "ckpt", *LORA, "--save-hf", str(tmp_path / "adapter"),
+                        "--target-modules", *targets)  # fmt: skip
     proc = service_process(*args)
     assert proc.wait(timeout_s=240) == 0, proc.log
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
@@ -124,7 +126,7 @@ def test_the_saved_adapter_loads_with_peft_and_gives_the_trainers_logprobs(fille
     init_parallel(tp_size=1)
     try:
         trainer_model, gpt = load_gpt_model(model)
-        lora.apply(trainer_model, lora.LoraSettings(4, 8.0, 0.0, ("all-linear",)), gpt.shape)
+        lora.apply(trainer_model, lora.LoraSettings(4, 8.0, 0.0, tuple(targets)), gpt.shape)
         trained = weights(tmp_path / "ckpt", 2)
         trainer_model.load_state_dict(trained)
         positions = torch.arange(tokens.shape[1])[None]
