@@ -186,8 +186,9 @@ class WeightReceiver:
             if abort:
                 self.engine.abort(self.engine.running(), "Abort by weight update")
             parameters = self._tensors()
-            with torch.no_grad():  # one call for the bucket: a copy_ a tensor costs the dispatcher's overhead each
-                torch._foreach_copy_([parameter_view(parameters, name) for name in names], list(tensors))
+            if names:  # one call for the bucket: a copy_ a tensor costs the dispatcher's overhead each
+                with torch.no_grad():
+                    torch._foreach_copy_([parameter_view(parameters, name) for name in names], list(tensors))
             if self.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.engine.device)
             if version is not None:
