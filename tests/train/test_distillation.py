@@ -22,7 +22,7 @@ def _mean(values) -> float:
 
 @pytest.mark.timeout(600)
 def test_the_student_learns_the_task_from_the_teachers_signal_alone(service_process, tmp_path):
-    run = service_process("train", *args_for(tmp_path, steps=40), "--async-buffer-size", "1")  # overlapped: faster
+    run = service_process("train", *args_for(tmp_path, steps=40))
     assert run.wait(480) == 0, run.log[-3000:]
     steps = _metrics(tmp_path / "opd")
     rewards, kl = [s["reward"] for s in steps], [s["opd_reverse_kl"] for s in steps]
