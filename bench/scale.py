@@ -85,15 +85,28 @@ def start_redis(folder: Path, cluster_nodes: int):
     return RedisCluster(cluster_nodes, folder / "cluster").start() if cluster_nodes else Embedded(folder)
 
 
-def lease_calls(metrics_ports: list[int]) -> int:
-    """LeasePrompts calls the buffer replicas have answered so far, from their RPC counters (/metrics)."""
-    calls = 0
-    for port in metrics_ports:
+def scrape(ports: list[int], name: str, label: str = "") -> float:
+    """The sum over the processes at `ports` of the Prometheus samples called `name` (whose labels hold `label`)."""
+    total = 0.0
+    for port in ports:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
             for line in page.read().decode().splitlines():
-                if line.startswith("slipstream_rpc_requests_total{") and 'method="LeasePrompts"' in line:
-                    calls += int(float(line.rsplit(" ", 1)[1]))
-    return calls
+                if line.split("{", 1)[0].split(" ", 1)[0] == name and label in line:
+                    total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def rpc_figures(ports: dict[str, list[int]]) -> dict[str, float]:
+    """The counters the table reads from the services' /metrics: the buffers' LeasePrompts calls, their time in
+    them and their contended lease attempts, and the gateways' time waiting on those calls."""
+    lease = 'method="LeasePrompts"'
+    return {
+        "calls": scrape(ports["buffer"], "slipstream_rpc_requests_total", lease),
+        "served_s": scrape(ports["buffer"], "slipstream_rpc_latency_seconds_sum", lease),
+        "contended": scrape(ports["buffer"], "slipstream_buffer_lease_contended_total"),
+        "waited_s": scrape(ports["rollout"], "slipstream_rollout_lease_seconds_sum"),
+        "waits": scrape(ports["rollout"], "slipstream_rollout_lease_seconds_count"),
+    }
 
 
 def cpu_seconds(pids: dict[str, list[int]]) -> dict[int, float]:
@@ -106,6 +119,24 @@ def cpu_seconds(pids: dict[str, list[int]]) -> dict[int, float]:
         except psutil.Error:
             continue
         used[pid] = sum(t.user + t.system for t in times)
+    return used
+
+
+def thread_seconds(pids: dict[str, list[int]]) -> dict[tuple[str, str], float]:
+    """CPU seconds used so far by each kind of process's threads, by thread name (children included): which
+    thread of a process burns its time (the event loop, gRPC's pollers, a tokenizer's or OpenMP's pool)."""
+    used: dict[tuple[str, str], float] = {}
+    for kind, found in pids.items():
+        for pid in found:
+            try:
+                procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+                for proc in procs:
+                    for thread in proc.threads():
+                        name = Path(f"/proc/{proc.pid}/task/{thread.id}/comm").read_text().strip()
+                        name = "main" if thread.id == proc.pid else name.rstrip("0123456789-_")
+                        used[kind, name] = used.get((kind, name), 0.0) + thread.user_time + thread.system_time
+            except (psutil.Error, OSError):
+                continue
     return used
 
 
@@ -133,11 +164,11 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
     procs: dict[str, list[subprocess.Popen]] = {"buffer": [], "reward": [], "rollout": []}
     addresses: dict[str, list[str]] = {"buffer": [], "reward": [], "rollout": []}
 
-    metrics_ports: list[int] = []  # the buffers': their RPC counters count the LeasePrompts calls
+    metrics_ports: dict[str, list[int]] = {"buffer": [], "rollout": []}  # their counters: the LeasePrompts calls
 
     def add(kind: str, *flags: str) -> None:
-        metrics_port = free_port() if kind == "buffer" else None
-        metrics_ports.extend([metrics_port] if metrics_port else [])
+        metrics_port = free_port() if kind in metrics_ports else None
+        metrics_ports.get(kind, []).append(metrics_port)
         address, proc = start(f"services.{kind}", *flags, folder=folder, log_level=args.log_level,
                               metrics_port=metrics_port)  # fmt: skip
         addresses[kind].append(address)
@@ -147,7 +178,7 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         common = ["--run-id", RUN, "--redis-url", server.url, *(["--redis-cluster"] if server.cluster else [])]
         for _ in range(buffers):
             add("buffer", *common, "--prompt-data", str(data), "--hf-checkpoint", str(model), "--num-data-workers",
-                "0", "--max-staleness", "1000000", "--rollout-batch-size", "64")  # fmt: skip
+                str(args.data_workers), "--max-staleness", "1000000", "--rollout-batch-size", "64")  # fmt: skip
         for _ in range(rewards):
             scoring = ["--custom-rm-path", args.custom_rm_path] if args.custom_rm_path else ["--rm-type", "random"]
             add("reward", *scoring, "--num-workers", "1")
@@ -165,23 +196,25 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         pids = {kind: [p.pid for p in found] for kind, found in procs.items()}
         pids |= {"redis": [server.pid_of(ns)], "engines": engine_pids}
         counters, done = dataplane.counters_key(ns), dataplane.waiting_key(ns)
-        (before, leased0), calls0, info0, cpu0, t0 = (
+        (before, leased0), rpc0, info0, cpu0, t0 = (
             [int(n or 0) for n in client.hmget(counters, "completed", "leases")],
-            lease_calls(metrics_ports),
+            rpc_figures(metrics_ports),
             run_node.info(),
             cpu_seconds(pids),
             time.monotonic(),
         )
+        threads0 = thread_seconds(pids)
         if args.profile:
             profile({k: v for k, v in pids.items() if k != "redis"}, folder, args.profile, args.seconds / 2)
         time.sleep(max(0.0, args.seconds - (time.monotonic() - t0)))
-        (after, leased1), calls1, info1, cpu1, t1 = (
+        (after, leased1), rpc1, info1, cpu1, t1 = (
             [int(n or 0) for n in client.hmget(counters, "completed", "leases")],
-            lease_calls(metrics_ports),
+            rpc_figures(metrics_ports),
             run_node.info(),
             cpu_seconds(pids),
             time.monotonic(),
         )
+        threads1 = thread_seconds(pids)
         elapsed, completed = t1 - t0, after - before
         window = [gid.decode() for gid in client.zrangebyscore(done, before + 1, after)]  # completed in the window
         latencies, parts = [], []  # lease → score; (lease → generated, generated → score)
@@ -207,9 +240,14 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
             "redis_ops_s": ops / elapsed,
             "redis_ops_group": ops / per_group,
             "redis_kb_group": moved / per_group / 1024,
-            "lease_calls_group": (calls1 - calls0) / per_group,
-            "groups_lease_call": (leased1 - leased0) / max(calls1 - calls0, 1),
+            "lease_calls_group": (rpc1["calls"] - rpc0["calls"]) / per_group,
+            "groups_lease_call": (leased1 - leased0) / max(rpc1["calls"] - rpc0["calls"], 1),
+            "lease_ms": [1000 * (rpc1[s] - rpc0[s]) / max(rpc1[n] - rpc0[n], 1)
+                         for s, n in (("waited_s", "waits"), ("served_s", "calls"))],
+            "contended_call": (rpc1["contended"] - rpc0["contended"]) / max(rpc1["calls"] - rpc0["calls"], 1),
             "cpu_ms_group": {kind: 1000 * seconds / per_group for kind, seconds in cpu.items()},
+            "threads_ms_group": {f"{kind}/{name}": round(1000 * (seconds - threads0.get((kind, name), 0.0)) / per_group, 3)
+                                 for (kind, name), seconds in sorted(threads1.items())},
             "busiest": (next(k for k, found in pids.items() if busiest_pid in found), used[busiest_pid] / elapsed),
             "folder": str(folder),
         }  # fmt: skip
@@ -254,9 +292,9 @@ def log_tails(folder: Path, lines: int = 30) -> str:
 def table(rows: list[dict]) -> None:
     print("| K | G | B | R | groups/s | of linear | p50 ms | p50 ms: generate / score | p99 ms | Redis ops/s "
           "| Redis ops / KB a group "
-          "| LeasePrompts calls a group / groups a call "
+          "| LeasePrompts calls a group / groups a call | lease ms: gateway / buffer | contended a call "
           "| CPU ms a group: gateways / buffers / rewards / Redis / engines | busiest process (cores) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 16 + "|")
     for row in rows:
         same = [r for r in rows if (r["engines"], r["buffers"], r["rewards"]) == (row["engines"], row["buffers"],
                                                                                     row["rewards"])]  # fmt: skip
@@ -268,7 +306,8 @@ def table(rows: list[dict]) -> None:
               f"| {share:.0%} | {row['p50_ms']:.1f} | {row['p50_parts_ms'][0]:.1f} / {row['p50_parts_ms'][1]:.1f} "
               f"| {row['p99_ms']:.1f} | {row['redis_ops_s']:.0f} "
               f"| {row['redis_ops_group']:.0f} / {row['redis_kb_group']:.1f} "
-              f"| {row['lease_calls_group']:.2f} / {row['groups_lease_call']:.1f} | {cpu} "
+              f"| {row['lease_calls_group']:.2f} / {row['groups_lease_call']:.1f} "
+              f"| {row['lease_ms'][0]:.1f} / {row['lease_ms'][1]:.1f} | {row['contended_call']:.2f} | {cpu} "
               f"| {kind} ({cores:.2f}) |")  # fmt: skip
 
 
@@ -286,6 +325,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--engine-processes", type=int, default=max(1, (os.cpu_count() or 1) // 8),
                         help="processes serving the instant engines (one would be the bottleneck)")  # fmt: skip
+    parser.add_argument(
+        "--data-workers",
+        type=int,
+        default=1,
+        help="each buffer's tokenizing processes (--num-data-workers; 0: a thread of the buffer)",
+    )
     parser.add_argument("--custom-rm-path", help="score with this reward function (module.function) instead of "
                         "the built-in random one")  # fmt: skip
     parser.add_argument("--log-level", default="info", help="the services' (their logs are in --folder)")
@@ -321,7 +366,7 @@ def main() -> int:
     join = lambda values: " ".join(map(str, values))  # noqa: E731
     print(f"\nReproduce: .venv/bin/python bench/scale.py --engines {join(args.engines)} --gateways "
           f"{join(args.gateways)} --buffers {join(args.buffers)} --rewards {join(args.rewards)} --concurrency "
-          f"{args.concurrency} --engine-processes {args.engine_processes} --warm-up {args.warm_up:g} "
+          f"{args.concurrency} --engine-processes {args.engine_processes} --data-workers {args.data_workers} --warm-up {args.warm_up:g} "
           f"--seconds {args.seconds:g}{cluster_flag}")  # fmt: skip
     found = problems(rows)
     if found:

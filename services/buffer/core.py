@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import prometheus_client
 from redis.exceptions import RedisError
 
 from services.buffer.config import BufferConfig
@@ -35,6 +36,9 @@ MAX_LEASE_S = 7 * 24 * 3600
 ATTEMPTS = 20  # of a transition that other buffer processes keep moving the state under
 BATCH_POLL_S = 0.25  # GetBatch looks for groups submitted to other buffer processes this often
 FOLLOW_IDLE_S = 1.0  # the submits are followed until this long after the last GetBatch stopped waiting
+CONTENDED = prometheus_client.Counter(
+    "slipstream_buffer_lease_contended", "Lease attempts tried again: another buffer process leased new groups meanwhile"
+)
 
 
 @dataclass
@@ -135,6 +139,7 @@ class Buffer:
                         )
                 except Contended as e:  # another buffer process leased new groups meanwhile
                     notes[:] = [f"contended {attempt + 1} times, last: {e}"]
+                    CONTENDED.inc()
                     continue
                 leases += new
                 break

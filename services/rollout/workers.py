@@ -43,6 +43,10 @@ RESPONSE_LENGTH = prometheus_client.Histogram(
 # others. Each call the buffer answers in full doubles it, up to every free slot: a gateway then leases all its free
 # slots in one call, and the slower the buffers answer, the more slots each call carries.
 LEASE_BATCH = 8
+LEASE_SECONDS = prometheus_client.Histogram(
+    "slipstream_rollout_lease_seconds", "A LeasePrompts call's time, as the gateway waits for it",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+)
 THROUGHPUT = prometheus_client.Gauge(
     "slipstream_rollout_throughput", "Over the last minute: samples/s, tokens/s, truncated ratio", ["measure"]
 )
@@ -170,7 +174,8 @@ class Rollout:
         request = buffer_pb2.LeasePromptsRequest(max_groups=max_groups, lease_seconds=self.config.lease_seconds)
         call = asyncio.ensure_future(self.buffer.LeasePrompts(request, timeout=30))
         try:
-            return await asyncio.shield(call)
+            with LEASE_SECONDS.time():
+                return await asyncio.shield(call)
         except asyncio.CancelledError:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 for lease in (await call).leases:
