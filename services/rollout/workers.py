@@ -115,23 +115,42 @@ class Rollout:
         await asyncio.gather(*self._groups, return_exceptions=True)
 
     async def _lease_loop(self) -> None:
+        """Leases groups for free slots, one call for all the slots free at once. While a call is out, a second one
+        goes out once half as many slots as the last full call carried are free: the slots freed meanwhile need not
+        wait for the first to come back (a call takes a busy buffer tens of milliseconds), and calls stay large."""
         slots = asyncio.Semaphore(self.config.rollout_concurrency)
-        most = LEASE_BATCH
-        while True:
-            await slots.acquire()
-            want = 1  # and every other slot free now, up to `most`: one call to the buffer for all of them
-            while want < most and not slots.locked():
-                await slots.acquire()  # returns at once: the semaphore is not locked
-                want += 1
-            with logged_wait(log, "a prompt group to lease") as notes:
-                leases, short = await self._next_leases(want, notes)
-            most = LEASE_BATCH if short else min(2 * most, self.config.rollout_concurrency)
-            for _ in range(want - len(leases)):
-                slots.release()
-            for lease in leases:
-                task = asyncio.create_task(self.run_group(lease, self.sampling()))
-                self._groups.add(task)
-                task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
+        most, want, calls, acquire = LEASE_BATCH, 0, set(), None
+        try:
+            while True:
+                acquire = acquire or asyncio.ensure_future(slots.acquire())
+                finished, _ = await asyncio.wait({acquire, *calls}, return_when=asyncio.FIRST_COMPLETED)
+                for call in finished - {acquire}:
+                    calls.discard(call)
+                    asked, leases, short = call.result()
+                    most = LEASE_BATCH if short else min(2 * most, self.config.rollout_concurrency)
+                    for _ in range(asked - len(leases)):
+                        slots.release()
+                    for lease in leases:
+                        task = asyncio.create_task(self.run_group(lease, self.sampling()))
+                        self._groups.add(task)
+                        task.add_done_callback(lambda t: (self._groups.discard(t), slots.release()))
+                if acquire.done():
+                    acquire, want = None, want + 1
+                    while want < most and not slots.locked():
+                        await slots.acquire()  # returns at once: the semaphore is not locked
+                        want += 1
+                if want and (not calls or (len(calls) == 1 and want >= most // 2)):
+                    calls.add(asyncio.create_task(self._leases_for(want)))
+                    want = 0
+        finally:
+            for pending in [*calls, *([acquire] if acquire else [])]:
+                pending.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+
+    async def _leases_for(self, want: int) -> tuple[int, list[buffer_pb2.Lease], bool]:
+        with logged_wait(log, "a prompt group to lease") as notes:
+            leases, short = await self._next_leases(want, notes)
+        return want, leases, short
 
     async def _next_leases(self, want: int, notes: list[str]) -> tuple[list[buffer_pb2.Lease], bool]:
         """Up to `want` leased groups, once the engines run and the buffer has any, and whether the buffer gave fewer
@@ -156,6 +175,7 @@ class Rollout:
             short = short or len(reply.leases) < want
             if reply.leases:
                 return list(reply.leases), short
+            want = min(want, LEASE_BATCH)  # groups are scarce: a few at a time once they come
             blocked = buffer_pb2.LeaseBlock.Name(reply.blocked).removeprefix("LEASE_BLOCK_").lower()
             note = f"the buffer gave none: {blocked.replace('unspecified', 'no reason given')}"
             if note not in notes:
