@@ -18,6 +18,7 @@ from services.engine.batch import Sequence
 from services.engine.core import Engine
 from services.engine.disk import DiskUpdates
 from services.engine.ipc import IpcUpdates
+from services.engine.lora import LoraError, LoraRoutes
 from services.engine.memory import HostCopy
 from services.engine.responses import SSE_DONE, error, generate_output, json_response, sse
 from services.engine.routing import check_start_len
@@ -35,6 +36,7 @@ class EngineAPI:
         self.weights = WeightReceiver(engine, weight_update_timeout_s)
         self.ipc = IpcUpdates(self.weights, weight_update_timeout_s)
         self.disk = DiskUpdates(self.weights, weight_disk_dir)
+        self.lora = LoraRoutes(engine, weight_disk_dir)
         self.host_copy = HostCopy(engine.model, engine.device)
         self.unpaused = asyncio.Event()
         self.unpaused.set()
@@ -51,6 +53,10 @@ class EngineAPI:
         except ValueError as e:
             return error(str(e))
         await self.unpaused.wait()  # while paused, new requests wait (SGLang blocks them too)
+        try:
+            self._acquire(requests)
+        except LoraError as e:
+            return error(str(e))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         start = time.monotonic()
@@ -118,6 +124,19 @@ class EngineAPI:
                 sequences.append(self._sequence(rid, prompt, sampling, body, i, j))
         return sequences, single and params[0].n == 1
 
+    def _acquire(self, sequences: list[Sequence]) -> None:
+        """The request's adapters count as in use until its sequences finish (an unload waits for them)."""
+        names = [seq.lora for seq in sequences]
+        if not any(names):
+            return
+        if self.engine.adapters is None:
+            raise LoraError(
+                f"LoRA adapter '{next(filter(None, names))}' was requested, but LoRA is not enabled. Please launch "
+                "the server with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter "
+                "endpoint."
+            )
+        self.engine.adapters.acquire(names)
+
     @staticmethod
     def _rid(rids, index: int, single: bool) -> str:
         if rids is None:
@@ -139,6 +158,7 @@ class EngineAPI:
             int(pick("logprob_start_len", -1)),
             generator,
         )
+        seq.lora = pick("lora_path", None) or None
         if pick("return_routed_experts", False):  # checked even without the server option, as SGLang does
             seq.routed_experts_start_len = check_start_len(pick("routed_experts_start_len", 0) or 0, len(prompt))
             seq.return_routed_experts = self.engine.routing is not None  # else the answer lacks the key, as SGLang's
@@ -287,6 +307,7 @@ class EngineAPI:
             *self.weights.routes(),
             *self.ipc.routes(),
             *self.disk.routes(),
+            *self.lora.routes(),
         ]
         return [Route(path, handler, methods=methods) for path, handler, methods in table]
 

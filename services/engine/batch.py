@@ -36,6 +36,7 @@ class Sequence:
     return_routed_experts: bool = False  # asked for, and the server captures routing
     routed_experts_start_len: int = 0
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] of each forward
+    lora: str | None = None  # the LoRA adapter it is generated with (lora_path), None for the base model
 
     @property
     def next_input(self) -> int:
@@ -43,8 +44,9 @@ class Sequence:
 
 
 class Batcher:
-    def __init__(self, model: torch.nn.Module, device: torch.device, routing: RoutingCapture | None = None):
-        self.model, self.device, self.routing = model, device, routing
+    def __init__(self, model: torch.nn.Module, device: torch.device, routing: RoutingCapture | None = None,
+                 adapters=None):  # fmt: skip
+        self.model, self.device, self.routing, self.adapters = model, device, routing, adapters
         self.rows: list[Sequence] = []
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, cache length], 1 where a row has a real position
@@ -61,6 +63,7 @@ class Batcher:
             inputs[row, width - len(tokens) :] = torch.tensor(tokens, device=self.device)
             mask[row, width - len(tokens) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
+        self._adapt(sequences)
         with self._routing(sequences, inputs.shape) as routed:
             out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True)
         for row, (seq, tokens) in enumerate(zip(sequences, ids, strict=True)):
@@ -76,6 +79,7 @@ class Batcher:
         inputs = torch.tensor([[seq.next_input] for seq in self.rows], device=self.device)
         positions = torch.tensor([[seq.cached] for seq in self.rows], device=self.device)
         self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=self.device)], 1)
+        self._adapt(self.rows)
         with self._routing(self.rows, inputs.shape) as routed:
             out = self.model(
                 input_ids=inputs,
@@ -90,6 +94,11 @@ class Batcher:
             if routed and seq.return_routed_experts:
                 seq.routed_experts.append(routed[0][row].clone())
         return out.logits[:, -1]
+
+    def _adapt(self, sequences: list[Sequence]) -> None:
+        """The forward's rows' LoRA adapters (services/engine/lora.py)."""
+        if self.adapters is not None:
+            self.adapters.rows = [seq.lora for seq in sequences]
 
     def _routing(self, sequences: list[Sequence], shape: torch.Size):
         """Captures the forward's routing only when a sequence in it asked for it (SGLang's return_routed_experts)."""

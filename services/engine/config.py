@@ -32,6 +32,13 @@ class EngineConfig(StrictModel):
     weight_disk_dir: str | None = None
     """The folder /update_weights_from_disk may load checkpoints from (any folder under it); unset, the route loads
     none. The gateway's --update-weight-disk-dir, for engines it launches."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (SGLang's option): /load_lora_adapter loads a peft folder from under --weight-disk-dir,
+    and /generate's lora_path names the adapter of each prompt."""
+    max_lora_rank: int = Field(64, ge=1)
+    """The highest adapter rank /load_lora_adapter takes (SGLang's option)."""
+    lora_target_modules: list[str] = ["all-linear"]
+    """The linear layers adapters may target, by name (q_proj, …, lm_head) or all-linear (SGLang's option)."""
     enable_return_routed_experts: bool = False
     """Capture each MoE layer's chosen experts so that /generate can return them (SGLang's option, for rollout
     routing replay); Qwen3-MoE, GLM-4.5 and DeepSeek-V3 models only."""

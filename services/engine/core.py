@@ -28,13 +28,15 @@ class Engine:
         max_batch_size: int,
         weight_version: str,
         routing: RoutingCapture | None = None,
+        adapters=None,
     ):
         self.model, self.tokenizer, self.device, self.routing = model, tokenizer, device, routing
+        self.adapters = adapters  # LoRA adapters (services/engine/lora.py) under --enable-lora
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self.max_context = int(getattr(model.config, "max_position_embeddings", 32768))
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.batcher = Batcher(model, device, routing)
+        self.batcher = Batcher(model, device, routing, adapters)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.listeners: dict[int, Listener] = {}
         self.paused: str | None = None
@@ -186,6 +188,8 @@ class Engine:
         if isinstance(matched, str) and not seq.params.no_stop_trim:
             text = text[: text.rfind(matched)] if matched in text else text
         seq.text = text
+        if self.adapters is not None:
+            self.adapters.finished(seq.lora)
         self._notify(seq, True)
 
     def _notify(self, seq: Sequence, finished: bool) -> None:

@@ -29,9 +29,13 @@ def load(config: EngineConfig):
         raise StartupError(f"cannot load a model from --model-path {config.model_path}: {e}") from None
     device = torch.device("cuda", config.base_gpu_id) if config.device == "cuda" else torch.device("cpu")
     routing = RoutingCapture(model) if config.enable_return_routed_experts else None
-    return Engine(
-        model.to(device).eval(), tokenizer, device, config.max_running_requests, config.weight_version, routing
-    )
+    model = model.to(device).eval()
+    adapters = None
+    if config.enable_lora:
+        from services.engine.lora import Adapters
+
+        adapters = Adapters(model, config.max_lora_rank, config.lora_target_modules)
+    return Engine(model, tokenizer, device, config.max_running_requests, config.weight_version, routing, adapters)
 
 
 def require_api_key(app, key: str):

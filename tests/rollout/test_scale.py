@@ -24,7 +24,7 @@ def run(tmp_path: Path, **settings) -> tuple[dict, dict[str, str]]:
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(20_000)))
     defaults = {"concurrency": 16, "warm_up": 0.0, "seconds": 8.0, "log_level": "info", "profile": None,
-                "custom_rm_path": None, "redis_cluster": 0}  # fmt: skip
+                "custom_rm_path": None, "redis_cluster": 0, "data_workers": 0}  # fmt: skip
     args = argparse.Namespace(**(defaults | settings))
     urls, engines = start_instant_engines(8)
     try:
