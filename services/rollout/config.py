@@ -84,8 +84,14 @@ class RolloutConfig(ServiceConfig):
     update_weight_disk_dir: str | None = None
     """The folder a trainer with --update-weight-transport disk writes each sync's checkpoint into, as the engines
     see it (the trainer's --update-weight-disk-dir, mounted here or elsewhere): the engines load
-    `<folder>/weight_v000042` through /update_weights_from_disk. Reference engines this gateway launches may load
-    from it (their --weight-disk-dir)."""
+    `<folder>/weight_v000042` through /update_weights_from_disk (with --lora-rank, /load_lora_adapter). Reference
+    engines this gateway launches may load from it (their --weight-disk-dir)."""
+    lora_rank: int = Field(0, ge=0)
+    """The trainer trains LoRA adapters of this rank (0: none): each sync is an adapter the engines load under a name
+    of this run and version, and every request asks for the live one; engines this gateway launches get SGLang's
+    --enable-lora, --max-lora-rank and --lora-target-modules (docs/rollout.md, "LoRA")."""
+    target_modules: list[str] = ["all-linear"]
+    """The layers the trainer's adapters target (its --target-modules): the engines' --lora-target-modules."""
     weight_receiver_port_offset: int | None = Field(None, ge=-65535, le=65535)
     """Each engine has a weight receiver beside it (`slipstream receiver`, same host) on the engine's port plus this:
     weight syncs stream through the receivers, one control call per sync, into SGLang's /update_weights_from_ipc

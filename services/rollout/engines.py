@@ -19,6 +19,7 @@ import aiohttp
 import prometheus_client
 
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from services.rollout.adapters import Adapters
 from services.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class EnginePool:
         self._router_tasks: set[asyncio.Task] = set()
         self.paused_elsewhere = None  # async () -> bool: another gateway paused the engines (fleet.py)
         self._choices: tuple = ((), [], None)  # (membership seen, the engines requests may go to, their ring)
+        self.adapters = Adapters(self, config.run_id) if config.lora_rank else None  # --lora-rank: the run's adapter
 
     # Membership
 
@@ -166,6 +168,8 @@ class EnginePool:
         if evict or engine.failures >= self.config.rollout_health_check_failures:
             engine.state = EVICTED
             log.warning("engine %s evicted: %s", engine.url, error)
+            if self.adapters is not None:
+                self.adapters.forget(engine.url)
             for task in list(engine.requests):  # a hung engine would hold them until --request-timeout-s
                 engine.evicting.add(task)
                 task.cancel()
@@ -314,11 +318,17 @@ class EnginePool:
                 raise
             tried.add(engine.url)
             try:
-                return await self._post(engine, "/generate", payload), engine
+                return await self._generate_on(engine, payload), engine
             except EngineFailure as e:
                 last = f"{engine.url}: {e}"
                 self._fail(engine, f"/generate failed: {e}")
         raise Unavailable(f"/generate failed on {len(tried)} engine(s); last error {last}")
+
+    async def _generate_on(self, engine: Engine, payload: dict):
+        if self.adapters is None:
+            return await self._post(engine, "/generate", payload)
+        payload, version = await self.adapters.request(engine, payload)
+        return self.adapters.label(await self._post(engine, "/generate", payload), version)
 
     async def _through_router(self, payload: dict):
         last = ""
@@ -327,7 +337,7 @@ class EnginePool:
             if not self.healthy():
                 raise Unavailable("no healthy engine; register one (RegisterEngine) or wait for re-admission")
             try:
-                return await self._post(self.router, "/generate", payload)
+                return await self._generate_on(self.router, payload)
             except EngineFailure as e:
                 last = str(e)
                 await asyncio.sleep(0.5)  # the router may not have noticed a dead engine yet
@@ -388,6 +398,8 @@ class EnginePool:
             raise EngineFailure(f"{path}: {_describe(e)}") from None
 
     async def close(self) -> None:
+        if self.adapters is not None:
+            await self.adapters.close()
         if self._session is not None:
             await self._session.close()
 

@@ -13,6 +13,7 @@ import aiohttp
 from services.common.errors import StartupError
 from services.common.launch import Child, num_gpus, start, stop, wait_ready
 from services.common.processes import free_port, free_port_pair
+from services.rollout import adapters
 from services.rollout.config import RolloutConfig
 
 
@@ -49,6 +50,7 @@ def engine_command(config: RolloutConfig, port: int, tp_size: int, on_gpu: bool,
     common = ["--model-path", config.hf_checkpoint, "--host", "127.0.0.1", "--port", str(port)]
     common += ["--base-gpu-id", str(base_gpu_id)]
     common += ["--enable-return-routed-experts"] if config.use_rollout_routing_replay else []
+    common += adapters.server_options(config)
     if config.engine_api_key_file is not None and "--api-key" not in config.sglang_args:
         common += ["--api-key", config.engine_api_key()]
     if importlib.util.find_spec("sglang") is not None:

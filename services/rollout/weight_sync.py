@@ -79,7 +79,7 @@ class WeightSync:
         with the same version after an engine left, it starts the sync over with the engines still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
             raise InvalidArgument(f"sources: each sender needs its own group_name, got {[n for n, _, _ in sources]}")
-        choose(backend, [], self.config)  # refuses a backend this gateway is not set up for, before pausing
+        asked = choose(backend, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
         if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
             await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
         self._watch(0)
@@ -93,7 +93,7 @@ class WeightSync:
             await self._break("joining", [])
         await self._mark_syncing(True)
         # A dead member would stall the group: pausing weeds them out (a failed control call evicts), or a probe.
-        if self.pool.running.is_set():
+        if self.pool.running.is_set() and asked.pauses:
             await self.pool.pause(self.config.pause_mode)
         else:
             await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))
@@ -101,7 +101,7 @@ class WeightSync:
         if not engines:  # the pool goes on (its health checks pause with it): a restarted engine is re-admitted
             await self.pool.resume()
             raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
-        transport = choose(backend, engines, self.config)
+        transport = choose(backend, engines, self.config, self.pool.adapters)
         members = tuple((e.url, transport.member(e)[1]) for e in engines)
         group = Group(members, tuple(sources), backend, transport.name, tuple(e.admissions for e in engines))
         offsets = [1 + sum(ranks for _, ranks in members[:i]) for i in range(len(members))]
@@ -131,7 +131,8 @@ class WeightSync:
             self.aborted = asyncio.get_running_loop().create_future()
         if self.released:  # the weights come back first, to be overwritten in place
             await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
-        await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
+        if transport.pauses:
+            await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
         self._watch()
         ranks = [(url, offset, n) for (url, n), offset in zip(members, offsets, strict=True)]
         return world_size, ranks, created, transport.streamed, base
@@ -219,26 +220,32 @@ class WeightSync:
             await self._break("commit", failed)
             raise FailedPrecondition(f"engines left the weight sync of version {version}; prepare it again")
         loads = self.transport.loads(self.engines, version)
+        loaded = []
         if loads is not None:  # an engine that cannot load it is evicted (a later sync re-admits it)
-            for result in (r for r in (await self._load_everywhere(-1, *loads, self.group))[0] if not r.success):
+            loaded = (await self._load_everywhere(-1, *loads, self.group))[0]
+            for result in (r for r in loaded if not r.success):
                 self.pool.evict(self.pool.engines[result.url], f"weight sync of version {version}: {result.message}")
         body = {"new_version": str(version), "abort_all_requests": False}
         # Independent calls, at once. A buffer that is restarting (its state is in Redis) is waited for: it must
         # learn the version before generation goes on under it, or synchronous training would wait forever.
         request = buffer_pb2.SetPolicyVersionRequest(version=version)
+        labels = self.transport.pauses  # an adapter leaves the engines' own version (their base weights') alone
         ended, results, _ = await asyncio.gather(
-            self._each(_sessions(self.engines), "/end_weight_update", {}),
-            self._each(self.engines, "/update_weight_version", body),
+            self._each(_sessions(self.engines) if labels else [], "/end_weight_update", {}),
+            self._each(self.engines if labels else [], "/update_weight_version", body),
             self.buffer.SetPolicyVersion(request, timeout=self.config.weight_sync_timeout_s, wait_for_ready=True),
         )
         for result in (r for r in ended + results if not r.success):  # its state is unknown: a full sync re-admits it
             reason = f"commit of weight version {version} failed: {result.message}"
             self.pool.evict(self.pool.engines[result.url], reason)
-        for engine in self.engines:
+        results = results if labels else loaded
+        self.transport.committed([r.url for r in results if r.success], version)
+        for engine in self.engines if labels else []:
             engine.weight_version = str(version)
         self._end()
         await self._reclaim()
-        await self.pool.resume()
+        if labels:
+            await self.pool.resume()
         self.pool.committed.set()
         await self._mark_syncing(False)
         log.info("weights of version %d are live on %d engine(s)", version, sum(r.success for r in results))

@@ -44,7 +44,8 @@ RESPONSE_LENGTH = prometheus_client.Histogram(
 # slots in one call, and the slower the buffers answer, the more slots each call carries.
 LEASE_BATCH = 8
 LEASE_SECONDS = prometheus_client.Histogram(
-    "slipstream_rollout_lease_seconds", "A LeasePrompts call's time, as the gateway waits for it",
+    "slipstream_rollout_lease_seconds",
+    "A LeasePrompts call's time, as the gateway waits for it",
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
 )
 THROUGHPUT = prometheus_client.Gauge(

@@ -198,4 +198,10 @@ def weight_sender(config: TrainerConfig, info: ParallelInfo, model, gpt):
     sender = info.dp_rank == 0 and info.tp_rank == 0
     stages = config.parallel.pipeline_model_parallel_size > 1
     senders = parallel_state.get_pipeline_model_parallel_group() if sender and stages else None
-    return WeightSender(config, lambda: hf_weights_of(model, gpt), sender=sender, peers=peers, senders=senders)
+    if config.lora_rank:  # only the adapters travel (services/trainer/transports/lora.py)
+        from services.trainer.lora import adapter_tensors
+
+        weights = lambda: adapter_tensors(model, gpt.shape).items()  # noqa: E731
+    else:
+        weights = lambda: hf_weights_of(model, gpt)  # noqa: E731
+    return WeightSender(config, weights, sender=sender, peers=peers, senders=senders)

@@ -248,7 +248,8 @@ class TrainerConfig(ServiceConfig):
     """KL penalty in the reward (reinforce++ and PPO)."""
     lora_rank: int = Field(0, ge=0)
     """LoRA: train low-rank adapters of this rank on the --target-modules layers, the base weights frozen (0: train
-    every weight). Weight syncs send the weights with the adapters folded in (docs/trainer.md, "LoRA")."""
+    every weight). Weight syncs send only the adapters, as a peft folder under --update-weight-disk-dir that the
+    engines load as a LoRA adapter (docs/trainer.md, "LoRA")."""
     lora_alpha: float = Field(16.0, gt=0)
     """The adapters' scale is lora_alpha / lora_rank (peft's)."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -332,6 +333,7 @@ class TrainerConfig(ServiceConfig):
             from services.trainer.lora import check_targets
 
             check_targets(self.target_modules)
+            self._check_lora()
         if self.colocate and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "--colocate hands every engine's GPU the whole model, and a pipeline stage holds only its "
@@ -381,6 +383,15 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("--opd-type megatron loads the teacher here: add --opd-teacher-load <HF or --save folder>")
         if self.opd_teacher_load is not None and not Path(self.opd_teacher_load).is_dir():
             raise ValueError(f"--opd-teacher-load {self.opd_teacher_load}: no such folder")
+
+    def _check_lora(self) -> None:
+        if self.rollout_addr and not self.update_weight_disk_dir:
+            raise ValueError(
+                "--lora-rank sends each sync's adapters as a folder the engines load: add --update-weight-disk-dir "
+                "<folder shared with the engines> (`slipstream train` sets one in the run's folder)"
+            )
+        if self.colocate:
+            raise ValueError("--lora-rank with --colocate is not supported: run the engines on GPUs of their own")
 
     def _check_disk(self) -> None:
         if not self.update_weight_disk_dir:

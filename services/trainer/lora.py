@@ -254,11 +254,15 @@ def save_adapter(model: torch.nn.Module, shape, settings: LoraSettings, base: st
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "adapter_model.safetensors")
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config(settings, base, tensors), indent=2) + "\n")
+
+
+def adapter_config(settings: LoraSettings, base: str, tensors) -> dict:
+    """peft's adapter_config.json for the adapters named in `tensors` (their modules are its target_modules)."""
     targets = sorted({name.rsplit(".", 3)[-3] for name in tensors})
-    config = {
+    return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": settings.rank,
         "lora_alpha": settings.alpha, "lora_dropout": settings.dropout, "target_modules": targets, "bias": "none",
         "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
         "modules_to_save": None,
     }  # fmt: skip
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

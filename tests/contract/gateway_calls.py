@@ -104,6 +104,26 @@ async def _drive(url: str) -> None:
         await sync.commit(3)
     finally:
         await pool.close()
+    await _drive_lora(url)
+
+
+async def _drive_lora(url: str) -> None:
+    """--lora-rank: each sync an adapter loaded at its commit, generation asking for the live one, the older one
+    unloaded."""
+    config = RolloutConfig(lora_rank=8, update_weight_disk_dir="/shared/weights")
+    pool = EnginePool(config)
+    try:
+        await pool.register(url)
+        sync = WeightSync(config, pool, _Buffer())
+        for version in (1, 2):
+            await sync.prepare(version, [("weights-0", "127.0.0.1", 29500)], "lora")
+            await sync.bucket(Bucket(0, ["w.lora_A.weight"], ["bfloat16"], [[2, 2]], "", (), "weights-0"))
+            await sync.commit(version)
+            group = _group_with_partial_sample()
+            await generate_group(GenerateContext(pool, {"max_new_tokens": 2}, config), group, resume=True)
+        await asyncio.gather(*pool.adapters._unloads)
+    finally:
+        await pool.close()
 
 
 def routes_in_code() -> dict[str, set[str]]:

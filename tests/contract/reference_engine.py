@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[2] / "services" / "engine"
-SOURCES = ("api.py", "weights.py", "ipc.py", "disk.py")  # the route tables and their handlers
+SOURCES = ("api.py", "weights.py", "ipc.py", "disk.py", "lora.py")  # the route tables and their handlers
 
 
 def served() -> dict[str, tuple[set[str], set[str]]]:

@@ -8,13 +8,14 @@ import re
 import subprocess
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from services.common.config import ConfigError
 from services.engine.config import EngineConfig
-from services.rollout import launch, sglang_options
+from services.rollout import adapters, launch, sglang_options
 from services.rollout.config import RolloutConfig
 from services.train.options import route
 from tests.contract.sglang_release import router_options
@@ -132,8 +133,10 @@ def engine_command_options() -> list[tuple[str, str]]:
 
 def launcher_options() -> list[tuple[str, str]]:
     args = _literal_args(launch.engine_command)
-    return [(a, "services/rollout/launch.py") for a in args if isinstance(a, str) and a.startswith("--")
-            and a not in ENGINES_OWN]  # fmt: skip
+    lora = adapters.server_options(SimpleNamespace(lora_rank=8, target_modules=["all-linear", "lm_head"]))
+    found = [(a, "services/rollout/launch.py") for a in args if isinstance(a, str) and a.startswith("--")
+             and a not in ENGINES_OWN]  # fmt: skip
+    return found + [(a, "services/rollout/adapters.py") for a in lora if a.startswith("--")]
 
 
 def reference_engine_options() -> list[tuple[str, str]]:

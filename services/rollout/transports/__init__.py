@@ -1,8 +1,9 @@
 """How a weight sync's buckets reach the engines, one module per transport, chosen at each PrepareWeightSync
-(`choose`): `broadcast` (each bucket posted to the engines' /update_weights_from_distributed while the trainer
-broadcasts it), `handles` (colocated: the bucket's CUDA IPC handles, posted to /update_weights_from_tensor),
-`streamed` (the sync's whole plan to the weight receiver beside each engine, the buckets streamed with no call
-between them) and `disk` (a checkpoint folder the trainer wrote, loaded at the commit). The sync itself
+(`choose`, the pool's LoRA adapters at hand for `lora`): `broadcast` (each bucket posted to the engines'
+/update_weights_from_distributed while the trainer broadcasts it), `handles` (colocated: the bucket's CUDA IPC
+handles, posted to /update_weights_from_tensor), `streamed` (the sync's whole plan to the weight receiver beside each
+engine, the buckets streamed with no call between them), `disk` (a checkpoint folder the trainer wrote, loaded at
+the commit) and `lora` (an adapter folder the same way, loaded beside the base weights). The sync itself
 (services/rollout/weight_sync.py) holds the group, the sessions, faults and commits, and asks the transport only
 what differs."""
 
@@ -28,6 +29,7 @@ class Transport:
     uses_group = True  # the members join the senders' weight groups
     ordered = False  # a bucket is posted while those before it still load
     streamed = False  # the trainer sends its whole plan first and awaits no answer between buckets
+    pauses = True  # the engines pause for the sync, and take its version as their own at the commit
 
     def member(self, engine) -> tuple[str, int]:
         """Where `engine`'s group calls go, and its ranks in a weight group."""
@@ -46,13 +48,19 @@ class Transport:
         """The call that loads the sync at its commit, in the same form; None when the buckets loaded it."""
         return None
 
+    def committed(self, loaded: list[str], version: int) -> None:
+        """The engines at `loaded` serve the sync's version now."""
 
-def choose(backend: str, engines: list, config) -> Transport:
+
+def choose(backend: str, engines: list, config, adapters=None) -> Transport:
     from services.rollout.transports.broadcast import Broadcast
     from services.rollout.transports.disk import Disk
     from services.rollout.transports.handles import Handles
+    from services.rollout.transports.lora import Lora
     from services.rollout.transports.streamed import Streamed
 
+    if backend == "lora":
+        return Lora(config.update_weight_disk_dir, adapters)
     if backend == "ipc":
         return Handles()
     if backend == "disk":

@@ -10,11 +10,13 @@ import queue
 
 import torch
 
-GROUPLESS = ("ipc", "disk")  # the backends whose weights do not travel over a weight group
+GROUPLESS = ("ipc", "disk", "lora")  # the backends whose weights do not travel over a weight group
 
 
 def backend(config) -> str:
     """What a sync asks the gateway for (PrepareWeightSync's backend)."""
+    if config.lora_rank:
+        return "lora"
     if config.update_weight_transport == "disk":
         return "disk"
     if config.colocate:
@@ -44,9 +46,12 @@ def choose(sender, prepared, version: int, requests: queue.Queue, responses, wat
     from services.trainer.transports.broadcast import Broadcast
     from services.trainer.transports.disk import Disk
     from services.trainer.transports.handles import Handles
+    from services.trainer.transports.lora import Lora
     from services.trainer.transports.streamed import Streamed
     from services.trainer.weight_sync import Unreachable
 
+    if sender.config.lora_rank:
+        return Lora(sender, prepared, version, requests, responses, watchdog)
     if sender.config.update_weight_mode == "delta" and not prepared.streamed:
         raise Unreachable(
             "--update-weight-mode delta needs a weight receiver beside each engine: start the gateway "

@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class Disk(Transport):
+    shard = "model"  # the shards' names: model-<group>-NNNNN.safetensors
+    keeps_latest = False  # the committed folder stays for engines admitted later
+
     def __init__(self, *args):
         super().__init__(*args)
         self.root = Path(self.sender.config.update_weight_disk_dir)
@@ -29,7 +32,7 @@ class Disk(Transport):
     def send(self, index: int, specs: list, tensors) -> None:
         from safetensors.torch import save_file
 
-        name = f"model-{self.sender.group_name}-{index:05d}.safetensors"
+        name = f"{self.shard}-{self.sender.group_name}-{index:05d}.safetensors"
         # Converted tensors can be views of one fused tensor; safetensors refuses shared storage.
         bucket = {s.name: t.detach().to("cpu", copy=True).contiguous() for s, t in zip(specs, tensors, strict=True)}
         _writing(self.folder, lambda: save_file(bucket, self.folder / name, metadata={"format": "pt"}))
@@ -60,13 +63,17 @@ class Disk(Transport):
                 weight_map.update(part["weight_map"])
                 total += part["total_size"]
                 path.unlink()
-            write_index(self.folder, weight_map, total)
-            copy_hf_metadata(self.sender.config.hf_checkpoint, self.folder)
+            self.assemble(weight_map, total)
             target = self.root / weight_folders.published(self.version)
             shutil.rmtree(target, ignore_errors=True)  # of an attempt whose commit failed, or of an earlier run
             self.folder.rename(target)
 
         _writing(self.folder, publish)
+
+    def assemble(self, weight_map: dict[str, str], total: int) -> None:
+        """The folder made loadable from every sender's shards: an HF checkpoint's index and other files."""
+        write_index(self.folder, weight_map, total)
+        copy_hf_metadata(self.sender.config.hf_checkpoint, self.folder)
 
     def committed(self) -> None:
         """The engines loaded it: unless --update-weight-disk-keep-files this sync's folder goes, with those of
@@ -74,12 +81,10 @@ class Disk(Transport):
         go in any case."""
         keep = self.sender.config.update_weight_disk_keep_files
         for path in self.root.iterdir():
-            version = weight_folders.version_of(path.name)
-            if (
-                version is not None
-                and version <= self.version
-                and not (keep and weight_folders.is_published(path.name))
-            ):
+            version, published = weight_folders.version_of(path.name), weight_folders.is_published(path.name)
+            if version is None or version > self.version or (published and keep):
+                continue
+            if not (published and version == self.version and self.keeps_latest):
                 shutil.rmtree(path, ignore_errors=True)
 
 
