@@ -129,7 +129,7 @@ def thread_seconds(pids: dict[str, list[int]]) -> dict[tuple[str, str], float]:
     for kind, found in pids.items():
         for pid in found:
             try:
-                procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+                procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
                 for proc in procs:
                     for thread in proc.threads():
                         name = Path(f"/proc/{proc.pid}/task/{thread.id}/comm").read_text().strip()
@@ -246,8 +246,10 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
                          for s, n in (("waited_s", "waits"), ("served_s", "calls"))],
             "contended_call": (rpc1["contended"] - rpc0["contended"]) / max(rpc1["calls"] - rpc0["calls"], 1),
             "cpu_ms_group": {kind: 1000 * seconds / per_group for kind, seconds in cpu.items()},
-            "threads_ms_group": {f"{kind}/{name}": round(1000 * (seconds - threads0.get((kind, name), 0.0)) / per_group, 3)
-                                 for (kind, name), seconds in sorted(threads1.items())},
+            "threads_ms_group": {
+                f"{kind}/{name}": round(1000 * (seconds - threads0.get((kind, name), 0.0)) / per_group, 3)
+                for (kind, name), seconds in sorted(threads1.items())
+            },
             "busiest": (next(k for k, found in pids.items() if busiest_pid in found), used[busiest_pid] / elapsed),
             "folder": str(folder),
         }  # fmt: skip
@@ -366,7 +368,8 @@ def main() -> int:
     join = lambda values: " ".join(map(str, values))  # noqa: E731
     print(f"\nReproduce: .venv/bin/python bench/scale.py --engines {join(args.engines)} --gateways "
           f"{join(args.gateways)} --buffers {join(args.buffers)} --rewards {join(args.rewards)} --concurrency "
-          f"{args.concurrency} --engine-processes {args.engine_processes} --data-workers {args.data_workers} --warm-up {args.warm_up:g} "
+          f"{args.concurrency} --engine-processes {args.engine_processes} --data-workers {args.data_workers} "
+          f"--warm-up {args.warm_up:g} "
           f"--seconds {args.seconds:g}{cluster_flag}")  # fmt: skip
     found = problems(rows)
     if found:

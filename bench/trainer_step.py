@@ -24,6 +24,8 @@ import torch
 SHAPES = {  # Qwen3-1.7B's layers with an untied output layer (2.03 B parameters)
     "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=6144, vocab_size=151936),
+    "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=9728, vocab_size=151936),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512),
 }  # fmt: skip
@@ -107,9 +109,10 @@ def free_memory() -> None:
 
 
 def run_megatron(path: Path, args, device: str, compile_layers: bool = False, max_tokens: int | None = None,
-                 data_parallel: str = "") -> float:  # fmt: skip
+                 data_parallel: str = "", lora_rank: int = 0) -> float:  # fmt: skip
     """The actor's step; `data_parallel` "ddp": inside megatron's DDP with torch's AdamW, "sharded": with megatron's
-    DistributedOptimizer; "": neither (the actor alone, as on one GPU before megatron's DDP)."""
+    DistributedOptimizer; "": neither (the actor alone, as on one GPU before megatron's DDP). `lora_rank`: LoRA
+    adapters of that rank on every linear layer, the base frozen."""
     from services.trainer import data_parallel as dp
     from services.trainer.actor import Actor, Groups
     from services.trainer.config import TrainerConfig
@@ -121,6 +124,10 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
     init_parallel(1, 1)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, gpt = load_gpt_model(path, dtype=dtype)
+    if lora_rank:
+        from services.trainer import lora
+
+        lora.apply(model, lora.LoraSettings(lora_rank, 2.0 * lora_rank, 0.0, ("all-linear",)), gpt.shape)
     n = args.micro_batches
     config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=n, global_batch_size=n, micro_batch_size=1,
                            lr=1e-6, clip_grad=0.0, eps_clip=0.2, use_dynamic_batch_size=max_tokens is not None,
@@ -161,16 +168,21 @@ def main() -> None:
                         help="also time the trainer in megatron's DDP, with torch's AdamW and with megatron's "
                              "DistributedOptimizer")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="print each path's top GPU kernels")
+    parser.add_argument("--lora-rank", type=int, default=0, help="also time the trainer with LoRA of this rank")
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
-        write_model(Path(tmp), shape, device)
+        write_model(Path(tmp), shape, device, tie=args.shape == "qwen3-4b")
         results = [("HF transformers (sdpa)", run_hf(Path(tmp), args, device), peak_gib())]
         free_memory()
         results.append(("slipstream trainer (Megatron-core + SDPA)", run_megatron(Path(tmp), args, device), peak_gib()))
         free_memory()
+        if args.lora_rank:
+            label = f"slipstream trainer, LoRA rank {args.lora_rank} on all linear layers"
+            results.append((label, run_megatron(Path(tmp), args, device, lora_rank=args.lora_rank), peak_gib()))
+            free_memory()
         if args.use_distributed_optimizer:
             for label, kind in (
                 ("slipstream trainer, megatron DDP + AdamW", "ddp"),
@@ -212,7 +224,8 @@ def report(results, args, shape: dict, device: str) -> None:
     print(f"\nReproduce: python bench/trainer_step.py --shape {args.shape} --seq-len {args.seq_len} "
           f"--micro-batches {args.micro_batches}{' --compile' if args.compile else ''}"
           f"{' --use-distributed-optimizer' if args.use_distributed_optimizer else ''}"
-          f"{f' --max-tokens-per-gpu {args.max_tokens_per_gpu}' if args.max_tokens_per_gpu else ''}")  # fmt: skip
+          f"{f' --max-tokens-per-gpu {args.max_tokens_per_gpu}' if args.max_tokens_per_gpu else ''}"
+          f"{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":

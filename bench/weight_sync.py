@@ -68,16 +68,26 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path) -> None:
     sys.exit(f"{url} did not come up:\n{log.read_text()[-3000:]}")
 
 
-def start_system(model: Path, folder: Path, cuda: bool, gpu: str, streamed: bool) -> tuple[str, str, list]:
+def start_system(model: Path, folder: Path, cuda: bool, gpu: str, streamed: bool, lora_rank: int = 0
+                 ) -> tuple[str, str, list]:  # fmt: skip
     """A buffer (embedded Redis), one engine (GPU 1 on CUDA), with `streamed` the weight receiver beside it (its port
-    + 1), and the gateway; returns (engine URL, gateway address, processes)."""
+    + 1), and the gateway; returns (engine URL, gateway address, processes). With `lora_rank` the engine serves
+    adapters and the gateway takes LoRA syncs through folder/adapters."""
     from services.common.clients import wait_until_serving
 
     engine_port, buffer_port, gateway_port = free_port_pair(), free_port(), free_port()
     env = {"CUDA_VISIBLE_DEVICES": gpu} if cuda else None
     device = ["--device", "cuda", "--dtype", "bfloat16"] if cuda else []
-    engine = start(["engine", "--model-path", str(model), "--port", str(engine_port), *device], folder / "engine.log",
-                   env)  # fmt: skip
+    lora, lora_gateway = [], []
+    if lora_rank:
+        from services.rollout.adapters import server_options
+
+        adapters = str(folder / "adapters")
+        lora = [*server_options(SimpleNamespace(lora_rank=lora_rank, target_modules=["all-linear"])),
+                "--weight-disk-dir", adapters]  # fmt: skip
+        lora_gateway = ["--lora-rank", str(lora_rank), "--update-weight-disk-dir", adapters]
+    engine = start(["engine", "--model-path", str(model), "--port", str(engine_port), *device, *lora],
+                   folder / "engine.log", env)  # fmt: skip
     buffer = start(["buffer", "--port", str(buffer_port), "--metrics-port", "null", "--output-dir", str(folder)],
                    folder / "buffer.log")  # fmt: skip
     url = f"http://127.0.0.1:{engine_port}"
@@ -92,7 +102,7 @@ def start_system(model: Path, folder: Path, cuda: bool, gpu: str, streamed: bool
         receivers = ["--weight-receiver-port-offset", "1"]
     gateway = start(["rollout", "--port", str(gateway_port), "--metrics-port", "null", "--engine-urls", url,
                      "--buffer-addr", f"127.0.0.1:{buffer_port}", "--reward-addr", f"127.0.0.1:{free_port()}",
-                     *receivers], folder / "gateway.log")  # fmt: skip
+                     *receivers, *lora_gateway], folder / "gateway.log")  # fmt: skip
     for port in (buffer_port, gateway_port):
         wait_until_serving(f"127.0.0.1:{port}", timeout_s=120)
     return url, f"127.0.0.1:{gateway_port}", [*procs, gateway]
@@ -182,6 +192,9 @@ def main() -> None:
         default="full",
         help="delta: only the words that changed since the engine's version (needs --streamed)",
     )
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="then LoRA syncs: adapters of this rank on every linear layer, as a folder the engine "
+                             "loads (services/*/transports/lora.py), timed against the full syncs")  # fmt: skip
     parser.add_argument("--lr", type=float, default=None,
                         help="before each sync, one training step at this lr (AdamW on float32 masters, as the "
                              "trainer's --bf16) on random tokens; unset: one weight changes by 1")  # fmt: skip
@@ -205,7 +218,7 @@ def main() -> None:
     else:
         write_model(model_dir, shape, "cuda" if cuda else "cpu", tie=True)
     engine_gpu = gpu_ids()[0 if args.colocate else 1] if cuda else ""  # this process's GPU 0 or 1, as CUDA names it
-    url, gateway, procs = start_system(model_dir, folder, cuda, engine_gpu, args.streamed)
+    url, gateway, procs = start_system(model_dir, folder, cuda, engine_gpu, args.streamed, args.lora_rank)
     try:
         init_parallel(1, 1)
         model, gpt = load_gpt_model(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -227,7 +240,7 @@ def main() -> None:
                                      colocate=args.colocate, update_weight_flattened_bucket=load_format == "flattened",
                                      update_weight_buckets_in_flight=args.buckets_in_flight,
                                      weight_sync_address="127.0.0.1", weight_sync_timeout_s=300, tls=TlsConfig(),
-                                     auth=AuthConfig())  # fmt: skip
+                                     auth=AuthConfig(), lora_rank=0)  # fmt: skip
             sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True)
             times, phases = [], []
             for rep in range(args.syncs + 1):  # the first builds the group
@@ -251,12 +264,49 @@ def main() -> None:
                 print(f"engine GPU memory before and after ReleaseEngineMemory: {released} MiB", flush=True)
             check(url, model, gpt, version)
             rows.append((mib, load_format, sender.layout, times, phases))
-        report(args, size, len(list(hf_weights_of(model, gpt))), raw, rows)
+        adapters = lora_syncs(args, model, gpt, gateway, folder, model_dir, version) if args.lora_rank else None
+        report(args, size, len(list(hf_weights_of(model, gpt))), raw, rows, adapters)
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(30)
+
+
+def lora_syncs(args, model, gpt, gateway: str, folder: Path, model_dir: Path, version: int) -> tuple:
+    """Adapters of --lora-rank on every linear layer (B random: a trained adapter's size), synced --syncs times after
+    a warm-up; returns (bytes, times, phases)."""
+    from services.common.config import AuthConfig, TlsConfig
+    from services.trainer import lora
+    from services.trainer.weight_sync import WeightSender
+
+    settings = lora.LoraSettings(args.lora_rank, 2.0 * args.lora_rank, 0.0, ("all-linear",))
+    lora.apply(model, settings, gpt.shape)
+    config = SimpleNamespace(rollout_addr=gateway, update_weight_buffer_size=512 * 2**20, update_weight_mode="full",
+                             update_weight_transport="nccl", colocate=False, update_weight_flattened_bucket=False,
+                             update_weight_buckets_in_flight=2, weight_sync_address="127.0.0.1",
+                             weight_sync_timeout_s=300, tls=TlsConfig(), auth=AuthConfig(), lora_rank=args.lora_rank,
+                             lora_alpha=settings.alpha, lora_dropout=0.0, target_modules=["all-linear"],
+                             update_weight_disk_dir=str(folder / "adapters"), update_weight_disk_keep_files=False,
+                             hf_checkpoint=str(model_dir))  # fmt: skip
+    sender = WeightSender(config, lambda: lora.adapter_tensors(model, gpt.shape).items(), sender=True)
+    size = sum(t.numel() * t.element_size() for t in lora.adapter_tensors(model, gpt.shape).values())
+    times, phases = [], []
+    for rep in range(args.syncs + 1):
+        version += 1
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("lora_B"):
+                    param.normal_(0, 0.01)
+        sync()
+        started = time.perf_counter()
+        assert sender.sync(version), f"LoRA sync of version {version} failed: see {folder}/gateway.log"
+        if rep:
+            times.append(time.perf_counter() - started)
+            phases.append(sender.timings)
+    sender.close()
+    print(f"LoRA rank {args.lora_rank}: {[round(t * 1e3, 1) for t in times]} ms", flush=True)
+    return size, times, phases
 
 
 def train_step(model, optimizer, vocab_size: int, tokens: int = 512) -> None:
@@ -284,7 +334,7 @@ def check(url: str, model, gpt, version: int) -> None:
             assert torch.equal(torch.tensor(got), tensor[:2].float().cpu()), name
 
 
-def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
+def report(args, size: int, count: int, raw: list[float], rows: list, adapters: tuple | None = None) -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (gloo)"
     gb = size / 1e9
     best_raw = min(raw)
@@ -297,6 +347,7 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
     formats += " --colocate" if args.colocate else ""
     formats += f" --update-weight-mode {args.update_weight_mode}" if args.update_weight_mode != "full" else ""
     formats += f" --lr {args.lr:g}" if args.lr is not None else ""
+    formats += f" --lora-rank {args.lora_rank}" if args.lora_rank else ""
     print(f"command: python bench/weight_sync.py --shape {args.shape} --bucket-mib "
           f"{' '.join(f'{mib:g}' for mib in args.bucket_mib)} --syncs {args.syncs}{formats}\n")  # fmt: skip
     print("| path | bucket | buckets | time (median, min) | GB/s (best) | share of raw (median, best) | "
@@ -314,6 +365,14 @@ def report(args, size: int, count: int, raw: list[float], rows: list) -> None:
         share = "-" if args.colocate else f"{raw_median / median:.0%}, {best_raw / min(times):.0%}"
         print(f"| end to end, {path} | {mib:g} MiB | {len(layout)} | {median * 1e3:.1f} ms, "
               f"{min(times) * 1e3:.1f} ms | {gb / min(times):.1f} | {share} | {parts} ms |")  # fmt: skip
+    if adapters is not None:
+        lora_size, times, phases = adapters
+        parts = " / ".join(f"{statistics.median(p[k] for p in phases) * 1e3:.1f}"
+                           for k in ("prepare_s", "send_s", "commit_s"))  # fmt: skip
+        full = min(statistics.median(times) for *_, times, _ in rows)
+        print(f"| LoRA adapters, rank {args.lora_rank} ({lora_size / 1e6:.1f} MB, a peft folder the engine loads) | - "
+              f"| - | {statistics.median(times) * 1e3:.1f} ms, {min(times) * 1e3:.1f} ms | - | "
+              f"{statistics.median(times) / full:.1%} of the best full sync's median | {parts} ms |")  # fmt: skip
     if args.streamed:  # where the send's time went, on each side
         for mib, _, _, _, phases in rows:
             waits = " / ".join(f"{statistics.median(p.get(k, 0) for p in phases) * 1e3:.1f}"

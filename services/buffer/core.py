@@ -37,7 +37,7 @@ ATTEMPTS = 20  # of a transition that other buffer processes keep moving the sta
 BATCH_POLL_S = 0.25  # GetBatch looks for groups submitted to other buffer processes this often
 FOLLOW_IDLE_S = 1.0  # the submits are followed until this long after the last GetBatch stopped waiting
 CONTENDED = prometheus_client.Counter(
-    "slipstream_buffer_lease_contended", "Lease attempts tried again: another buffer process leased new groups meanwhile"
+    "slipstream_buffer_lease_contended", "Lease attempts tried again: another buffer process leased groups meanwhile"
 )
 
 

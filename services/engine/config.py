@@ -38,7 +38,7 @@ class EngineConfig(StrictModel):
     max_lora_rank: int = Field(64, ge=1)
     """The highest adapter rank /load_lora_adapter takes (SGLang's option)."""
     lora_target_modules: list[str] = ["all-linear"]
-    """The linear layers adapters may target, by name (q_proj, …, lm_head) or all-linear (SGLang's option)."""
+    """The linear layers adapters may target, by name (q_proj, …, lm_head) or all (SGLang's option)."""
     enable_return_routed_experts: bool = False
     """Capture each MoE layer's chosen experts so that /generate can return them (SGLang's option, for rollout
     routing replay); Qwen3-MoE, GLM-4.5 and DeepSeek-V3 models only."""

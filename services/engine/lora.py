@@ -80,7 +80,7 @@ class Adapters:
             linear = self._linears.get(module)
             if linear is None or set(pair) != {"A", "B"}:
                 raise LoraError(f"LoRA adapter {name}: {module} is not a linear layer of this model, or lacks A or B")
-            if ALL_LINEAR not in self.targets and module.rsplit(".", 1)[-1] not in self.targets:
+            if not self.targets & {ALL_LINEAR, "all"} and module.rsplit(".", 1)[-1] not in self.targets:
                 raise LoraError(f"LoRA adapter {name} targets {module}, outside --lora-target-modules")
             weight = linear.weight
             weights[module] = tuple(t.to(weight.device, weight.dtype) for t in (pair["A"], pair["B"]))

@@ -214,6 +214,11 @@ def route(argv: list[str]) -> dict[str, list[str]]:
     options = load_config(TrainOptions, routed["train"], prog="slipstream train")
     if options.async_buffer_size:
         routed["buffer"] += ["--max-staleness", str(options.async_buffer_size)]
+    lora = _value(argv, "--lora-rank") not in (None, "0")
+    if lora and _value(argv, "--update-weight-disk-dir") is None and not options.rollout_addr:
+        folder = str((options.run_dir / "adapters").resolve())  # the engines it launches read the adapters there
+        routed["trainer"] += ["--update-weight-disk-dir", folder]
+        routed["rollout"] += ["--update-weight-disk-dir", folder]
     if options.debug_rollout_only:  # the engines keep their weights: no group may be dropped as stale
         routed["buffer"] += ["--stale-policy", "mark"]
     return routed
@@ -307,6 +312,16 @@ def _check_ranks(options: TrainOptions, trainer: TrainerConfig) -> None:
     except BatchSizeError as e:
         dp = ranks // model_parallel
         raise ConfigError(f"{e} (the trainer's {ranks} rank(s) make a data-parallel size of {dp})") from None
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    """The last value given to `flag` (`--flag v` or `--flag=v`), or None."""
+    found = None
+    for chunk in _chunks(argv):
+        name, *inline = chunk[0].split("=", 1)
+        if name == flag:
+            found = " ".join(inline + chunk[1:])
+    return found
 
 
 def _is_number(values: list[str], number: float) -> bool:

@@ -194,6 +194,17 @@ def merge_tp_shards(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
+def split_tp(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Tensor-parallel rank `rank`'s shard of the full tensor of parameter `name` (merge_tp_shards' inverse)."""
+    dim = tp_split_dim(name)
+    if dim is None or size == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2)
+        return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
+    return full.chunk(size, dim=dim)[rank]
+
+
 def gather_tp_param(name: str, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-gathers one parameter's shards over the tensor-parallel group (a collective: every rank calls it) and
     returns the full tensor on every rank."""

@@ -86,6 +86,14 @@ class Trainer:
         if not path.exists() or not any(path.iterdir()):  # slime's idiom: --load the --save folder from the start
             log.info("nothing to resume in %s yet: starting from --hf-checkpoint", path)
             return
+        if self.config.lora_rank and (path / "adapter_config.json").exists():  # a peft folder: continue its adapters
+            from services.trainer import lora
+
+            lora.load_adapter(self.model, self.gpt.shape, lora.settings_of(self.config), path)
+            if hasattr(self.optimizer, "reload_model_params"):  # its float32 masters were copied from the start
+                self.optimizer.reload_model_params()
+            log.info("started from the LoRA adapters in %s (a new optimizer state)", path)
+            return
         if checkpoint.latest_step(path) is None:  # an HF folder: start from its weights
             from services.trainer.models import SafetensorsWeights, load_hf_weights
 

@@ -19,6 +19,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -227,6 +228,59 @@ def adapter_tensors(model: torch.nn.Module, shape) -> dict[str, torch.Tensor]:
             out[f"{stem}.lora_A.weight"] = a.clone()
             out[f"{stem}.lora_B.weight"] = b_part.clone()
     return out
+
+
+def load_adapter(model: torch.nn.Module, shape, settings: LoraSettings, folder) -> None:
+    """Sets this rank's adapters from a peft adapter folder (`--load` of what --save-hf or a sync wrote, or peft's
+    own of the same rank and alpha): adapter_tensors' inverse. The parts of a fused layer (q, k, v; gate, up) must
+    share one A, as this trainer's do."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from services.trainer.hf_names import megatron_to_hf, split_tp
+    from services.trainer.models import _global_layer_names
+
+    folder = Path(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if int(config["r"]) != settings.rank or float(config.get("lora_alpha", config["r"])) != settings.alpha:
+        raise ValueError(
+            f"--load {folder}: its adapters have rank {config['r']} and lora_alpha {config.get('lora_alpha')}; "
+            f"pass --lora-rank {config['r']} --lora-alpha {config.get('lora_alpha')} to continue them"
+        )
+    saved = load_file(folder / "adapter_model.safetensors")
+    tensors = {key.removeprefix("base_model.model."): value for key, value in saved.items()}
+    used: set[str] = set()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    global_names = _global_layer_names(model)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not hasattr(module, "lora_A"):
+                continue
+            weight = global_names[f"{name}.weight"]
+            column = isinstance(module, ColumnParallelLinear)
+            rows = torch.arange(module.output_size)[:, None]  # which full row each HF part's row is
+            b, a = torch.zeros(module.output_size, settings.rank), None
+            for hf_name, taken in megatron_to_hf(weight, rows, shape):
+                stem = hf_name.removesuffix(".weight")
+                if f"{stem}.lora_A.weight" not in tensors:
+                    continue
+                part_a, part_b = tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"]
+                if a is not None and not torch.equal(a, part_a):
+                    raise ValueError(f"--load {folder}: {stem}'s lora_A differs from its fused layer's other parts")
+                a = part_a
+                b[taken[:, 0]] = part_b.float()
+                used |= {f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"}
+            if a is None:
+                raise ValueError(f"--load {folder} has no adapter for {weight}, which --target-modules adapts")
+            module.lora_A.copy_(a if column else split_tp(weight, a, tp_rank, tp_size))
+            module.lora_B.copy_(split_tp(weight, b, tp_rank, tp_size) if column else b)
+    if dist.is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        return  # each stage uses the adapters of its own layers
+    if unused := sorted(set(tensors) - used):
+        raise ValueError(f"--load {folder} adapts layers --target-modules does not, e.g. {unused[:3]}")
 
 
 def _part(hf_name: str) -> str:

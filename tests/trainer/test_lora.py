@@ -133,6 +133,13 @@ def test_the_saved_adapter_loads_with_peft_and_gives_the_trainers_logprobs(fille
         with torch.no_grad():
             logits = trainer_model(input_ids=tokens, position_ids=positions, attention_mask=None).float()
         got = torch.log_softmax(logits[..., : expected.shape[-1]], dim=-1)
+        again, _ = load_gpt_model(model)  # --load of the folder: the same adapters
+        lora.apply(again, lora.LoraSettings(4, 8.0, 0.0, tuple(targets)), gpt.shape)
+        lora.load_adapter(again, gpt.shape, lora.LoraSettings(4, 8.0, 0.0, tuple(targets)), tmp_path / "adapter")
+        loaded = {n: p for n, p in again.state_dict().items() if lora.is_adapter(n)}
+        assert loaded and all(torch.equal(p, trained[n]) for n, p in loaded.items())
+        with pytest.raises(ValueError, match=r"pass --lora-rank 4 --lora-alpha 8\.0 to continue them"):
+            lora.load_adapter(again, gpt.shape, lora.LoraSettings(8, 8.0, 0.0, tuple(targets)), tmp_path / "adapter")
     finally:
         destroy_parallel()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
