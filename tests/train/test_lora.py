@@ -45,7 +45,7 @@ def test_two_runs_share_one_engine_each_with_its_own_adapter(service_process, tm
         assert run.wait(900) == 0, f"run {name}:\n{run.log[-3000:]}"
     rewards = {name: [s["metrics"]["reward"] for s in steps_of(tmp_path / name)] for name in runs}
     assert len(rewards["a"]) == len(rewards["b"]) == 60
-    assert mean(rewards["a"][-10:]) >= mean(rewards["b"][-10:]) + 0.2, rewards
+    assert mean(rewards["a"][-10:]) >= mean(rewards["b"][-10:]) + 0.15, rewards
     assert mean(rewards["b"][-10:]) <= 0.2, rewards["b"]
     log = engine.log
     for name in runs:
