@@ -15,13 +15,21 @@ class Lora(Disk):
     keeps_latest = True  # an engine admitted later loads it before its first request
 
     def assemble(self, weight_map: dict[str, str], total: int) -> None:
+        from safetensors import safe_open
         from safetensors.torch import load_file, save_file
 
-        tensors = {}
-        for name in sorted(set(weight_map.values())):
-            tensors.update(load_file(self.folder / name))
-            (self.folder / name).unlink()
-        save_file(tensors, self.folder / "adapter_model.safetensors", metadata={"format": "pt"})
+        shards = sorted(set(weight_map.values()))
+        target = self.folder / "adapter_model.safetensors"
+        if len(shards) == 1:  # one sender, one bucket: the shard is the file
+            (self.folder / shards[0]).rename(target)
+            with safe_open(target, framework="pt") as f:
+                tensors = dict.fromkeys(f.keys())
+        else:
+            tensors = {}
+            for name in shards:
+                tensors.update(load_file(self.folder / name))
+                (self.folder / name).unlink()
+            save_file(tensors, target, metadata={"format": "pt"})
         config = self.sender.config
         settings = lora.adapter_config(lora.settings_of(config), config.hf_checkpoint, tensors)
         (self.folder / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
