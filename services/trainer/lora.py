@@ -101,25 +101,7 @@ def apply(model: torch.nn.Module, settings: LoraSettings, shape) -> int:
         adapted += 1
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
-    for module in model.modules():
-        if type(module) in (ColumnParallelLinear, RowParallelLinear):
-            _contiguous_gradient(module)
     return adapted
-
-
-def _contiguous_gradient(module) -> None:
-    """megatron's frozen-weight backward multiplies its output's gradient as it comes, and the logits' comes back
-    transposed: a batched product of one row each, 0.6 s of Qwen3-4B's step on an H200 (docs/BENCHMARKS.md). The
-    gradient is made contiguous first (a no-op where it is)."""
-    base = module.forward
-
-    def forward(*args, **kwargs):
-        output, bias = base(*args, **kwargs)
-        if output.requires_grad:
-            output.register_hook(lambda grad: grad.contiguous())
-        return output, bias
-
-    module.forward = forward
 
 
 def merged(name: str, module: torch.nn.Module) -> torch.Tensor:
