@@ -101,7 +101,26 @@ def apply(model: torch.nn.Module, settings: LoraSettings, shape) -> int:
         adapted += 1
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+    for module in model.modules():
+        if type(module) in (ColumnParallelLinear, RowParallelLinear):
+            _plain_gradient(module)
     return adapted
+
+
+def _plain_gradient(module) -> None:
+    """megatron's frozen-weight backward multiplies its output's gradient [s, b, out] as it comes, and the logits'
+    comes back from a transpose: with b = 1 its strides keep that shape, which torch.matmul will not fold into one
+    matrix product, so it runs one product per position, each with the whole weight (0.6 s of a Qwen3-4B step on an
+    H200, docs/BENCHMARKS.md). The gradient is given plain strides first, with no copy where none is needed."""
+    base = module.forward
+
+    def forward(*args, **kwargs):
+        output, bias = base(*args, **kwargs)
+        if output.requires_grad:
+            output.register_hook(lambda grad: grad.contiguous().view(-1, grad.shape[-1]).view(grad.shape))
+        return output, bias
+
+    module.forward = forward
 
 
 def merged(name: str, module: torch.nn.Module) -> torch.Tensor:
