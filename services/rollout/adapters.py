@@ -4,10 +4,11 @@ asks for the live one by that name (SGLang's `lora_path`). The sample's weight v
 generated it: the engines' own version label is the base weights', shared by every run on them.
 
 An engine admitted after a sync (new, or restarted) loads the live adapter before its first request. Once a newer
-version is live, the older one is unloaded from each engine; SGLang (and the reference engine) let the requests
-still using it finish first."""
+version is live, the older one is unloaded from each engine as soon as no request of this gateway uses it (one
+waiting for an engine's slot included: SGLang refuses a request for an adapter being unloaded)."""
 
 import asyncio
+import collections
 import contextlib
 import logging
 
@@ -32,12 +33,15 @@ class Adapters:
         self.held: dict[str, set[str]] = {}  # engine url → the adapter names it holds
         self._loading: dict[str, asyncio.Lock] = {}
         self._unloads: set[asyncio.Task] = set()
+        self.using: collections.Counter[str] = collections.Counter()  # requests in flight by adapter name
+        self._idle: dict[str, asyncio.Event] = {}  # set once no request uses the adapter
 
     def name(self, version: int) -> str:
         return f"{self.run_id}-v{version}"
 
     async def request(self, engine, payload: dict) -> tuple[dict, int | None]:
-        """`payload` asking for the live adapter (loaded on `engine` first if it lacks it), and its version."""
+        """`payload` asking for the live adapter (loaded on `engine` first if it lacks it), and its version; the
+        adapter counts as used until `done`."""
         if self.live is None:
             return payload, None
         version, name, folder = self.live
@@ -46,7 +50,17 @@ class Adapters:
                 if name not in self.held.get(engine.url, ()):
                     await self.pool._post(engine, "/load_lora_adapter", {"lora_name": name, "lora_path": folder})
                     self.held.setdefault(engine.url, set()).add(name)
+        self.using[name] += 1
         return {**payload, "lora_path": name}, version
+
+    def done(self, payload: dict) -> None:
+        name = payload.get("lora_path")
+        if name:
+            self.using[name] -= 1
+            if not self.using[name]:
+                del self.using[name]
+                if event := self._idle.pop(name, None):
+                    event.set()
 
     @staticmethod
     def label(answer, version: int | None):
@@ -77,6 +91,8 @@ class Adapters:
         self.held.pop(url, None)
 
     async def _unload(self, url: str, name: str) -> None:
+        if self.using.get(name):  # no new request asks for it: the live adapter is another one
+            await self._idle.setdefault(name, asyncio.Event()).wait()
         engine = self.pool.engines.get(url)
         if engine is None:
             return

@@ -328,7 +328,10 @@ class EnginePool:
         if self.adapters is None:
             return await self._post(engine, "/generate", payload)
         payload, version = await self.adapters.request(engine, payload)
-        return self.adapters.label(await self._post(engine, "/generate", payload), version)
+        try:
+            return self.adapters.label(await self._post(engine, "/generate", payload), version)
+        finally:
+            self.adapters.done(payload)
 
     async def _through_router(self, payload: dict):
         last = ""
