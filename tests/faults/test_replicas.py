@@ -117,7 +117,7 @@ def test_a_coordinator_killed_mid_sync_hands_the_sync_to_the_other_gateway(servi
         hf = {name: t.contiguous() for name, t in sorted(load_file(model / "model.safetensors").items())}
         config = SimpleNamespace(rollout_addr=fleet.target("rollout"), update_weight_buffer_size=int(0.05 * 2**20),
                                  update_weight_flattened_bucket=False, update_weight_mode="full",
-                                 update_weight_transport="nccl", update_weight_buckets_in_flight=2,
+                                 update_weight_transport="nccl", update_weight_buckets_in_flight=2, lora_rank=0,
                                  weight_sync_address="127.0.0.1", colocate=False, weight_sync_timeout_s=30,
                                  tls=TlsConfig(), auth=AuthConfig(token_file=fleet.tokens))  # fmt: skip
         sender = WeightSender(config, weights=None, sender=True)

@@ -248,7 +248,7 @@ def _sender(system, bucket_mib: float = 0.1, colocate: bool = False, timeout_s: 
     config = SimpleNamespace(rollout_addr=system.thread.address, update_weight_buffer_size=int(bucket_mib * 2**20),
                              update_weight_flattened_bucket=False, update_weight_mode=mode,
                              update_weight_transport="disk" if disk else "nccl", update_weight_disk_dir=disk,
-                             update_weight_disk_keep_files=keep_files, hf_checkpoint=hf_checkpoint,
+                             update_weight_disk_keep_files=keep_files, hf_checkpoint=hf_checkpoint, lora_rank=0,
                              update_weight_buckets_in_flight=2, weight_sync_address="127.0.0.1", colocate=colocate,
                              weight_sync_timeout_s=timeout_s, tls=TlsConfig(), auth=AuthConfig())  # fmt: skip
     return WeightSender(config, weights=None, sender=True)
@@ -614,7 +614,7 @@ hf = sorted(load_file(sys.argv[2]).items())
 config = SimpleNamespace(rollout_addr=sys.argv[1], update_weight_buffer_size=int(0.1 * 2**20),
                          update_weight_flattened_bucket=False,
                          update_weight_buckets_in_flight=2, update_weight_mode="full", update_weight_transport="nccl",
-                         weight_sync_address="127.0.0.1",
+                         weight_sync_address="127.0.0.1", lora_rank=0,
                          weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 syncs = []
 
@@ -671,7 +671,7 @@ mine = [(name, (tensor + 0.25).contiguous()) for name, tensor in sorted(load_fil
 config = SimpleNamespace(rollout_addr=address, update_weight_buffer_size=int(0.05 * 2**20),
                          update_weight_flattened_bucket=False,
                          update_weight_buckets_in_flight=2, update_weight_mode="full", update_weight_transport="nccl",
-                         weight_sync_address="127.0.0.1",
+                         weight_sync_address="127.0.0.1", lora_rank=0,
                          weight_sync_timeout_s=60, colocate=False, tls=TlsConfig(), auth=AuthConfig())
 passes = []
 

@@ -143,3 +143,26 @@ def test_the_saved_adapter_loads_with_peft_and_gives_the_trainers_logprobs(fille
     finally:
         destroy_parallel()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_a_peft_folder_loaded_under_tp2_continues_as_under_tp1(filled_buffer, service_process, model, tmp_path):
+    """--load of a peft folder (what --save-hf wrote) sets the adapters on every tensor-parallel rank: two more steps
+    from it under TP=2 end where TP=1's do."""
+    saved = tmp_path / "adapter"
+    args = trainer_args(model, filled_buffer("first"), tmp_path / "first", *LORA, "--save-hf", str(saved))
+    proc = service_process(*args)
+    assert proc.wait(timeout_s=240) == 0, proc.log
+    for name, extra, nproc in (("one", [], 1), ("tp", ["--tensor-model-parallel-size", "2"], 2)):
+        args = trainer_args(model, filled_buffer(f"go-{name}"), tmp_path / name, *LORA, "--load", str(saved), *extra)
+        proc = service_process(*args, nproc=nproc)
+        assert proc.wait(timeout_s=300) == 0, proc.log[-4000:]
+        assert "started from the LoRA adapters in" in proc.log
+    single = weights(tmp_path / "one", 2)
+    first = weights(tmp_path / "first", 2)
+    shards = [torch.load(tmp_path / "tp" / "iter_0000002" / f"mp_rank_{r:02d}_000.pt", weights_only=False)["model"]
+              for r in range(2)]  # fmt: skip
+    adapters = [n for n in single if n.endswith(("lora_A", "lora_B"))]
+    assert adapters and any(not torch.equal(single[n], first[n]) for n in adapters)  # two more steps moved them
+    for name in adapters:
+        got = _merged(name, [shard[name] for shard in shards])
+        torch.testing.assert_close(got, single[name], atol=1e-5, rtol=1e-4, msg=name)
