@@ -32,10 +32,26 @@ def test_the_demo_learns_with_lora_and_only_the_adapters_travel(service_process,
     assert wait_gone(tmp_path / "demo") == []
 
 
+def test_a_lora_run_syncs_only_the_adapters_and_keeps_the_live_one(service_process, tmp_path):
+    """A short run's syncs each go as a peft folder that the engine loads under the run's name, the one before
+    unloaded; only the live folder stays."""
+    run = service_process("train", *train_args(tmp_path, steps=4), *LORA)
+    assert run.wait(300) == 0, run.log[-3000:]
+    assert [s["policy_version"] for s in steps_of(tmp_path / "demo")] == [1, 2, 3, 4]
+    logs = tmp_path / "demo" / "logs"
+    assert "weights of version 4 sent to 1 engine(s) (lora)" in (logs / "trainer.log").read_text()
+    engine = (logs / "engine-0.log").read_text()
+    assert "LoRA adapter demo-v4 loaded" in engine and "LoRA adapter demo-v3 unloaded" in engine
+    assert [p.name for p in (tmp_path / "demo" / "adapters").iterdir()] == ["weight_v000004"]
+    assert wait_gone(tmp_path / "demo") == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_two_runs_share_one_engine_each_with_its_own_adapter(service_process, tmp_path):
     """Runs `a` (learning) and `b` (--lr 1e-9: its adapter stays near zero, the base policy) on one engine at once: each
     loads its adapters under its own names, and a's learning does not leak into b's samples. Every sync of each is a
-    peft folder that the engine loads, the one before unloaded."""
+    peft folder that the engine loads, the one before unloaded. (Slow: about two minutes.)"""
     model, _, _ = prepare(tmp_path)
     port = free_port()
     engine = service_process("engine", "--model-path", str(model), "--port", str(port), "--enable-lora",
