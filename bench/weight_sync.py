@@ -252,11 +252,9 @@ def main() -> None:
                     train_step(model, optimizer, shape["vocab_size"])
                 if args.colocate:  # the trainer's step starts by taking the engine's memory
                     released = engine_memory(procs[0].pid, sender.release)
-                sync()
-                started = time.perf_counter()
-                assert sender.sync(version), f"sync of version {version} failed: see {folder}/gateway.log"
+                seconds = timed_sync(sender, version, folder)
                 if rep:
-                    times.append(time.perf_counter() - started)
+                    times.append(seconds)
                     phases.append(sender.timings)
             sender.close()
             print(f"{mib:g} MiB buckets, {load_format}: {[round(t * 1e3, 1) for t in times]} ms", flush=True)
@@ -271,6 +269,14 @@ def main() -> None:
             proc.terminate()
         for proc in procs:
             proc.wait(30)
+
+
+def timed_sync(sender, version: int, folder: Path) -> float:
+    """Seconds of one sync of `version`, from the trainer's call to the commit's answer."""
+    sync()
+    started = time.perf_counter()
+    assert sender.sync(version), f"sync of version {version} failed: see {folder}/gateway.log"
+    return time.perf_counter() - started
 
 
 def lora_syncs(args, model, gpt, gateway: str, folder: Path, model_dir: Path, version: int) -> tuple:
@@ -298,11 +304,9 @@ def lora_syncs(args, model, gpt, gateway: str, folder: Path, model_dir: Path, ve
             for name, param in model.named_parameters():
                 if name.endswith("lora_B"):
                     param.normal_(0, 0.01)
-        sync()
-        started = time.perf_counter()
-        assert sender.sync(version), f"LoRA sync of version {version} failed: see {folder}/gateway.log"
+        seconds = timed_sync(sender, version, folder)
         if rep:
-            times.append(time.perf_counter() - started)
+            times.append(seconds)
             phases.append(sender.timings)
     sender.close()
     print(f"LoRA rank {args.lora_rank}: {[round(t * 1e3, 1) for t in times]} ms", flush=True)
