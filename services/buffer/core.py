@@ -21,7 +21,7 @@ from services.buffer.filters import read_verdict
 from services.buffer.groups import check_group, group_id_of, leased_group_id, min_version, num_tokens
 from services.buffer.prompts import Skipped
 from services.buffer.source import Cursor, PromptStream
-from services.buffer.store import BufferStore, Contended
+from services.buffer.store import BufferStore, Contended, LeaseStart
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.waits import logged_wait
 from slipstream import samples
@@ -37,7 +37,8 @@ ATTEMPTS = 20  # of a transition that other buffer processes keep moving the sta
 BATCH_POLL_S = 0.25  # GetBatch looks for groups submitted to other buffer processes this often
 FOLLOW_IDLE_S = 1.0  # the submits are followed until this long after the last GetBatch stopped waiting
 CONTENDED = prometheus_client.Counter(
-    "slipstream_buffer_lease_contended", "Lease attempts tried again: another buffer process leased groups meanwhile"
+    "slipstream_buffer_lease_contended",
+    "Read-aheads refused because another buffer process moved the dataset's cursor meanwhile",
 )
 
 
@@ -81,6 +82,7 @@ class Buffer:
     dynamic_filter: object = None
     buffer_filter: object = None
     _reading: asyncio.Lock = field(default_factory=asyncio.Lock)  # the prompt streams have one reader at a time
+    _reads_ahead: dict[str, asyncio.Task] = field(default_factory=dict)  # the background read-ahead of each dataset
     _submitted: asyncio.Event = field(default_factory=asyncio.Event)
     _batch_waits: int = 0  # GetBatch calls of this process waiting for groups: the submits are followed meanwhile
     _wanted: asyncio.Event = field(default_factory=asyncio.Event)  # set while there are some
@@ -118,34 +120,34 @@ class Buffer:
         if dataset not in self.streams:
             known = ", ".join(sorted(self.streams)) or "none (pass --prompt-data / --eval-prompt-data)"
             raise InvalidArgument("dataset", f"unknown dataset {dataset!r}; known: {known}")
-        # Expiry, the returned groups and the state new groups are counted against: one round trip.
-        start = await self.store.lease_start(dataset, max_groups, lease_ms, *self._limit(dataset))
-        version = start.policy_version
-        bounds, bound = self._bounds(dataset, version)
-        leases = [
-            LeasedGroup(lid, common_pb2.PromptGroup.FromString(payload), start.deadline_ms)
-            for _, lid, payload in start.leased
-        ]
-        state = (start.counters, start.sizes, start.cursor)
+        # Expiry, the returned groups, then new ones made ahead, as the bounds allow: one round trip.
+        start, leases = await self._lease_start(dataset, max_groups, lease_ms)
         blocked = None
         with logged_wait(log, "%d new %s groups to lease", max_groups - len(leases), dataset) as notes:
             for attempt in range(ATTEMPTS):
-                # The state read at the start holds unless this process's other leases moved it meanwhile.
-                fresh = attempt == 0 and not self._reading.locked()
+                want = max_groups - len(leases)
+                bounds, bound = self._bounds(dataset, start.policy_version)
+                room, blocked = self._room(dataset, bounds, bound, start.counters, start.sizes)
+                if want <= 0 or room <= 0 or start.sizes["ready"]:  # ready ones left: the bounds stopped the lease
+                    break
                 try:
-                    async with self._reading:
-                        new, blocked = await self._lease_new(
-                            dataset, max_groups - len(leases), lease_ms, bounds, bound, state if fresh else None
-                        )
-                except Contended as e:  # another buffer process leased new groups meanwhile
+                    if not await self._stage(dataset, want):
+                        blocked = "exhausted"
+                        break
+                except Contended as e:  # another buffer process made groups ahead meanwhile: lease those
                     notes[:] = [f"contended {attempt + 1} times, last: {e}"]
                     CONTENDED.inc()
-                    continue
+                start, new = await self._lease_start(dataset, want, lease_ms)
                 leases += new
-                break
+        self._read_ahead(dataset, start.sizes["ready"])
         if leases or max_groups == 0:
-            return LeaseResult(leases, version)
-        return LeaseResult(leases, version, blocked)
+            return LeaseResult(leases, start.policy_version)
+        return LeaseResult(leases, start.policy_version, blocked)
+
+    async def _lease_start(self, dataset: str, want: int, lease_ms: int) -> tuple[LeaseStart, list[LeasedGroup]]:
+        start = await self.store.lease_start(dataset, want, lease_ms, *self._limit(dataset), dataset == TRAIN)
+        leases = [LeasedGroup(lid, common_pb2.PromptGroup.FromString(p), start.deadline_ms) for _, lid, p in start.leased]
+        return start, leases
 
     def _limit(self, dataset: str) -> tuple[int, tuple[int, int, int]]:
         """`_bounds` for the lease's first script, which reads the policy version itself: the cap, and the limit as
@@ -184,24 +186,36 @@ class Buffer:
             room = min(room, cap - sizes["leased"] - sizes["completed"])
         return room, bound if room <= 0 else None
 
-    async def _lease_new(
-        self, dataset: str, want: int, lease_ms: int, bounds, bound: str, state: tuple | None = None
-    ) -> tuple[list[LeasedGroup], str | None]:
-        """New groups from the dataset's stream, as many as `want` and the bounds allow, in one round trip to read the
-        state (none when `state` is given) and one to store them; or none, and what blocks them ("exhausted" at the
-        end of the data)."""
-        if want <= 0:
-            return [], None
-        counters, sizes, cursor = state or await self.store.lease_state(dataset)
-        room, blocked = self._room(dataset, bounds, bound, counters, sizes)
-        if min(want, room) <= 0:
-            return [], blocked
+    async def _stage(self, dataset: str, want: int, wait: bool = True) -> bool:
+        """Makes at least `want` new groups of the dataset ahead into its ready list (a read-ahead's worth when more),
+        unless that many wait there already; False at the end of the data. One buffer process reads ahead at a time
+        (a lock in Redis; without `wait`, nothing is done while another one holds it); should the lock expire or be
+        waited for too long, the cursor's check makes a second reader's script refuse (`Contended`)."""
         stream = self.streams[dataset]
-        expected = (cursor or b"").decode()
-        await stream.seek(Cursor.decode(expected))  # where this or another buffer process stopped
-        items = await stream.take(min(want, room))
-        if not items:
-            return [], "exhausted"
+        async with self._reading:
+            lock = self.store.reading_lock(dataset)
+            held = await lock.acquire(blocking=wait)
+            if not held and not wait:
+                return True
+            try:
+                cursor, ready = await self.store.stage_state(dataset)
+                if ready >= want:
+                    return True
+                expected = (cursor or b"").decode()
+                await stream.seek(Cursor.decode(expected))  # where this or another buffer process stopped
+                items = await stream.take(max(want - ready, stream.read_ahead))
+                if not items:
+                    return ready > 0
+                # Nothing stored on failure: the next read-ahead seeks the stream back to the stored cursor.
+                await self.store.stage(dataset, expected, items[-1].after.encode(), *self._new_groups(dataset, items))
+                await stream.forget(items)
+                return True
+            finally:
+                if held:
+                    await lock.release()
+
+    def _new_groups(self, dataset: str, items: list) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
+        """The stream's items as (group id, payload) pairs, and the rows skipped by reason."""
         groups, skipped = [], {}
         for item in items:
             if isinstance(item.payload, Skipped):
@@ -210,21 +224,33 @@ class Buffer:
             group = common_pb2.PromptGroup.FromString(item.payload)
             group.group_id, group.dataset = item.group_id, dataset
             group.epoch, group.n_samples = item.after.epoch, self._samples_per_group(dataset)
-            groups.append(group)
-        # Nothing stored on failure: the next lease seeks the stream back to the stored cursor.
-        deadline, lease_ids = await self.store.lease_new(
-            dataset,
-            expected,
-            items[-1].after.encode(),
-            lease_ms,
-            [(g.group_id, g.SerializeToString()) for g in groups],
-            skipped,
-            count_started=dataset == TRAIN,
-            bounds=bounds,
-        )
-        await stream.forget(items)
-        leased = [LeasedGroup(lid, g, deadline) for lid, g in zip(lease_ids, groups, strict=True)]
-        return leased, None if leased else "exhausted"
+            groups.append((group.group_id, group.SerializeToString()))
+        return groups, skipped
+
+    def _read_ahead(self, dataset: str, ready: int) -> None:
+        """Tops the dataset's ready list up in the background once a lease left it under half a read-ahead, so that
+        the next leases find new groups waiting."""
+        read_ahead = self.streams[dataset].read_ahead
+        if ready >= read_ahead // 2 or dataset in self._reads_ahead:
+            return
+        task = asyncio.create_task(self._stage_quietly(dataset, read_ahead))
+        self._reads_ahead[dataset] = task
+        task.add_done_callback(lambda _: self._reads_ahead.pop(dataset, None))
+
+    async def _stage_quietly(self, dataset: str, want: int) -> None:
+        try:
+            await self._stage(dataset, want, wait=False)
+        except Contended:  # another buffer process read ahead meanwhile
+            CONTENDED.inc()
+        except Exception:  # Redis may be briefly unreachable; a lease stages what it needs itself
+            log.exception("making %s groups ahead failed", dataset)
+
+    async def close(self) -> None:
+        """Stops the read-aheads under way (what they had not stored is read again by the next one)."""
+        for task in list(self._reads_ahead.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def extend(self, lease_ids: list[str], lease_seconds: float) -> tuple[int, list[str], list[str]]:
         lease_ms = self._lease_ms(lease_seconds)

@@ -18,7 +18,7 @@ from services.common.errors import FailedPrecondition, NotFound, StartupError
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, common_pb2
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: new groups wait in a ready list
 UPLOAD_TTL_S = 3600  # an upload not taken over by a submit (its worker died in between) is gone after an hour
 INLINE_ARRAYS = 64 * 1024  # a worker's arrays up to this size go in its submit script's call, larger ones uploaded
 

@@ -120,6 +120,7 @@ async def build(config: BufferConfig) -> Service:
         tasks.append(asyncio.create_task(_export_counts(buffer, config.expire_interval_s)))
 
     async def close() -> None:
+        await buffer.close()
         for task in tasks:
             while not task.done():  # a cancel can be lost in a Redis call that ends at that moment (Python 3.11)
                 task.cancel()

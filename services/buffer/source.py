@@ -91,6 +91,7 @@ class PromptStream:
         self.name, self.blocks, self.spec, self.executor = name, blocks, spec, executor
         self.seed, self.shuffle, self.num_epoch = seed, shuffle, num_epoch
         self.chunk_rows, self.chunks_ahead = chunk_rows, chunks_ahead
+        self.read_ahead = chunk_rows * chunks_ahead  # new groups made ahead into the ready list at a time
         self._items: AsyncIterator[Item] | None = None
         self._cursor = Cursor()
         # A dataset read eagerly is one block: keep its rows instead of reading the file again every epoch.
@@ -214,6 +215,8 @@ class CustomPromptStream:
 
     The source object lives in one buffer process, which cannot skip what another one's source handed out: a run
     with a custom source has one buffer process (docs/buffer.md)."""
+
+    read_ahead = 0  # the source is asked for groups only when a lease needs them, as slime asks it
 
     def __init__(self, source, spec: RowSpec, name: str = "train"):
         self.source, self.spec, self.name = source, spec, name

@@ -2,21 +2,23 @@
 
 Every transition that touches several keys is one Lua script, so it happens whole or not at all and a crash of the
 buffer process at any point leaves a state the next process can continue from. The scripts also check the bounds
-they rely on (the dataset cursor a lease started from, the room under the backpressure cap and the staleness bound,
+they rely on (the dataset cursor a read-ahead started from, the room under the backpressure cap and the staleness bound,
 which steps have a batch), so any number of buffer processes on one Redis give the guarantees of one: a script that
 finds the state moved under it refuses (`Contended`) and its caller looks again. Keys live under
 `<prefix>:{<run_id>}:` (the braces keep a run's keys in one Redis Cluster slot). A completed group is stored in two
 parts: `done:<gid>` without its samples' arrays (what the buffer reads) and `arrays:<gid>` (the bulk, which a trainer
 with Redis access reads itself); a worker may upload the arrays to `upload:<lease id>` before it submits.
 
-Group status (hash `status`): leased → pending (released or expired) → leased … → completed → batch:<step> →
-trained:<step>; or dropped:<reason> (a filter or the staleness bound); eval for evaluation groups.
+A new group is made ahead into its dataset's ready list (`ready:<dataset>`, no status yet) and gets a status with its
+first lease. Group status (hash `status`): leased → pending (released or expired) → leased … → completed →
+batch:<step> → trained:<step>; or dropped:<reason> (a filter or the staleness bound); eval for evaluation groups.
 """
 
 import json
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.asyncio.lock import Lock
 from redis.exceptions import ResponseError
 
 from services.buffer.dataplane import LAYOUT_VERSION, SUBMIT_FUNCTIONS, DataPlane, check_layout, layout_key, namespace
@@ -85,61 +87,74 @@ local function call_in_parts(command, key, args)
 end
 """
 
-# ARGV: ns, cursor field, expected cursor, new cursor, lease ms, count started, cap, limit, then (gid, payload) pairs,
-# "--", (skip reason, count) pairs. The groups' keys are written a command per key for them all, not per group.
-_LEASE_NEW = """
-local ns, field, expected, cursor, lease_ms, count_started = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local current = redis.call('HGET', ns .. ':meta', field) or ''
+# New groups made ahead: they wait in the dataset's ready list until a lease takes them (`_LEASE_START`), so leases
+# by several buffer processes never race for the cursor; only these read-aheads do, a few hundred groups at a time.
+# ARGV: ns, dataset, expected cursor, new cursor, then (gid, payload) pairs, "--", (skip reason, count) pairs.
+# Returns the ready list's length.
+_STAGE = """
+local ns, dataset, expected, cursor = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local current = redis.call('HGET', ns .. ':meta', 'cursor:' .. dataset) or ''
 if current ~= expected then return redis.error_reply('CONTENDED cursor moved: ' .. current .. ' ~= ' .. expected) end
-local n, i = 0, 9
-while ARGV[i] ~= '--' do n, i = n + 1, i + 2 end
-if n > room(ns, ARGV[7], ARGV[8]) then return redis.error_reply('CONTENDED no room for ' .. n .. ' groups') end
-redis.call('HSET', ns .. ':meta', field, cursor)
-local deadline = deadline_in(lease_ms)
-local out, payloads, scores, lease_ids, statuses = {deadline}, {}, {}, {}, {}
-for k = 9, 7 + 2 * n, 2 do
-  local gid = ARGV[k]
-  local lease_id = gid .. '#' .. redis.call('HINCRBY', ns .. ':attempts', gid, 1)
-  local j = k - 8  -- this group's pair in each list
-  out[#out + 1] = lease_id
-  payloads[j], payloads[j + 1] = ns .. ':group:' .. gid, ARGV[k + 1]
-  scores[j], scores[j + 1] = deadline, gid
-  lease_ids[j], lease_ids[j + 1] = gid, lease_id
-  statuses[j], statuses[j + 1] = gid, 'leased'
+redis.call('HSET', ns .. ':meta', 'cursor:' .. dataset, cursor)
+local ready, payloads, gids, i = ns .. ':ready:' .. dataset, {}, {}, 5
+while ARGV[i] ~= '--' do
+  payloads[#payloads + 1], payloads[#payloads + 2] = ns .. ':group:' .. ARGV[i], ARGV[i + 1]
+  gids[#gids + 1] = ARGV[i]
+  i = i + 2
 end
-if n > 0 then
+if #gids > 0 then
   call_in_parts('MSET', nil, payloads)
-  call_in_parts('ZADD', ns .. ':leases', scores)
-  call_in_parts('HSET', ns .. ':lease_id', lease_ids)
-  call_in_parts('HSET', ns .. ':status', statuses)
-  if count_started == '1' then redis.call('HINCRBY', ns .. ':counters', 'started', n) end
-  redis.call('HINCRBY', ns .. ':counters', 'leases', n)
+  call_in_parts('RPUSH', ready, gids)
 end
 i = i + 1
 while ARGV[i] do
   redis.call('HINCRBY', ns .. ':counters', 'skipped:' .. ARGV[i], tonumber(ARGV[i + 1]))
   i = i + 2
 end
-return out
+return redis.call('LLEN', ready)
 """
 
-# The start of a lease, in one round trip: expiry, the returned groups, then what new groups are counted against.
-# ARGV: ns, dataset, want, lease ms, cap, then the bound on live groups as a function of the policy version v that
-# expiry reads: min(v * per_version + base, fixed) (per_version, fixed: -1 for none). Returns expired, version,
-# deadline, the dataset's cursor, started, dropped, pending, leased and completed sizes, then (gid, lease id,
-# payload) triples.
+# The start of a lease, in one round trip: expiry, the returned groups, then new groups from the ready list as the
+# bounds allow. ARGV: ns, dataset, want, lease ms, cap, then the bound on live groups as a function of the policy
+# version v that expiry reads: min(v * per_version + base, fixed) (per_version, fixed: -1 for none), then whether new
+# groups count as started ('1'). Returns expired, version, deadline, started, dropped, pending, leased, completed and
+# ready sizes, then (gid, lease id, payload) triples.
 _LEASE_START = """
 local ns, dataset, want, lease_ms, cap = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
-local per_version, base, fixed = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local per_version, base, fixed, count_started = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9]
 local expired, version = expire(ns)
 local limit = -1
 if per_version >= 0 then limit = version * per_version + base end
 if fixed >= 0 and (limit < 0 or fixed < limit) then limit = fixed end
 local deadline, leased = lease_pending(ns, dataset, want, lease_ms, cap, limit)
+local ready = ns .. ':ready:' .. dataset
+local n = math.min(want - #leased / 3, room(ns, cap, limit))
+local gids = {}
+if n > 0 then
+  gids = redis.call('LRANGE', ready, 0, n - 1)
+  redis.call('LTRIM', ready, #gids, -1)
+end
+local scores, lease_ids, statuses = {}, {}, {}
+for j, gid in ipairs(gids) do
+  local lease_id = gid .. '#' .. redis.call('HINCRBY', ns .. ':attempts', gid, 1)
+  scores[2 * j - 1], scores[2 * j] = deadline, gid
+  lease_ids[2 * j - 1], lease_ids[2 * j] = gid, lease_id
+  statuses[2 * j - 1], statuses[2 * j] = gid, 'leased'
+  table.insert(leased, gid)
+  table.insert(leased, lease_id)
+  table.insert(leased, redis.call('GET', ns .. ':group:' .. gid))
+end
+if #gids > 0 then
+  call_in_parts('ZADD', ns .. ':leases', scores)
+  call_in_parts('HSET', ns .. ':lease_id', lease_ids)
+  call_in_parts('HSET', ns .. ':status', statuses)
+  if count_started == '1' then redis.call('HINCRBY', ns .. ':counters', 'started', #gids) end
+  redis.call('HINCRBY', ns .. ':counters', 'leases', #gids)
+end
 local c = redis.call('HMGET', ns .. ':counters', 'started', 'dropped')
-local out = {expired, version, deadline, redis.call('HGET', ns .. ':meta', 'cursor:' .. dataset) or '',
-             tonumber(c[1] or '0'), tonumber(c[2] or '0'), redis.call('LLEN', ns .. ':pending:' .. dataset),
-             redis.call('ZCARD', ns .. ':leases'), redis.call('ZCARD', ns .. ':done')}
+local out = {expired, version, deadline, tonumber(c[1] or '0'), tonumber(c[2] or '0'),
+             redis.call('LLEN', ns .. ':pending:' .. dataset), redis.call('ZCARD', ns .. ':leases'),
+             redis.call('ZCARD', ns .. ':done'), redis.call('LLEN', ready)}
 for _, v in ipairs(leased) do table.insert(out, v) end
 return out
 """
@@ -313,11 +328,10 @@ return math.max(version, current)
 class LeaseStart:
     expired: int
     policy_version: int
-    deadline_ms: int  # of the returned groups leased
-    cursor: bytes | None  # the dataset's
+    deadline_ms: int  # of the groups leased
     counters: dict[str, int]  # started and dropped
-    sizes: dict[str, int]  # pending, leased, completed
-    leased: list[tuple[str, str, bytes]]  # (group id, lease id, payload) of the returned groups leased
+    sizes: dict[str, int]  # pending, leased, completed, ready
+    leased: list[tuple[str, str, bytes]]  # (group id, lease id, payload) of the groups leased
 
 
 class Contended(Exception):
@@ -335,7 +349,7 @@ class BufferStore(DataPlane):
         self._scripts = {
             name: redis.register_script(SUBMIT_FUNCTIONS + _PRELUDE + code)
             for name, code in [
-                ("lease_new", _LEASE_NEW),
+                ("stage", _STAGE),
                 ("lease_start", _LEASE_START),
                 ("extend", _EXTEND),
                 ("release", _RELEASE),
@@ -368,41 +382,54 @@ class BufferStore(DataPlane):
     async def cursor(self, dataset: str) -> bytes | None:
         return await self.redis.hget(self.key("meta"), f"cursor:{dataset}")
 
-    async def lease_new(
-        self,
-        dataset: str,
-        expected: str,
-        cursor: str,
-        lease_ms: int,
-        groups: list[tuple[str, bytes]],
-        skipped: dict[str, int],
-        count_started: bool,
-        bounds: tuple[int, int] = (-1, -1),
-    ) -> tuple[int, list[str]]:
-        """Stores new groups as leased and moves the dataset cursor from `expected`; returns (deadline ms, lease ids).
-        `bounds`: (cap, limit) as in `room` of the scripts."""
-        args = [f"cursor:{dataset}", expected, cursor, lease_ms, int(count_started), *bounds]
+    async def stage_state(self, dataset: str) -> tuple[bytes | None, int]:
+        """The dataset's cursor and how many new groups wait in its ready list, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.key("meta"), f"cursor:{dataset}").llen(self.key(f"ready:{dataset}"))
+            cursor, ready = await pipe.execute()
+        return cursor, ready
+
+    def reading_lock(self, dataset: str) -> Lock:
+        """Held by the buffer process that reads the dataset ahead (released by it, or expired after a minute; a
+        release after the expiry is quiet). A holder waits up to 10 s, polling every 5 ms."""
+        return self.redis.lock(
+            self.key(f"reading:{dataset}"), timeout=60, sleep=0.005, blocking_timeout=10,
+            thread_local=False, raise_on_release_error=False,
+        )  # fmt: skip
+
+    async def stage(
+        self, dataset: str, expected: str, cursor: str, groups: list[tuple[str, bytes]], skipped: dict[str, int]
+    ) -> int:
+        """Appends new groups to the dataset's ready list and moves its cursor from `expected` (`Contended` when
+        another buffer process moved it); returns the ready list's length."""
+        args = [dataset, expected, cursor]
         for gid, payload in groups:
             args += [gid, payload]
         args.append("--")
         for reason, count in skipped.items():
             args += [reason, count]
-        deadline, *lease_ids = await self._run("lease_new", *args)
-        return int(deadline), [lid.decode() for lid in lease_ids]
+        return int(await self._run("stage", *args))
 
     async def lease_start(
-        self, dataset: str, want: int, lease_ms: int, cap: int = -1, limit: tuple[int, int, int] = (-1, 0, -1)
+        self,
+        dataset: str,
+        want: int,
+        lease_ms: int,
+        cap: int = -1,
+        limit: tuple[int, int, int] = (-1, 0, -1),
+        count_started: bool = False,
     ) -> "LeaseStart":
-        """The start of a lease in one round trip: returns expired leases' groups to the pool, leases up to `want`
-        returned groups of `dataset` that the bounds allow (latest returned first), and reads what new groups are
-        counted against. `limit`: (per_version, base, fixed), the bound on live groups at policy version v being
-        min(v * per_version + base, fixed), -1 for none (the policy version is read after expiry, in the script)."""
-        reply = await self._run("lease_start", dataset, want, lease_ms, cap, *limit)
-        expired, version, deadline, cursor, started, dropped, pending, leased, completed, *flat = reply
+        """A lease in one round trip: returns expired leases' groups to the pool, leases up to `want` groups of
+        `dataset` that the bounds allow, returned ones first (latest returned first), then new ones from the ready
+        list, and reads what the bounds are computed from. `limit`: (per_version, base, fixed), the bound on live
+        groups at policy version v being min(v * per_version + base, fixed), -1 for none (the policy version is read
+        after expiry, in the script)."""
+        reply = await self._run("lease_start", dataset, want, lease_ms, cap, *limit, int(count_started))
+        expired, version, deadline, started, dropped, pending, leased, completed, ready, *flat = reply
         groups = [(flat[i].decode(), flat[i + 1].decode(), flat[i + 2]) for i in range(0, len(flat), 3)]
         counters = {"started": int(started), "dropped": int(dropped)}
-        sizes = {"pending": int(pending), "leased": int(leased), "completed": int(completed)}
-        return LeaseStart(int(expired), int(version), int(deadline), cursor or None, counters, sizes, groups)
+        sizes = {"pending": int(pending), "leased": int(leased), "completed": int(completed), "ready": int(ready)}
+        return LeaseStart(int(expired), int(version), int(deadline), counters, sizes, groups)
 
     async def extend(self, lease_ids: list[str], lease_ms: int) -> tuple[int, list[bool]]:
         deadline, *flags = await self._run("extend", lease_ms, *lease_ids)
@@ -505,15 +532,6 @@ class BufferStore(DataPlane):
 
     async def counters(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.key("counters"))).items()}
-
-    async def lease_state(self, dataset: str) -> tuple[dict[str, int], dict[str, int], bytes | None]:
-        """What new leases are computed from, in one round trip: the counters, the sizes and the dataset's cursor."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self.key("counters")).hget(self.key("meta"), f"cursor:{dataset}")
-            pipe.llen(self.key(f"pending:{dataset}")).zcard(self.key("leases")).zcard(self.key("done"))
-            counters, cursor, pending, leased, completed = await pipe.execute()
-        counters = {k.decode(): int(v) for k, v in counters.items()}
-        return counters, {"pending": pending, "leased": leased, "completed": completed}, cursor
 
     async def sizes(self, dataset: str) -> dict[str, int]:
         async with self.redis.pipeline(transaction=False) as pipe:

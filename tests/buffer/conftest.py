@@ -39,7 +39,7 @@ def prompts_file(tmp_path) -> Path:
 @pytest.fixture
 async def make_buffer(redis_url, tokenizer_dir, prompts_file):
     """`await make_buffer(**config)`: a started Buffer on a fresh run namespace (same run_id → same state)."""
-    clients = []
+    clients, buffers = [], []
 
     async def make(**overrides) -> Buffer:
         settings = {
@@ -60,9 +60,12 @@ async def make_buffer(redis_url, tokenizer_dir, prompts_file):
         ]
         buffer = Buffer(config, BufferStore(client, "test", config.run_id), build_streams(config, None), *filters)
         await buffer.start()
+        buffers.append(buffer)
         return buffer
 
     yield make
+    for buffer in buffers:
+        await buffer.close()
     for client in clients:
         await client.aclose()
 

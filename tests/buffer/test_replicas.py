@@ -7,6 +7,7 @@ import random
 import uuid
 
 from services.buffer.core import TRAIN
+from services.buffer.store import Contended
 from tests.buffer.conftest import finish, write_jsonl
 
 REPLICAS, PROMPTS, BATCH, WORKERS = 3, 48, 4, 6
@@ -127,3 +128,51 @@ async def test_replicas_tokenize_each_prompt_once(make_buffer, tmp_path, monkeyp
     assert sorted(leased) == sorted(row["prompt"] for row in rows)
     assert len(tokenized) == len(set(tokenized)) == len(rows), "each prompt tokenized once"
     assert not await replicas[0].store.redis.keys(f"{replicas[0].store.ns}:prepared:*")
+
+
+async def test_concurrent_leases_on_replicas_do_not_race_for_the_cursor(make_buffer, tmp_path):
+    """New groups are made ahead a read-ahead at a time by one replica at a time; a lease takes them from the ready
+    list in its one script, so leases from many replicas at once never make each other start again."""
+    rows = [{"prompt": f"What is {i} + 2?", "label": str(i + 2)} for i in range(1000)]
+    config = {"prompt_data": str(write_jsonl(tmp_path / "p.jsonl", rows)), "run_id": "r" + uuid.uuid4().hex[:8],
+              "num_epoch": 1, "max_staleness": 1000, "rollout_shuffle": True}  # fmt: skip
+    replicas = [await make_buffer(**config) for _ in range(REPLICAS)]
+    calls = {"stage": 0, "lease_start": 0, "refused": 0}
+    for replica in replicas:
+        for name in ("stage", "lease_start"):
+            calls_of(replica.store, name, calls)
+    leased, rng, lease_calls = [], random.Random(5), 0
+
+    async def worker() -> None:
+        nonlocal lease_calls
+        while len(leased) < len(rows):
+            result = await rng.choice(replicas).lease(rng.randint(1, 9), 0, "")
+            lease_calls += 1
+            leased.extend(group.group.prompt_text for group in result.leases)
+            if not result.leases:
+                assert result.blocked == "exhausted"
+                return
+
+    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(WORKERS * 2))), 120)
+    assert sorted(leased) == sorted(row["prompt"] for row in rows), "each prompt leased once"
+    read_aheads = -(-len(rows) // replicas[0].streams[TRAIN].read_ahead)
+    assert calls["stage"] <= 2 * read_aheads, f"{calls['stage']} read-aheads for {read_aheads} read-aheads' rows"
+    assert calls["refused"] <= 2, f"{calls['refused']} read-aheads refused: replicas raced for the cursor"
+    # One script a lease, but for the calls that find the list empty (at the start and the end: once more each).
+    assert calls["lease_start"] <= lease_calls + 4 * WORKERS * 2, f"{calls['lease_start']} for {lease_calls} leases"
+    assert await replicas[0].store.violations() == []
+
+
+def calls_of(store, name: str, calls: dict) -> None:
+    """Counts the store's calls of `name` in `calls[name]`, and those refused as contended in `calls["refused"]`."""
+    method = getattr(store, name)
+
+    async def counted(*args, **kwargs):
+        calls[name] += 1
+        try:
+            return await method(*args, **kwargs)
+        except Contended:
+            calls["refused"] += 1
+            raise
+
+    setattr(store, name, counted)
