@@ -98,12 +98,14 @@ def scrape(ports: list[int], name: str, label: str = "") -> float:
 
 def rpc_figures(ports: dict[str, list[int]]) -> dict[str, float]:
     """The counters the table reads from the services' /metrics: the buffers' LeasePrompts calls, their time in
-    them and their contended lease attempts, and the gateways' time waiting on those calls."""
+    them, the times a lease waited for a read-ahead and the read-aheads another buffer beat, and the gateways' time
+    waiting on those calls."""
     lease = 'method="LeasePrompts"'
     return {
         "calls": scrape(ports["buffer"], "slipstream_rpc_requests_total", lease),
         "served_s": scrape(ports["buffer"], "slipstream_rpc_latency_seconds_sum", lease),
         "contended": scrape(ports["buffer"], "slipstream_buffer_lease_contended_total"),
+        "waited": scrape(ports["buffer"], "slipstream_buffer_lease_waited_total"),
         "waited_s": scrape(ports["rollout"], "slipstream_rollout_lease_seconds_sum"),
         "waits": scrape(ports["rollout"], "slipstream_rollout_lease_seconds_count"),
     }
@@ -245,6 +247,7 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
             "lease_ms": [1000 * (rpc1[s] - rpc0[s]) / max(rpc1[n] - rpc0[n], 1)
                          for s, n in (("waited_s", "waits"), ("served_s", "calls"))],
             "contended_call": (rpc1["contended"] - rpc0["contended"]) / max(rpc1["calls"] - rpc0["calls"], 1),
+            "waited_call": (rpc1["waited"] - rpc0["waited"]) / max(rpc1["calls"] - rpc0["calls"], 1),
             "cpu_ms_group": {kind: 1000 * seconds / per_group for kind, seconds in cpu.items()},
             "threads_ms_group": {
                 f"{kind}/{name}": round(1000 * (seconds - threads0.get((kind, name), 0.0)) / per_group, 3)
@@ -294,7 +297,7 @@ def log_tails(folder: Path, lines: int = 30) -> str:
 def table(rows: list[dict]) -> None:
     print("| K | G | B | R | groups/s | of linear | p50 ms | p50 ms: generate / score | p99 ms | Redis ops/s "
           "| Redis ops / KB a group "
-          "| LeasePrompts calls a group / groups a call | lease ms: gateway / buffer | contended a call "
+          "| LeasePrompts calls a group / groups a call | lease ms: gateway / buffer | waited / contended a call "
           "| CPU ms a group: gateways / buffers / rewards / Redis / engines | busiest process (cores) |")  # fmt: skip
     print("|---" * 16 + "|")
     for row in rows:
@@ -309,7 +312,7 @@ def table(rows: list[dict]) -> None:
               f"| {row['p99_ms']:.1f} | {row['redis_ops_s']:.0f} "
               f"| {row['redis_ops_group']:.0f} / {row['redis_kb_group']:.1f} "
               f"| {row['lease_calls_group']:.2f} / {row['groups_lease_call']:.1f} "
-              f"| {row['lease_ms'][0]:.1f} / {row['lease_ms'][1]:.1f} | {row['contended_call']:.2f} | {cpu} "
+              f"| {row['lease_ms'][0]:.1f} / {row['lease_ms'][1]:.1f} | {row['waited_call']:.2f} / {row['contended_call']:.2f} | {cpu} "
               f"| {kind} ({cores:.2f}) |")  # fmt: skip
 
 

@@ -9,6 +9,7 @@ store script against the state it was computed from (`Contended`: look again).
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +40,11 @@ FOLLOW_IDLE_S = 1.0  # the submits are followed until this long after the last G
 CONTENDED = prometheus_client.Counter(
     "slipstream_buffer_lease_contended",
     "Read-aheads refused because another buffer process moved the dataset's cursor meanwhile",
+)
+
+
+WAITED = prometheus_client.Counter(
+    "slipstream_buffer_lease_waited", "Times a lease found no new group made ahead and waited for a read-ahead"
 )
 
 
@@ -130,6 +136,7 @@ class Buffer:
                 room, blocked = self._room(dataset, bounds, bound, start.counters, start.sizes)
                 if want <= 0 or room <= 0 or start.sizes["ready"]:  # ready ones left: the bounds stopped the lease
                     break
+                WAITED.inc()
                 try:
                     if not await self._stage(dataset, want):
                         blocked = "exhausted"
@@ -228,10 +235,10 @@ class Buffer:
         return groups, skipped
 
     def _read_ahead(self, dataset: str, ready: int) -> None:
-        """Tops the dataset's ready list up in the background once a lease left it under half a read-ahead, so that
-        the next leases find new groups waiting."""
+        """Tops the dataset's ready list up in the background once a lease left it under a read-ahead, so that the
+        next leases find new groups waiting."""
         read_ahead = self.streams[dataset].read_ahead
-        if ready >= read_ahead // 2 or dataset in self._reads_ahead:
+        if ready >= read_ahead or dataset in self._reads_ahead:
             return
         task = asyncio.create_task(self._stage_quietly(dataset, read_ahead))
         self._reads_ahead[dataset] = task
@@ -500,19 +507,25 @@ class Buffer:
     async def state(self) -> dict:
         counters = await self.store.counters()
         sizes = await self.store.sizes(TRAIN)
-        cursor = Cursor.decode(await self.store.cursor(TRAIN))
         return {
             "policy_version": await self.policy_version(),
             "num_pending_prompts": sizes["pending"],
             "num_leased_groups": sizes["leased"],
             "num_completed_groups": sizes["completed"],
             "num_filtered_groups": sum(v for k, v in counters.items() if k.startswith("dropped:")),
-            "epoch": cursor.epoch,
+            "epoch": await self._epoch(),
             "num_consumed_prompts": counters.get("started", 0),
             "last_committed_step": await self.store.meta_int("last_committed_step", -1),
             "counters": counters,
             "eval_datasets": [name for name in self.streams if name != TRAIN],
         }
+
+    async def _epoch(self) -> int:
+        """The train set's epoch: the next new group's (made ahead, or where the cursor is)."""
+        first = await self.store.next_ready(TRAIN)
+        if first is not None and (epoch := re.match(rb"[^:]+:e(\d+):", first)):
+            return int(epoch[1])
+        return Cursor.decode(await self.store.cursor(TRAIN)).epoch
 
     async def expire_forever(self) -> None:
         while True:

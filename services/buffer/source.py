@@ -73,6 +73,12 @@ class Item:
     ends_chunk: str = ""  # the chunk this item is the last of (leasing it finishes the chunk)
 
 
+# New groups made ahead into a dataset's ready list at a time (and the fewest that wait there before the next
+# read-ahead starts): about a tenth of a second of leases at 10,000 groups/s, the rate of eight gateways in
+# bench/scale.py, so a read-ahead finishes before the list runs dry.
+READ_AHEAD = 1024
+
+
 class PromptStream:
     """Epoch-ordered prompt groups of one dataset, starting at a cursor."""
 
@@ -91,7 +97,7 @@ class PromptStream:
         self.name, self.blocks, self.spec, self.executor = name, blocks, spec, executor
         self.seed, self.shuffle, self.num_epoch = seed, shuffle, num_epoch
         self.chunk_rows, self.chunks_ahead = chunk_rows, chunks_ahead
-        self.read_ahead = chunk_rows * chunks_ahead  # new groups made ahead into the ready list at a time
+        self.read_ahead = READ_AHEAD
         self._items: AsyncIterator[Item] | None = None
         self._cursor = Cursor()
         # A dataset read eagerly is one block: keep its rows instead of reading the file again every epoch.

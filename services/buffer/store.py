@@ -389,6 +389,10 @@ class BufferStore(DataPlane):
             cursor, ready = await pipe.execute()
         return cursor, ready
 
+    async def next_ready(self, dataset: str) -> bytes | None:
+        """The id of the new group the next lease takes, if one was made ahead."""
+        return await self.redis.lindex(self.key(f"ready:{dataset}"), 0)
+
     def reading_lock(self, dataset: str) -> Lock:
         """Held by the buffer process that reads the dataset ahead (released by it, or expired after a minute; a
         release after the expiry is quiet). A holder waits up to 10 s, polling every 5 ms."""

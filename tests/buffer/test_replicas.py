@@ -7,6 +7,7 @@ import random
 import uuid
 
 from services.buffer.core import TRAIN
+from services.buffer.source import READ_AHEAD
 from services.buffer.store import Contended
 from tests.buffer.conftest import finish, write_jsonl
 
@@ -133,7 +134,7 @@ async def test_replicas_tokenize_each_prompt_once(make_buffer, tmp_path, monkeyp
 async def test_concurrent_leases_on_replicas_do_not_race_for_the_cursor(make_buffer, tmp_path):
     """New groups are made ahead a read-ahead at a time by one replica at a time; a lease takes them from the ready
     list in its one script, so leases from many replicas at once never make each other start again."""
-    rows = [{"prompt": f"What is {i} + 2?", "label": str(i + 2)} for i in range(1000)]
+    rows = [{"prompt": f"What is {i} + 2?", "label": str(i + 2)} for i in range(3 * READ_AHEAD + 100)]
     config = {"prompt_data": str(write_jsonl(tmp_path / "p.jsonl", rows)), "run_id": "r" + uuid.uuid4().hex[:8],
               "num_epoch": 1, "max_staleness": 1000, "rollout_shuffle": True}  # fmt: skip
     replicas = [await make_buffer(**config) for _ in range(REPLICAS)]
@@ -155,7 +156,7 @@ async def test_concurrent_leases_on_replicas_do_not_race_for_the_cursor(make_buf
 
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(WORKERS * 2))), 120)
     assert sorted(leased) == sorted(row["prompt"] for row in rows), "each prompt leased once"
-    read_aheads = -(-len(rows) // replicas[0].streams[TRAIN].read_ahead)
+    read_aheads = -(-len(rows) // READ_AHEAD)
     assert calls["stage"] <= 2 * read_aheads, f"{calls['stage']} read-aheads for {read_aheads} read-aheads' rows"
     assert calls["refused"] <= 2, f"{calls['refused']} read-aheads refused: replicas raced for the cursor"
     # One script a lease, but for the calls that find the list empty (at the start and the end: once more each).
