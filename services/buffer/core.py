@@ -223,15 +223,14 @@ class Buffer:
 
     def _new_groups(self, dataset: str, items: list) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
         """The stream's items as (group id, payload) pairs, and the rows skipped by reason."""
-        groups, skipped = [], {}
+        groups, skipped, n = [], {}, self._samples_per_group(dataset)
         for item in items:
             if isinstance(item.payload, Skipped):
                 skipped[item.payload.reason] = skipped.get(item.payload.reason, 0) + 1
                 continue
-            group = common_pb2.PromptGroup.FromString(item.payload)
-            group.group_id, group.dataset = item.group_id, dataset
-            group.epoch, group.n_samples = item.after.epoch, self._samples_per_group(dataset)
-            groups.append((group.group_id, group.SerializeToString()))
+            # A message's fields appended to its bytes are set on it: the payload is not parsed again.
+            own = common_pb2.PromptGroup(group_id=item.group_id, dataset=dataset, epoch=item.after.epoch, n_samples=n)
+            groups.append((item.group_id, item.payload + own.SerializeToString()))
         return groups, skipped
 
     def _read_ahead(self, dataset: str, ready: int) -> None:

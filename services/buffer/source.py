@@ -8,6 +8,7 @@ processes of a run share what they tokenized (services/buffer/prepared.py): each
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -98,7 +99,8 @@ class PromptStream:
         self.seed, self.shuffle, self.num_epoch = seed, shuffle, num_epoch
         self.chunk_rows, self.chunks_ahead = chunk_rows, chunks_ahead
         self.read_ahead = READ_AHEAD
-        self._items: AsyncIterator[Item] | None = None
+        self._items: AsyncIterator[list[Item]] | None = None
+        self._next: collections.deque[Item] = collections.deque()  # the items made and not taken, in order
         self._cursor = Cursor()
         # A dataset read eagerly is one block: keep its rows instead of reading the file again every epoch.
         self._rows_cache: dict[int, list[RawRow]] = {}
@@ -125,7 +127,7 @@ class PromptStream:
 
     def reset(self, cursor: Cursor) -> None:
         """Restart at `cursor` (after a restart, or when a lease was not committed)."""
-        self._items, self._cursor = None, cursor
+        self._items, self._cursor, self._next = None, cursor, collections.deque()
 
     async def seek(self, cursor: Cursor) -> None:
         """Continue at `cursor`, the stored one. Ahead of this stream's position (another buffer process leased the
@@ -135,10 +137,10 @@ class PromptStream:
             return
         if self._items is not None and self._cursor < cursor:
             for _ in range(self.chunk_rows * self.chunks_ahead):
-                item = await anext(self._items, None)
+                item = await self._peek()
                 if item is None or item.after > cursor:
                     break
-                self._cursor = item.after
+                self._cursor = self._next.popleft().after
                 if item.after == cursor:
                     return
         self.reset(cursor)
@@ -146,28 +148,36 @@ class PromptStream:
     async def take(self, num_groups: int) -> list[Item]:
         """Items up to and including the `num_groups`-th group (skipped rows in between come along); fewer at the
         end of the last epoch."""
-        if self._items is None:
-            self._items = self._generate(self._cursor)
         taken, groups = [], 0
-        while groups < num_groups:
-            item = await anext(self._items, None)
-            if item is None:
-                break
+        while groups < num_groups and await self._peek() is not None:
+            item = self._next.popleft()
             taken.append(item)
-            self._cursor = item.after
             groups += not isinstance(item.payload, Skipped)
+        if taken:
+            self._cursor = taken[-1].after
         return taken
 
-    async def _generate(self, cursor: Cursor) -> AsyncIterator[Item]:
+    async def _peek(self) -> Item | None:
+        """The next item (a chunk's items are made at once), or None at the end of the last epoch."""
+        if not self._next:
+            if self._items is None:
+                self._items = self._generate(self._cursor)
+            with contextlib.suppress(StopAsyncIteration):  # with a default, 3.11's anext turns errors into SystemError
+                self._next.extend(await anext(self._items))
+            await asyncio.sleep(0)  # a read-ahead of many chunks lets the process's other calls run between them
+        return self._next[0] if self._next else None
+
+    async def _generate(self, cursor: Cursor) -> AsyncIterator[list[Item]]:
+        """Each chunk's items from `cursor` on, tokenized `chunks_ahead` chunks ahead."""
         in_flight: collections.deque = collections.deque()
         for chunk_id, chunk in self._chunks(cursor):
             in_flight.append((chunk_id, chunk, self._prepare(chunk_id, chunk)))
             if len(in_flight) >= self.chunks_ahead:
-                async for item in self._finish(in_flight.popleft(), cursor):
-                    yield item
+                if items := await self._finish(in_flight.popleft(), cursor):
+                    yield items
         while in_flight:
-            async for item in self._finish(in_flight.popleft(), cursor):
-                yield item
+            if items := await self._finish(in_flight.popleft(), cursor):
+                yield items
 
     def _prepare(self, chunk_id: str, chunk: list[tuple[RawRow, str, Cursor]]) -> asyncio.Future:
         rows = [raw for raw, _, _ in chunk]
@@ -180,13 +190,16 @@ class PromptStream:
             return tokenize()
         return asyncio.ensure_future(self._shared.prepare(chunk_id, tokenize))
 
-    async def _finish(self, entry, start: Cursor) -> AsyncIterator[Item]:
+    async def _finish(self, entry, start: Cursor) -> list[Item]:
         """The chunk's items from `start` on (a stream that starts inside a chunk prepares all of it, for sharing)."""
         chunk_id, chunk, future = entry
         payloads = await future
-        for k, ((_, group_id, after), payload) in enumerate(zip(chunk, payloads, strict=True)):
-            if after > start:
-                yield Item(group_id, payload, after, chunk_id if k == len(chunk) - 1 else "")
+        last = len(chunk) - 1
+        items = [
+            Item(group_id, payload, after, chunk_id if k == last else "")
+            for k, ((_, group_id, after), payload) in enumerate(zip(chunk, payloads, strict=True))
+        ]
+        return items if chunk[0][2] > start else [item for item in items if item.after > start]
 
     def _chunks(self, cursor: Cursor):
         """Chunks of (row, group id, cursor after it), from the one that holds `cursor` to the end of the last epoch,
