@@ -312,7 +312,8 @@ def table(rows: list[dict]) -> None:
               f"| {row['p99_ms']:.1f} | {row['redis_ops_s']:.0f} "
               f"| {row['redis_ops_group']:.0f} / {row['redis_kb_group']:.1f} "
               f"| {row['lease_calls_group']:.2f} / {row['groups_lease_call']:.1f} "
-              f"| {row['lease_ms'][0]:.1f} / {row['lease_ms'][1]:.1f} | {row['waited_call']:.2f} / {row['contended_call']:.2f} | {cpu} "
+              f"| {row['lease_ms'][0]:.1f} / {row['lease_ms'][1]:.1f} "
+              f"| {row['waited_call']:.2f} / {row['contended_call']:.2f} | {cpu} "
               f"| {kind} ({cores:.2f}) |")  # fmt: skip
 
 

@@ -153,8 +153,8 @@ class Buffer:
 
     async def _lease_start(self, dataset: str, want: int, lease_ms: int) -> tuple[LeaseStart, list[LeasedGroup]]:
         start = await self.store.lease_start(dataset, want, lease_ms, *self._limit(dataset), dataset == TRAIN)
-        leases = [LeasedGroup(lid, common_pb2.PromptGroup.FromString(p), start.deadline_ms) for _, lid, p in start.leased]
-        return start, leases
+        parse = common_pb2.PromptGroup.FromString
+        return start, [LeasedGroup(lid, parse(payload), start.deadline_ms) for _, lid, payload in start.leased]
 
     def _limit(self, dataset: str) -> tuple[int, tuple[int, int, int]]:
         """`_bounds` for the lease's first script, which reads the policy version itself: the cap, and the limit as

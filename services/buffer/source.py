@@ -172,9 +172,8 @@ class PromptStream:
         in_flight: collections.deque = collections.deque()
         for chunk_id, chunk in self._chunks(cursor):
             in_flight.append((chunk_id, chunk, self._prepare(chunk_id, chunk)))
-            if len(in_flight) >= self.chunks_ahead:
-                if items := await self._finish(in_flight.popleft(), cursor):
-                    yield items
+            if len(in_flight) >= self.chunks_ahead and (items := await self._finish(in_flight.popleft(), cursor)):
+                yield items
         while in_flight:
             if items := await self._finish(in_flight.popleft(), cursor):
                 yield items
