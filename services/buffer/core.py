@@ -1,9 +1,10 @@
 """The buffer's domain logic: who may lease what, which groups are trained at which step, and what gets dropped.
 
 It orchestrates the prompt streams (new groups), the store (all state, in Redis) and the filters. It keeps no
-state of its own that matters across a restart: cursors, leases, groups, batches and counters are all in Redis. Nor
-does it lock anything in the process: any number of buffer processes serve one run, each transition checked by its
-store script against the state it was computed from (`Contended`: look again).
+state of its own that matters across a restart: cursors, leases, groups, batches and counters are all in Redis. Any
+number of buffer processes serve one run, each transition checked by its store script against the state it was
+computed from (`Contended`: look again); the one lock, in Redis, makes the processes read the dataset ahead one at a
+time, which saves work and is not needed for correctness.
 """
 
 import asyncio
