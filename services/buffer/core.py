@@ -138,6 +138,7 @@ class Buffer:
                 if want <= 0 or room <= 0 or start.sizes["ready"]:  # ready ones left: the bounds stopped the lease
                     break
                 WAITED.inc()
+                self.streams[dataset].read_more()
                 try:
                     if not await self._stage(dataset, want):
                         blocked = "exhausted"

@@ -74,9 +74,10 @@ class Item:
     ends_chunk: str = ""  # the chunk this item is the last of (leasing it finishes the chunk)
 
 
-# New groups made ahead into a dataset's ready list at a time (and the fewest that wait there before the next
+# The most new groups made ahead into a dataset's ready list at a time (and the most that wait there before the next
 # read-ahead starts): about a tenth of a second of leases at 10,000 groups/s, the rate of eight gateways in
-# bench/scale.py, so a read-ahead finishes before the list runs dry.
+# bench/scale.py, so a read-ahead finishes before the list runs dry. A stream starts at a chunk's worth and doubles
+# its read-ahead each time a lease finds the list empty, so a slow run does not read far ahead.
 READ_AHEAD = 1024
 
 
@@ -98,13 +99,17 @@ class PromptStream:
         self.name, self.blocks, self.spec, self.executor = name, blocks, spec, executor
         self.seed, self.shuffle, self.num_epoch = seed, shuffle, num_epoch
         self.chunk_rows, self.chunks_ahead = chunk_rows, chunks_ahead
-        self.read_ahead = READ_AHEAD
+        self.read_ahead, self.max_read_ahead = chunk_rows, READ_AHEAD
         self._items: AsyncIterator[list[Item]] | None = None
         self._next: collections.deque[Item] = collections.deque()  # the items made and not taken, in order
         self._cursor = Cursor()
         # A dataset read eagerly is one block: keep its rows instead of reading the file again every epoch.
         self._rows_cache: dict[int, list[RawRow]] = {}
         self._shared: SharedChunks | None = None
+
+    def read_more(self) -> None:
+        """A lease found no group made ahead: read twice as far ahead from now on."""
+        self.read_ahead = min(2 * self.read_ahead, self.max_read_ahead)
 
     def share(self, redis, prefix: str) -> None:
         """Shares tokenized chunks with the run's other buffer processes under `prefix`, in a part of it that only
@@ -235,6 +240,9 @@ class CustomPromptStream:
     with a custom source has one buffer process (docs/buffer.md)."""
 
     read_ahead = 0  # the source is asked for groups only when a lease needs them, as slime asks it
+
+    def read_more(self) -> None:
+        """Still only what a lease needs."""
 
     def __init__(self, source, spec: RowSpec, name: str = "train"):
         self.source, self.spec, self.name = source, spec, name
