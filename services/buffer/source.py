@@ -10,7 +10,6 @@ import asyncio
 import collections
 import contextlib
 import hashlib
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -100,7 +99,7 @@ class PromptStream:
         self.name, self.blocks, self.spec, self.executor = name, blocks, spec, executor
         self.seed, self.shuffle, self.num_epoch = seed, shuffle, num_epoch
         self.chunk_rows, self.chunks_ahead = chunk_rows, chunks_ahead
-        self.read_ahead, self.max_read_ahead, self._grown = chunk_rows, READ_AHEAD, 0.0
+        self.read_ahead, self.max_read_ahead = chunk_rows, READ_AHEAD
         self._items: AsyncIterator[list[Item]] | None = None
         self._next: collections.deque[Item] = collections.deque()  # the items made and not taken, in order
         self._cursor = Cursor()
@@ -109,10 +108,8 @@ class PromptStream:
         self._shared: SharedChunks | None = None
 
     def read_more(self) -> None:
-        """A lease found no group made ahead: read twice as far ahead from now on, at most once a second (a run's
-        first leases all find the list empty; its read-ahead grows with its rate, not in one burst)."""
-        if time.monotonic() - self._grown >= 1.0:
-            self.read_ahead, self._grown = min(2 * self.read_ahead, self.max_read_ahead), time.monotonic()
+        """A lease found no group made ahead: read twice as far ahead from now on."""
+        self.read_ahead = min(2 * self.read_ahead, self.max_read_ahead)
 
     def share(self, redis, prefix: str) -> None:
         """Shares tokenized chunks with the run's other buffer processes under `prefix`, in a part of it that only
