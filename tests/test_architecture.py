@@ -5,6 +5,8 @@ the reference engine's IPC protocol for its receiver, and every service's option
 import ast
 from pathlib import Path
 
+from tests.python_source import parse
+
 SERVICES = Path(__file__).resolve().parents[1] / "services"
 ALLOWED = {  # folder: the other services' modules it may import
     "common": set(),
@@ -24,7 +26,7 @@ def imported(path: Path) -> set[str]:
     """The modules of services.* that `path` imports (`from services.x import y` names services.x.y when y is a
     module, else services.x)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

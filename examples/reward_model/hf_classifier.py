@@ -3,26 +3,25 @@
     slipstream reward --custom-rm-path examples/reward_model/hf_classifier.py:score \
         --custom-rm-args '{"model_path": "/models/my-rm", "device": "cpu"}'
 
-The model is loaded once per reward worker process; its first logit is the reward. Tests run it on a tiny randomly
-initialised model: the real code path, on the CPU.
+The model is loaded once per reward worker process, on its first item; its first logit is the reward. torch and
+transformers are imported with the module, so a worker has them before the service says it is ready. Tests run it on a
+tiny randomly initialised model: the real code path, on the CPU.
 """
 
 from functools import cache
 
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
 
 @cache
 def _load(model_path: str, device: str):
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForSequenceClassification.from_pretrained(model_path, torch_dtype=torch.float32).to(device)
     return tokenizer, model.eval()
 
 
 def score(args, sample) -> dict:
-    import torch
-
     settings = args.custom_rm_args
     tokenizer, model = _load(settings["model_path"], settings.get("device", "cpu"))
     max_length = int(settings.get("max_length", 4096))

@@ -26,6 +26,7 @@ from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
 from slipstream import samples
 from slipstream.v1 import common_pb2
+from tests.python_source import parse
 
 REPO = Path(__file__).resolve().parents[2]
 GATEWAY = [
@@ -131,7 +132,7 @@ def routes_in_code() -> dict[str, set[str]]:
     f-string's address (f"{url}/health_generate"), except in sets (IDEMPOTENT names routes, it calls none)."""
     found: dict[str, set[str]] = {}
     for path in GATEWAY:
-        tree = ast.parse(path.read_text())
+        tree = parse(path.read_text())
         for text in _strings(tree):
             if ROUTE.match(text.removesuffix("{}")):
                 found.setdefault(text, set()).add(str(path.relative_to(REPO)))

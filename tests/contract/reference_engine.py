@@ -5,6 +5,8 @@ helpers it calls), and the `sampling_params` keys it accepts."""
 import ast
 from pathlib import Path
 
+from tests.python_source import parse
+
 ENGINE = Path(__file__).resolve().parents[2] / "services" / "engine"
 SOURCES = ("api.py", "weights.py", "ipc.py", "disk.py", "lora.py")  # the route tables and their handlers
 
@@ -13,7 +15,7 @@ def served() -> dict[str, tuple[set[str], set[str]]]:
     """path → (HTTP methods, request fields the handler reads)."""
     routes = {}
     for name in SOURCES:
-        tree = ast.parse((ENGINE / name).read_text())
+        tree = parse((ENGINE / name).read_text())
         functions = _functions(tree)
         for path, handler, methods in _route_table(functions["routes"]):
             routes[path] = (methods, _fields_read(handler, functions, set()))
@@ -22,7 +24,7 @@ def served() -> dict[str, tuple[set[str], set[str]]]:
 
 def sampling_keys() -> set[str]:
     """The keys parse_sampling accepts: SamplingParams' fields and IGNORED_DEFAULTS' keys (sampling.py)."""
-    tree = ast.parse((ENGINE / "sampling.py").read_text())
+    tree = parse((ENGINE / "sampling.py").read_text())
     keys = set()
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "SamplingParams":

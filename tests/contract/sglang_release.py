@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from tests.python_source import parse
 from tools.sglang_server_args import server_options
 
 HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
@@ -36,7 +37,7 @@ class Release:
 
     def source(self, name: str) -> ast.Module | None:
         try:
-            return ast.parse(self._zip.read(name).decode())
+            return parse(self._zip.read(name).decode())
         except KeyError:
             return None
 
@@ -108,7 +109,7 @@ def router_options(wheel: Path) -> dict[str, list | None]:
     does not use) → their `choices` where they are a literal list."""
     options: dict[str, list | None] = {}
     with zipfile.ZipFile(wheel) as archive:
-        tree = ast.parse(archive.read("sglang_router/router_args.py").decode())
+        tree = parse(archive.read("sglang_router/router_args.py").decode())
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
             choices = next((k.value for k in node.keywords if k.arg == "choices"), None)

@@ -19,6 +19,7 @@ from services.rollout import adapters, launch, sglang_options
 from services.rollout.config import RolloutConfig
 from services.train.options import route
 from tests.contract.sglang_release import router_options
+from tests.python_source import parse
 from tools.sglang_server_args import listing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,7 +147,7 @@ def reference_engine_options() -> list[tuple[str, str]]:
 
 def _literal_args(function) -> list:
     """A launcher function's command-line literals, in order ("--host", "-m", …); anything computed is None."""
-    tree = ast.parse(Path(launch.__file__).read_text())
+    tree = parse(Path(launch.__file__).read_text())
     (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
                and n.name == function.__name__]  # fmt: skip
     lists = [n for n in ast.walk(node) if isinstance(n, ast.List)]

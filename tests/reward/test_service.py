@@ -159,8 +159,10 @@ def test_list_reward_functions(reward_service, plugin):
 def test_hf_reward_model_plugin(reward_service, tmp_path):
     pytest.importorskip("torch")
     model = write_classifier(tmp_path / "rm")
-    stub = reward_service(
-        custom_rm_path="examples/reward_model/hf_classifier.py:score", custom_rm_args={"model_path": str(model)}
+    stub = reward_service(  # a minute for each worker's first item, which loads the model (seconds on a loaded machine)
+        custom_rm_path="examples/reward_model/hf_classifier.py:score",
+        custom_rm_args={"model_path": str(model)},
+        rm_timeout_s=60.0,
     )
     results = score(stub, ("a good answer", ""), ("a bad answer", ""), ("a good answer", ""))
     assert not any(r.error for r in results), results

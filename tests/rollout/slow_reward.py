@@ -4,7 +4,7 @@
 import random
 import time
 
-time.sleep(3.0)
+time.sleep(6.0)
 
 
 def reward(args, sample) -> float:
