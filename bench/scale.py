@@ -20,6 +20,7 @@ Run: .venv/bin/python bench/scale.py --engines 64 --gateways 1 2 4 --buffers 3 -
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -234,6 +235,7 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         per_group = max(completed, 1)
         return {
             "engines": engines, "buffers": buffers, "rewards": rewards, "gateways": gateways,
+            "concurrency": args.concurrency,
             "completed": completed,
             "groups_s": completed / elapsed,
             "p50_ms": 1000 * statistics.median(latencies) if latencies else float("nan"),
@@ -271,10 +273,11 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
 
 def problems(rows: list[dict]) -> list[str]:
     """Why the run failed, row by row: a collapse of throughput or a tail that waits on a timer."""
-    best = max(row["groups_s"] / row["gateways"] for row in rows)
     found = []
-    for row in rows:
-        name = f"K={row['engines']} G={row['gateways']} B={row['buffers']} R={row['rewards']}"
+    for row in rows:  # against the best row with as many groups in flight a gateway
+        best = max(r["groups_s"] / r["gateways"] for r in rows if r["concurrency"] == row["concurrency"])
+        name = (f"K={row['engines']} in flight={row['concurrency']} G={row['gateways']} B={row['buffers']} "
+                f"R={row['rewards']}")  # fmt: skip
         if not row["completed"]:
             found.append(f"{name}: no group completed in the window")
         elif row["p50_ms"] > 1000:
@@ -295,19 +298,19 @@ def log_tails(folder: Path, lines: int = 30) -> str:
 
 
 def table(rows: list[dict]) -> None:
-    print("| K | G | B | R | groups/s | of linear | p50 ms | p50 ms: generate / score | p99 ms | Redis ops/s "
-          "| Redis ops / KB a group "
+    print("| K | in flight | G | B | R | groups/s | of linear | p50 ms | p50 ms: generate / score | p99 ms "
+          "| Redis ops/s | Redis ops / KB a group "
           "| LeasePrompts calls a group / groups a call | lease ms: gateway / buffer | waited / contended a call "
           "| CPU ms a group: gateways / buffers / rewards / Redis / engines | busiest process (cores) |")  # fmt: skip
-    print("|---" * 16 + "|")
+    print("|---" * 17 + "|")
     for row in rows:
-        same = [r for r in rows if (r["engines"], r["buffers"], r["rewards"]) == (row["engines"], row["buffers"],
-                                                                                    row["rewards"])]  # fmt: skip
+        same = [r for r in rows if all(r[k] == row[k] for k in ("engines", "concurrency", "buffers", "rewards"))]
         base = min(same, key=lambda r: r["gateways"])
         share = row["groups_s"] / (base["groups_s"] / base["gateways"] * row["gateways"]) if base["groups_s"] else 0
         cpu = " / ".join(f"{row['cpu_ms_group'][kind]:.2f}" for kind in KINDS)
         kind, cores = row["busiest"]
-        print(f"| {row['engines']} | {row['gateways']} | {row['buffers']} | {row['rewards']} | {row['groups_s']:.0f} "
+        print(f"| {row['engines']} | {row['concurrency']} | {row['gateways']} | {row['buffers']} | {row['rewards']} "
+              f"| {row['groups_s']:.0f} "
               f"| {share:.0%} | {row['p50_ms']:.1f} | {row['p50_parts_ms'][0]:.1f} / {row['p50_parts_ms'][1]:.1f} "
               f"| {row['p99_ms']:.1f} | {row['redis_ops_s']:.0f} "
               f"| {row['redis_ops_group']:.0f} / {row['redis_kb_group']:.1f} "
@@ -323,7 +326,7 @@ def main() -> int:
     parser.add_argument("--gateways", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--buffers", type=int, nargs="+", default=[2])
     parser.add_argument("--rewards", type=int, nargs="+", default=[2])
-    parser.add_argument("--concurrency", type=int, default=64, help="groups in flight per gateway")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64], help="groups in flight per gateway")
     parser.add_argument("--prompts", type=int, default=200_000)
     parser.add_argument("--redis-cluster", type=int, default=0, metavar="NODES",
                         help="run on a Redis Cluster of this many nodes (the run's keys on one of them)")  # fmt: skip
@@ -353,26 +356,27 @@ def main() -> int:
     for engines in args.engines:
         urls, processes = start_instant_engines(engines, args.engine_processes)
         try:
-            for buffers in args.buffers:
-                for rewards in args.rewards:
-                    for gateways in args.gateways:
-                        where = folder / f"K{engines}-B{buffers}-R{rewards}-G{gateways}"
-                        rows.append(measure(args, engines, buffers, rewards, gateways, where, model, data, urls,
-                                            [p.pid for p in processes]))  # fmt: skip
-                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for concurrency, buffers, rewards, gateways in itertools.product(
+                args.concurrency, args.buffers, args.rewards, args.gateways
+            ):
+                where = folder / f"K{engines}-C{concurrency}-B{buffers}-R{rewards}-G{gateways}"
+                row_args = argparse.Namespace(**vars(args) | {"concurrency": concurrency})
+                rows.append(measure(row_args, engines, buffers, rewards, gateways, where, model, data, urls,
+                                    [p.pid for p in processes]))  # fmt: skip
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         finally:
             for process in processes:
                 process.terminate()
     redis_kind = f"Redis Cluster of {args.redis_cluster} nodes" if args.redis_cluster else "Redis"
     cluster_flag = f" --redis-cluster {args.redis_cluster}" if args.redis_cluster else ""
     print(f"\nInstant engines (benchmark-only fixture, {args.engine_processes} processes), every replica on one "
-          f"{redis_kind}, {args.concurrency} groups in flight per gateway, 1 sample a group; {os.cpu_count()} CPU "
+          f"{redis_kind}, \"in flight\" the groups in flight per gateway, 1 sample a group; {os.cpu_count()} CPU "
           f"cores; {time.strftime('%Y-%m-%d')}")  # fmt: skip
     table(rows)
     join = lambda values: " ".join(map(str, values))  # noqa: E731
     print(f"\nReproduce: .venv/bin/python bench/scale.py --engines {join(args.engines)} --gateways "
           f"{join(args.gateways)} --buffers {join(args.buffers)} --rewards {join(args.rewards)} --concurrency "
-          f"{args.concurrency} --engine-processes {args.engine_processes} --data-workers {args.data_workers} "
+          f"{join(args.concurrency)} --engine-processes {args.engine_processes} --data-workers {args.data_workers} "
           f"--warm-up {args.warm_up:g} "
           f"--seconds {args.seconds:g}{cluster_flag}")  # fmt: skip
     found = problems(rows)
