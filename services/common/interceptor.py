@@ -101,12 +101,19 @@ async def _taken_stream(requests):
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, service: str):
         self.service = service
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}  # each served method's wrapped handler, made once
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        method = details.method.rsplit("/", 1)[-1]
+        wrapped = self._handlers.get(details.method)
+        if wrapped is None:
+            handler = await continuation(details)
+            if handler is None:  # not a method of this server: not remembered, whatever names callers send
+                return None
+            wrapped = self._handlers[details.method] = self._wrap_handler(handler, details.method)
+        return wrapped
+
+    def _wrap_handler(self, handler: grpc.RpcMethodHandler, path: str) -> grpc.RpcMethodHandler:
+        method = path.rsplit("/", 1)[-1]
         for kind, make_handler in _HANDLER_KINDS.items():
             behaviour = getattr(handler, kind)
             if behaviour is not None:

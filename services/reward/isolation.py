@@ -1,7 +1,9 @@
 """Runs verifiers and user reward functions in worker processes, each item with a deadline and a memory limit.
 
 A call's items go to the workers a chunk per pebble task (a task costs about as much CPU as a fast verifier's item),
-and an item keeps its own guarantees through a fallback: a chunk that does not finish in time, or whose worker dies,
+and while every worker has a task, the items of the calls that come meanwhile wait for the first worker to free up and
+go to it together, so that under load a task carries many calls' items. An item keeps its own guarantees through a
+fallback: a chunk that does not finish in time, or whose worker dies,
 is run again one item per task. So a verifier that hangs is killed when its deadline passes and its worker replaced;
 one that allocates past the limit ends its worker, which is replaced; one that raises or crashes its process costs
 only its own item. The service keeps serving either way.
@@ -125,6 +127,9 @@ class WorkerPool:
         self._context = multiprocessing.get_context("spawn")  # forking a process that runs gRPC threads is unsafe
         self._started = self._context.Semaphore(0)  # released by each worker once it can take items
         self._pool = self._new_pool()
+        self._busy = 0  # chunks given to the workers and not done
+        self._queued: list[tuple[float, tuple, asyncio.Future]] = []  # items waiting for a free worker, in order
+        self._sending: set[asyncio.Task] = set()
 
     def _new_pool(self) -> ProcessPool:
         initargs = (self.memory_mb, self.custom_path, self._started)
@@ -182,13 +187,51 @@ class WorkerPool:
             return Failure("exception", f"{type(e).__name__}: {e}")
 
     async def run_many(self, timeout_s: float, calls: list[tuple]) -> list:
-        """Each call `(function, *args)` as `run` would run it, in chunks of a task each, shared among the workers.
+        """Each call `(function, *args)` as `run` would run it, in chunks of a task each, shared among the workers
+        (or, while every worker has a chunk, with the other items waiting, in the next chunk a worker takes).
         A chunk's task has the deadline of its last item (its worker starts no item past CHUNK_BUDGET of one item's
         deadline, and that one may take the whole deadline), so only an item at fault makes it fail."""
+        if self._busy >= self.num_workers:  # the items join those waiting for the next free worker
+            loop = asyncio.get_running_loop()
+            waiting = [(timeout_s, call, loop.create_future()) for call in calls]
+            self._queued += waiting
+            return list(await asyncio.gather(*(future for _, _, future in waiting)))
         size = max(1, min(MAX_CHUNK, -(-len(calls) // self.num_workers)))
         chunks = [calls[i : i + size] for i in range(0, len(calls), size)]
-        done = await asyncio.gather(*(self._run_chunk(timeout_s, chunk) for chunk in chunks))
+        self._busy += len(chunks)
+        try:
+            done = await asyncio.gather(*(self._run_chunk(timeout_s, chunk) for chunk in chunks))
+        finally:
+            self._busy -= len(chunks)
+            self._send_queued()
         return [outcome for outcomes in done for outcome in outcomes]
+
+    def _send_queued(self) -> None:
+        """Gives the worker that freed up a share of the waiting items with the first one's deadline, as one chunk."""
+        if not self._queued or self._busy >= self.num_workers:
+            return
+        timeout_s = self._queued[0][0]
+        size = max(1, min(MAX_CHUNK, -(-len(self._queued) // self.num_workers)))
+        taken, kept = [], []
+        for entry in self._queued:
+            (taken if entry[0] == timeout_s and len(taken) < size else kept).append(entry)
+        self._queued = kept
+        self._busy += 1
+        task = asyncio.create_task(self._run_queued(timeout_s, taken))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _run_queued(self, timeout_s: float, entries: list[tuple[float, tuple, asyncio.Future]]) -> None:
+        try:
+            outcomes = await self._run_chunk(timeout_s, [call for _, call, _ in entries])
+            for (_, _, future), outcome in zip(entries, outcomes, strict=True):
+                if not future.done():  # its call may have been cancelled meanwhile
+                    future.set_result(outcome)
+        finally:
+            for _, _, future in entries:
+                future.cancel()  # does nothing to a future set above: only a chunk cut short leaves any
+            self._busy -= 1
+            self._send_queued()
 
     async def _run_chunk(self, timeout_s: float, calls: list[tuple]) -> list:
         budget_s = CHUNK_BUDGET * timeout_s

@@ -93,3 +93,43 @@ async def test_items_slower_together_than_one_deadline_are_each_scored():
         assert await pool.run_many(1.0, [(_slow, 0.4)] * 4) == [0.4] * 4
     finally:
         pool.close()
+
+
+class _Counted:
+    """The pebble pool with its tasks counted."""
+
+    def __init__(self, pool):
+        self.pool, self.tasks = pool, 0
+
+    def schedule(self, *args, **kwargs):
+        self.tasks += 1
+        return self.pool.schedule(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+
+async def test_calls_that_come_while_the_workers_are_busy_go_to_the_next_free_one_together():
+    """Twenty one-item calls made while the only worker runs a slow item take a few tasks between them, not twenty,
+    and each gets its own outcome; an item that hangs among them still fails alone, on its own deadline."""
+    pool = WorkerPool(1)
+    try:
+        assert await pool.run_many(30, [(_slow, 0.0)]) == [0.0]
+        counted = pool._pool = _Counted(pool._pool)
+        busy = asyncio.create_task(pool.run_many(30, [(_slow, 0.5)]))
+        await asyncio.sleep(0.1)  # the worker has it
+        outcomes = await asyncio.gather(*(pool.run_many(30, [(_slow, i / 1000)]) for i in range(20)))
+        assert outcomes == [[i / 1000] for i in range(20)]
+        assert await busy == [0.5]
+        assert counted.tasks <= 5, counted.tasks
+
+        busy = asyncio.create_task(pool.run_many(30, [(_slow, 0.5)]))
+        await asyncio.sleep(0.1)
+        hung, *fast = await asyncio.gather(
+            pool.run_many(1.0, [(_hang,)]), *(pool.run_many(1.0, [(_pid,)]) for _ in "ab")
+        )
+        assert hung[0].kind == "timeout" and all(isinstance(pid, int) for (pid,) in fast)
+        assert await busy == [0.5]
+        assert pool._busy == 0 and not pool._queued
+    finally:
+        pool.close()
