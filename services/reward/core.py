@@ -14,7 +14,15 @@ from google.protobuf.json_format import MessageToDict
 from services.common.errors import InvalidArgument
 from services.common.waits import logged_wait
 from services.reward.config import RewardConfig
-from services.reward.isolation import Failure, RewardSample, WorkerPool, run_builtin, run_custom, run_custom_group
+from services.reward.isolation import (
+    Failure,
+    RewardSample,
+    WorkerPool,
+    run_builtin,
+    run_custom,
+    run_custom_group,
+    together,
+)
 from services.reward.remote import GrpcRewardModel, HttpRewardModel
 from services.reward.verifiers import BUILT_IN, NEEDS_LABEL, RM_TYPES, is_known
 from slipstream.v1 import reward_pb2
@@ -84,8 +92,8 @@ class Scorer:
                 pooled.append(i)
                 calls.append(call)
         with logged_wait(log, "%d items to be scored by the workers", len(pooled)):
-            scored = await asyncio.gather(
-                self.pool.run_many(timeout_s, calls), *(self.http.score(samples[i]) for i in over_http)
+            scored = await together(
+                [self.pool.run_many(timeout_s, calls), *(self.http.score(samples[i]) for i in over_http)]
             )
         for i, outcome in zip(pooled + over_http, [*scored[0], *scored[1:]], strict=True):
             outcomes[i] = outcome

@@ -116,6 +116,11 @@ def run_custom_group(path: str, args, samples: list[RewardSample]) -> Any:
     return _call(_custom(path), args, samples)
 
 
+async def together(awaitables: list) -> list:
+    """Their results, in order: a lone one awaited as it is (a task for it would cost more than a fast item)."""
+    return [await awaitables[0]] if len(awaitables) == 1 else list(await asyncio.gather(*awaitables))
+
+
 STUCK_GRACE_S = 10.0  # past an item's deadline by this much, the pool itself is stuck (a hung worker holds its lock)
 MAX_CHUNK = 64  # items a pool task at most
 CHUNK_BUDGET = 0.25  # a chunk's worker takes no further item after this share of an item's deadline
@@ -200,7 +205,7 @@ class WorkerPool:
         chunks = [calls[i : i + size] for i in range(0, len(calls), size)]
         self._busy += len(chunks)
         try:
-            done = await asyncio.gather(*(self._run_chunk(timeout_s, chunk) for chunk in chunks))
+            done = await together([self._run_chunk(timeout_s, chunk) for chunk in chunks])
         finally:
             self._busy -= len(chunks)
             self._send_queued()
@@ -242,7 +247,7 @@ class WorkerPool:
                 break
             outcomes += done
             calls = calls[len(done) :]
-        return outcomes + list(await asyncio.gather(*(self.run(timeout_s, *call) for call in calls)))
+        return outcomes + await together([self.run(timeout_s, *call) for call in calls])
 
     async def _replace(self, stuck: ProcessPool) -> None:
         if self._pool is not stuck:  # another item replaced it already
