@@ -1,8 +1,10 @@
 """The engine pool: which engines exist, which are healthy, and where the next request goes.
 
 Engines come from --engine-urls or register at run time; each one's TP size and weight version are read from its
-/server_info and /model_info. A health loop calls /health_generate on every engine; consecutive failures (of health
-checks or of requests) evict an engine, and an evicted engine that answers again is re-admitted. Requests go to the
+/server_info and /model_info. A health loop calls /health_generate on every engine that has answered no request since
+the last round (an answer is the better proof: a fleet of thousands would otherwise get a check and, past the HTTP
+keep-alive, a new connection per engine every few seconds); consecutive failures (of health checks or of requests)
+evict an engine, and an evicted engine that answers again is re-admitted. Requests go to the
 least busy healthy engine, except that the samples of one prompt group stay on one engine (prefix affinity, by
 consistent hashing) while it is not much busier than the others. A failed request is retried on another engine.
 """
@@ -13,6 +15,7 @@ import functools
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -49,6 +52,7 @@ class Engine:
     evicting: set = field(default_factory=set)  # those of them cancelled by its eviction (not by their callers)
     generates: bool = True  # False: another gateway of the fleet generates on it, this one only syncs its weights
     paused: bool = False  # told to pause (around a weight sync) and not yet to continue
+    answered_at: float = 0.0  # when (monotonic) it last answered a request: no health check is due for an interval
 
     changes = 0  # of any engine's state or share, process-wide: the pools' cached choices are rebuilt after one
 
@@ -79,6 +83,7 @@ class EnginePool:
         self.router: Engine | None = None  # with --use-router, generation goes through it
         self._router_tasks: set[asyncio.Task] = set()
         self.paused_elsewhere = None  # async () -> bool: another gateway paused the engines (fleet.py)
+        self._lists: tuple = ((), [], [])  # (membership seen, the healthy engines, those this gateway generates on)
         self._choices: tuple = ((), [], None)  # (membership seen, the engines requests may go to, their ring)
         self.adapters = Adapters(self, config.run_id) if config.lora_rank else None  # --lora-rank: the run's adapter
 
@@ -113,11 +118,20 @@ class EnginePool:
         self.engines.pop(engine.url, None)
 
     def healthy(self) -> list[Engine]:
-        return [e for e in self.engines.values() if e.state == HEALTHY]
+        return self._membership()[0]
 
     def generating(self) -> list[Engine]:
         """The healthy engines this gateway generates on (in a fleet, its share)."""
-        return [e for e in self.healthy() if e.generates]
+        return self._membership()[1]
+
+    def _membership(self) -> tuple[list[Engine], list[Engine]]:
+        """(healthy, generating), listed again only after an engine's state or share changed: asked for on every
+        lease, they would otherwise cost a pass over thousands of engines each time. Callers must not change them."""
+        seen = (Engine.changes, len(self.engines))
+        if self._lists[0] != seen:
+            healthy = [e for e in self.engines.values() if e.state == HEALTHY]
+            self._lists = (seen, healthy, [e for e in healthy if e.generates])
+        return self._lists[1], self._lists[2]
 
     async def _admit(self, engine: Engine) -> None:
         info = await self._get_json(engine, "/server_info")
@@ -141,7 +155,12 @@ class EnginePool:
             await asyncio.sleep(self.config.rollout_health_check_interval)
             if not self.running.is_set():  # a paused engine answers 503 on purpose
                 continue
-            await asyncio.gather(*(self.check(e) for e in list(self.engines.values()) if e.state != DRAINING))
+            await asyncio.gather(*(self.check(e) for e in self.due()))
+
+    def due(self) -> list[Engine]:
+        """The engines a health round checks: those that answered no request within the last interval."""
+        since = time.monotonic() - self.config.rollout_health_check_interval
+        return [e for e in self.engines.values() if e.state != DRAINING and e.answered_at < since]
 
     async def check(self, engine: Engine) -> None:
         try:
@@ -318,10 +337,13 @@ class EnginePool:
                 raise
             tried.add(engine.url)
             try:
-                return await self._generate_on(engine, payload), engine
+                answer = await self._generate_on(engine, payload)
             except EngineFailure as e:
                 last = f"{engine.url}: {e}"
                 self._fail(engine, f"/generate failed: {e}")
+                continue
+            engine.answered_at, engine.failures = time.monotonic(), 0
+            return answer, engine
         raise Unavailable(f"/generate failed on {len(tried)} engine(s); last error {last}")
 
     async def _generate_on(self, engine: Engine, payload: dict):

@@ -19,6 +19,7 @@ All keys are `<prefix>:{<run_id>}:fleet:…`, in the run's Redis Cluster slot.
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import socket
@@ -75,7 +76,7 @@ class Fleet:
 
     def owns(self, url: str) -> bool:
         """Whether this gateway generates on the engine at `url` (rendezvous hashing over the live gateways)."""
-        return owner(url, self.gateways or [self.me]) == self.me
+        return owner(url, tuple(self.gateways or [self.me])) == self.me
 
     async def leave(self) -> None:
         """A stopping gateway hands its engines (and the coordinator lease) over at once."""
@@ -133,7 +134,8 @@ class Fleet:
         return bool(await self.redis.exists(f"{self.ns}:syncing"))
 
 
-def owner(url: str, gateways: list[str]) -> str:
+@functools.lru_cache(maxsize=1 << 16)  # each heartbeat asks again for every engine, of thousands
+def owner(url: str, gateways: tuple[str, ...]) -> str:
     return max(gateways, key=lambda gateway: hashlib.blake2b(f"{url}|{gateway}".encode()).digest())
 
 

@@ -75,6 +75,25 @@ async def test_a_killed_engine_is_evicted_requests_go_elsewhere_and_it_is_readmi
         await pool.close()
 
 
+async def test_an_engine_that_answered_within_the_interval_is_not_health_checked(start_engine):
+    """An answer to a request proves an engine healthy: the health round checks only the engines that gave none
+    within the last interval, and the answer also clears a failure the engine had before."""
+    pool = EnginePool(RolloutConfig(**{**FAST, "rollout_health_check_interval": 30}))
+    urls = start_engine.many([(), ()], [None, None])
+    for url in urls:
+        await pool.register(url)
+        pool.engines[url].failures = 1
+    assert {e.url for e in pool.due()} == set(urls)
+    used = {(await pool.generate(BODY, affinity="group-1"))[1].url for _ in range(3)}
+    assert len(used) == 1  # the group's engine
+    (idle,) = set(urls) - used
+    assert [e.url for e in pool.due()] == [idle]
+    assert [pool.engines[url].failures for url in urls] == [0 if url in used else 1 for url in urls]
+    pool.engines[used.pop()].answered_at -= 30  # an interval ago: due again
+    assert {e.url for e in pool.due()} == set(urls)
+    await pool.close()
+
+
 async def test_no_healthy_engine_and_bad_requests(start_engine):
     pool = EnginePool(RolloutConfig(**FAST))
     with pytest.raises(Unavailable, match="no healthy engine"):
