@@ -33,7 +33,8 @@ class RolloutConfig(ServiceConfig):
     max_retries: int = Field(3, ge=0)
     """How many other engines a failed /generate is retried on."""
     rollout_health_check_interval: float = Field(5.0, gt=0)
-    """Seconds between health checks of every engine (slime's --rollout-health-check-interval)."""
+    """Seconds between health checks of every engine that answered no request meanwhile (slime's
+    --rollout-health-check-interval)."""
     rollout_health_check_timeout: float = Field(20.0, gt=0)
     """A health check (/health_generate) slower than this counts as a failure."""
     rollout_health_check_failures: int = Field(2, ge=1)
