@@ -3,9 +3,10 @@
 A call's items go to the workers a chunk per pebble task (a task costs about as much CPU as a fast verifier's item),
 and while every worker has a task, the items of the calls that come meanwhile wait for the first worker to free up and
 go to it together, so that under load a task carries many calls' items. An item keeps its own guarantees through a
-fallback: a chunk that does not finish in time, or whose worker dies, is run again one item per task. So a verifier that hangs is killed when its deadline passes and its worker replaced;
-one that allocates past the limit ends its worker, which is replaced; one that raises or crashes its process costs
-only its own item. The service keeps serving either way.
+fallback: a chunk that does not finish in time, or whose worker dies, is run again one item per task. So a verifier
+that hangs is killed when its deadline passes and its worker replaced; one that allocates past the limit ends its
+worker, which is replaced; one that raises or crashes its process costs only its own item. The service keeps serving
+either way.
 """
 
 import asyncio
