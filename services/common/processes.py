@@ -69,11 +69,21 @@ def _port_range() -> tuple[int, int]:
 def split_port_range(index: int, count: int) -> None:
     """This process (and every process it starts) draws ports from the `index`-th of `count` equal shares of the
     range, so that `count` such process trees never hand out the same port."""
-    lowest, low = _LOWEST_PORT, _ephemeral_low()
+    if share := _share(_LOWEST_PORT, _ephemeral_low(), index, count):
+        os.environ[PORT_RANGE_ENV] = share
+
+
+def port_range_share(index: int, count: int) -> str:
+    """The `index`-th of `count` equal shares of the range this process draws from, as SLIPSTREAM_PORT_RANGE takes
+    it, for a process tree it starts beside others that must not hand out its ports ("" where the range is unknown)."""
+    return _share(*_port_range(), index, count)
+
+
+def _share(lowest: int, low: int, index: int, count: int) -> str:
     if low <= lowest:
-        return  # the ephemeral range is unknown: any free port
+        return ""  # the ephemeral range is unknown: any free port
     share = (low - lowest) // count
-    os.environ[PORT_RANGE_ENV] = f"{lowest + index * share}-{lowest + (index + 1) * share}"
+    return f"{lowest + index * share}-{lowest + (index + 1) * share}"
 
 
 @functools.cache

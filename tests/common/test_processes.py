@@ -3,7 +3,7 @@
 import os
 import socket
 
-from services.common.processes import PORT_RANGE_ENV, _ephemeral_low, free_port, split_port_range
+from services.common.processes import PORT_RANGE_ENV, _ephemeral_low, free_port, port_range_share, split_port_range
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
@@ -22,3 +22,8 @@ def test_each_share_of_the_range_draws_only_its_own_ports(monkeypatch):
     share = (_ephemeral_low() - 10_000) // 3
     assert (low, high) == (10_000 + share, 10_000 + 2 * share)
     assert all(low <= free_port() < high for _ in range(50))
+
+
+def test_process_trees_started_side_by_side_get_disjoint_parts_of_this_processs_share(monkeypatch):
+    monkeypatch.setenv(PORT_RANGE_ENV, "20000-20300")
+    assert [port_range_share(i, 3) for i in range(3)] == ["20000-20100", "20100-20200", "20200-20300"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.processes import PORT_RANGE_ENV, port_range_share
 from services.train.demo import train_args
 from tests.conftest import REPO, ServiceProcess
 
@@ -60,12 +61,14 @@ RUNS = {
 def runs(tmp_path_factory):
     """Both runs, started together (each a whole `slipstream train`), finished before the first test reads them."""
     started = {}
-    for name, flags in RUNS.items():
+    for index, (name, flags) in enumerate(RUNS.items()):
         folder = tmp_path_factory.mktemp(name)
         recorder = folder / "recorder.py"
         recorder.write_text(RECORDER.format(examples=EXAMPLES))
         args = [*train_args(folder, steps=STEPS), *(f.format(r=recorder) for f in flags)]
         env = {"PLUGIN_CALLS": str(folder / "calls.jsonl"), "ROLLOUT_LOG": str(folder / "rollout_log.jsonl")}
+        if share := port_range_share(index, len(RUNS)):  # the two runs' launchers must not hand out the same port
+            env[PORT_RANGE_ENV] = share
         started[name] = (folder, ServiceProcess(["train", *args], folder / "train.log", cwd=folder, env=env))
     for _, proc in started.values():
         assert proc.wait(540) == 0, proc.log[-3000:]
