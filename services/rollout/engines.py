@@ -83,8 +83,8 @@ class EnginePool:
         self.router: Engine | None = None  # with --use-router, generation goes through it
         self._router_tasks: set[asyncio.Task] = set()
         self.paused_elsewhere = None  # async () -> bool: another gateway paused the engines (fleet.py)
-        self._lists: tuple = ((), [], [])  # (membership seen, the healthy engines, those this gateway generates on)
-        self._choices: tuple = ((), [], None)  # (membership seen, the engines requests may go to, their ring)
+        # (membership seen, the healthy engines, those this gateway generates on, those requests go to, their ring)
+        self._lists: tuple = ((), [], [], [], None)
         self.adapters = Adapters(self, config.run_id) if config.lora_rank else None  # --lora-rank: the run's adapter
 
     # Membership
@@ -124,14 +124,18 @@ class EnginePool:
         """The healthy engines this gateway generates on (in a fleet, its share)."""
         return self._membership()[1]
 
-    def _membership(self) -> tuple[list[Engine], list[Engine]]:
-        """(healthy, generating), listed again only after an engine's state or share changed: asked for on every
-        lease, they would otherwise cost a pass over thousands of engines each time. Callers must not change them."""
+    def _membership(self) -> tuple:
+        """(healthy, generating, the engines requests go to, their ring), listed again only after an engine's state or
+        share changed: asked for on every lease and request, they would otherwise cost a pass over thousands of
+        engines each time. Callers must not change them."""
         seen = (Engine.changes, len(self.engines))
         if self._lists[0] != seen:
             healthy = [e for e in self.engines.values() if e.state == HEALTHY]
-            self._lists = (seen, healthy, [e for e in healthy if e.generates])
-        return self._lists[1], self._lists[2]
+            generating = [e for e in healthy if e.generates]
+            candidates = generating or healthy  # a fleet coordinator with no engines of its own evaluates on others'
+            ring = _ring(tuple(e.url for e in candidates)) if candidates else None
+            self._lists = (seen, healthy, generating, candidates, ring)
+        return self._lists[1:]
 
     async def _admit(self, engine: Engine) -> None:
         info = await self._get_json(engine, "/server_info")
@@ -312,14 +316,8 @@ class EnginePool:
         return preferred if preferred.outstanding <= least.outstanding + self.config.affinity_slack else least
 
     def _candidates(self) -> tuple[list[Engine], tuple[list[int], list[int]] | None]:
-        """The engines requests go to (in a fleet, a coordinator with no engines of its own evaluates on the
-        others') and their ring, kept until an engine changes: with thousands of engines, listing them was most of a
-        request's cost."""
-        seen = (Engine.changes, len(self.engines))
-        if self._choices[0] != seen:
-            candidates = self.generating() or self.healthy()
-            self._choices = (seen, candidates, _ring(tuple(e.url for e in candidates)) if candidates else None)
-        return self._choices[1], self._choices[2]
+        """The engines requests go to and their ring (`_membership`)."""
+        return self._membership()[2:]
 
     async def generate(self, payload: dict, affinity: str | None = None) -> tuple[dict | list, Engine]:
         """POSTs /generate to an engine, retrying on another one when it fails; returns the answer and the engine."""
