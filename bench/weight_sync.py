@@ -206,7 +206,7 @@ def main() -> None:
         sys.exit("needs 2 GPUs: the trainer on GPU 0, the engine on GPU 1")
     from services.common.config import AuthConfig, TlsConfig
     from services.common.launch import gpu_ids
-    from services.trainer.models import hf_weights_of, load_gpt_model
+    from services.trainer.models import WeightViews, hf_weights_of, load_gpt_model
     from services.trainer.parallel import init_parallel
     from services.trainer.weight_sync import WeightSender
 
@@ -241,7 +241,8 @@ def main() -> None:
                                      update_weight_buckets_in_flight=args.buckets_in_flight,
                                      weight_sync_address="127.0.0.1", weight_sync_timeout_s=300, tls=TlsConfig(),
                                      auth=AuthConfig(), lora_rank=0)  # fmt: skip
-            sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True)
+            views = WeightViews(model, gpt)
+            sender = WeightSender(config, lambda: hf_weights_of(model, gpt), sender=True, views=views)
             times, phases = [], []
             for rep in range(args.syncs + 1):  # the first builds the group
                 version += 1

@@ -176,10 +176,14 @@ def bucket_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[l
 def flatten_aligned(
     tensors: Iterable[torch.Tensor], dtypes: list[torch.dtype], shapes: list[list[int]], out: torch.Tensor
 ) -> torch.Tensor:
-    """Writes the tensors (of `dtypes` and `shapes`, produced one at a time) at their `bucket_layout` offsets into
-    `out` (uint8, at least the bucket's size); returns the bucket's part of it."""
+    """Writes the tensors (of `dtypes`, each of `shapes`' size, in any shape and strides: their elements in order) at
+    their `bucket_layout` offsets into `out` (uint8, at least the bucket's size), in one call; returns the bucket's
+    part of it."""
     offsets, size = bucket_layout(dtypes, shapes)
-    for tensor, offset in zip(tensors, offsets, strict=True):
-        data = tensor.contiguous().view(-1).view(torch.uint8)
-        out[offset : offset + data.numel()].copy_(data)
+    tensors = list(tensors)
+    places = [
+        out[offset : offset + tensor.numel() * dtype.itemsize].view(dtype).view(tensor.shape)
+        for tensor, dtype, offset in zip(tensors, dtypes, offsets, strict=True)
+    ]
+    torch._foreach_copy_(places, tensors)
     return out[:size]

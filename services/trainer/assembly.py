@@ -189,7 +189,7 @@ def weight_sender(config: TrainerConfig, info: ParallelInfo, model, gpt):
         raise ValueError("--colocate hands tensors over by CUDA IPC, within one node: run the trainer on one node")
     if not config.rollout_addr or not (info.dp_rank == 0 or all_ranks):
         return None
-    from services.trainer.models import hf_weights_of
+    from services.trainer.models import WeightViews, hf_weights_of
     from services.trainer.weight_sync import WeightSender
 
     model_parallel = info.tp_size * config.parallel.pipeline_model_parallel_size > 1
@@ -201,7 +201,7 @@ def weight_sender(config: TrainerConfig, info: ParallelInfo, model, gpt):
     if config.lora_rank:  # only the adapters travel (services/trainer/transports/lora.py)
         from services.trainer.lora import adapter_tensors
 
-        weights = lambda: adapter_tensors(model, gpt.shape).items()  # noqa: E731
+        weights, views = lambda: adapter_tensors(model, gpt.shape).items(), None
     else:
-        weights = lambda: hf_weights_of(model, gpt)  # noqa: E731
-    return WeightSender(config, weights, sender=sender, peers=peers, senders=senders)
+        weights, views = lambda: hf_weights_of(model, gpt), WeightViews(model, gpt)
+    return WeightSender(config, weights, sender=sender, peers=peers, senders=senders, views=views)

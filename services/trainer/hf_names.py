@@ -72,10 +72,10 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelSha
 
 
 def _split_qkv(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, rest = shape.num_query_groups, qkv.shape[1:]
+    """q, k and v as views [groups, rows of each group, *rest] of `qkv`: each flattens to its HF tensor."""
+    groups = shape.num_query_groups
     q_rows = shape.num_attention_heads // groups * shape.head_dim
-    q, k, v = qkv.reshape(groups, -1, *rest).split([q_rows, shape.head_dim, shape.head_dim], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+    return qkv.unflatten(0, (groups, -1)).split([q_rows, shape.head_dim, shape.head_dim], dim=1)
 
 
 def _template(local: str) -> tuple[str, str | None]:
@@ -141,15 +141,24 @@ def hf_to_megatron(
 def megatron_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields the HF (name, tensor) pairs held by one full (TP-merged) Megatron tensor with a global layer number.
     The tensors may be views of `tensor`; clone before writing them where storage must not be shared."""
+    for hf_name, view, hf_shape in megatron_to_hf_views(name, tensor, shape):
+        yield hf_name, view.reshape(hf_shape)
+
+
+def megatron_to_hf_views(
+    name: str, tensor: torch.Tensor, shape: ModelShape
+) -> Iterator[tuple[str, torch.Tensor, torch.Size]]:
+    """`megatron_to_hf` without a copy: (HF name, a view of `tensor`, the HF shape), the view's elements in the HF
+    tensor's order (q, k and v of a fused `linear_qkv` keep a group dimension that `reshape` folds)."""
     if name == "embedding.word_embeddings.weight":
-        yield "model.embed_tokens.weight", tensor[: shape.vocab_size]
+        yield _same("model.embed_tokens.weight", tensor[: shape.vocab_size])
         return
     if name == "output_layer.weight":
         if not shape.tie_word_embeddings:
-            yield "lm_head.weight", tensor[: shape.vocab_size]
+            yield _same("lm_head.weight", tensor[: shape.vocab_size])
         return
     if name == "decoder.final_layernorm.weight":
-        yield "model.norm.weight", tensor
+        yield _same("model.norm.weight", tensor)
         return
     match = _LAYER.match(name)
     local = {fused: plain for plain, fused in _FUSED_NORMS.items()}.get(match[2], match[2]) if match else ""
@@ -159,11 +168,16 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> Iterat
         raise KeyError(f"no HF name for Megatron parameter {name!r}")
     hf_names = [f"model.layers.{match[1]}.{part.format(j=expert)}" for part in rule.hf]
     if rule.fuse == "qkv":
-        yield from zip(hf_names, _split_qkv(tensor, shape), strict=True)
+        for hf_name, part in zip(hf_names, _split_qkv(tensor, shape), strict=True):
+            yield hf_name, part, torch.Size((part.shape[0] * part.shape[1], *part.shape[2:]))
     elif rule.fuse == "gate_up" and len(hf_names) == 2:
-        yield from zip(hf_names, tensor.chunk(2), strict=True)
+        yield from (_same(*pair) for pair in zip(hf_names, tensor.chunk(2), strict=True))
     else:
-        yield hf_names[0], tensor
+        yield _same(hf_names[0], tensor)
+
+
+def _same(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor, torch.Size]:
+    return name, tensor, tensor.shape
 
 
 def is_expert(name: str) -> bool:

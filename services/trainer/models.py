@@ -31,6 +31,7 @@ from services.trainer.hf_names import (
     hf_to_megatron,
     is_expert,
     megatron_to_hf,
+    megatron_to_hf_views,
     tp_split_dim,
 )
 from services.trainer.lora import is_adapter, merged
@@ -473,6 +474,38 @@ def hf_weights_of(model: GPTModel, config: GPTConfig) -> Iterator[tuple[str, tor
             continue
         full = gather_tp_param(name, param.detach(), group=parallel_state.get_expert_tensor_parallel_group())
         yield from _gather_experts(global_names[name], full, config)
+
+
+class WeightViews:
+    """`hf_weights_of`'s tensors as views of the parameters, made once and kept while no parameter's storage moved
+    (a `.data` set anew): (HF name, view, HF shape), each view's elements in its HF tensor's order. Where a sync
+    converts nothing (no tensor or expert parallelism, no adapters folded in), the weight sync copies these straight
+    into its buckets; elsewhere None. The model keeps its parameter objects (megatron's do): a model built anew
+    needs WeightViews anew."""
+
+    def __init__(self, model: GPTModel, config: GPTConfig):
+        self.model, self.config = model, config
+        sizes = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        )
+        self.viewable = sizes == (1, 1, 1) and not any(hasattr(m, "lora_A") for m in model.modules())
+        self.views: list[tuple[str, torch.Tensor, torch.Size]] | None = None
+        self.held: list[tuple[torch.Tensor, int]] = []  # every parameter and buffer, with its storage then
+
+    def __call__(self) -> list[tuple[str, torch.Tensor, torch.Size]] | None:
+        if not self.viewable:
+            return None
+        if self.views is None or any(t.data_ptr() != ptr for t, ptr in self.held):
+            global_names = _global_layer_names(self.model)
+            self.views = [
+                view
+                for name, tensor in served_tensors(self.model).items()
+                for view in megatron_to_hf_views(global_names[name], tensor.detach(), self.config.shape)
+            ]
+            self.held = [(t, t.data_ptr()) for t in (*self.model.parameters(), *self.model.buffers())]
+        return self.views
 
 
 def _gather_experts(name: str, tensor: torch.Tensor, config: GPTConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -66,9 +66,17 @@ class WeightSender:
     every sender is done; the senders share each outcome, so that they start over, give up or go on together."""
 
     def __init__(
-        self, config, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], sender: bool, peers=None, senders=None
+        self,
+        config,
+        weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        sender: bool,
+        peers=None,
+        senders=None,
+        views: Callable[[], list | None] | None = None,
     ):
         self.config, self.weights, self.sender, self.peers, self.senders = config, weights, sender, peers, senders
+        self.views = views  # the weights as views of the parameters (models.WeightViews), where no conversion is due
+        self.viewed: tuple = (None, [])  # the views last used, in the layout's buckets
         self.coordinator = sender and (senders is None or dist.get_rank(senders) == 0)
         # Colocated on several GPUs, every rank hands the engines on its GPU its own copy of each bucket.
         self.handing_over = config.colocate and peers is not None
@@ -378,7 +386,15 @@ class WeightSender:
     def _buckets(self, pairs):
         """(tensor specs, tensors) of about --update-weight-buffer-size bytes per bucket, in order. The first sync
         groups the converted tensors and keeps the layout; later ones send a bucket's specs first and convert each
-        tensor just before its broadcast, so that conversion overlaps the transfer."""
+        tensor just before its broadcast, so that conversion overlaps the transfer; a transport that takes views gets
+        the parameters' views (`views`) as they are, with nothing converted."""
+        views = self.views() if self.views and getattr(self.transport, "takes_views", False) else None
+        if self.layout is not None and views is not None:
+            if self.viewed[0] is not views:  # grouped as the layout, and checked against it, once
+                pairs = iter(views)
+                self.viewed = views, [[_viewed(spec, *next(pairs)) for spec in specs] for specs in self.layout]
+            yield from zip(self.layout, self.viewed[1], strict=True)
+            return
         if self.layout is not None:
             pairs = iter(pairs)
             for specs in self.layout:
@@ -515,10 +531,18 @@ def _drain(buckets) -> None:
             pass
 
 
+def _viewed(spec: common_pb2.TensorSpec, name: str, view: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    _same_layout(spec, name, shape)
+    return view
+
+
 def _matching(spec: common_pb2.TensorSpec, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if name != spec.name or list(tensor.shape) != list(spec.shape):
-        raise ValueError(
-            f"weights changed layout since the last sync: {name} {list(tensor.shape)} where "
-            f"{spec.name} {list(spec.shape)} was"
-        )
+    _same_layout(spec, name, tensor.shape)
     return tensor.contiguous()
+
+
+def _same_layout(spec: common_pb2.TensorSpec, name: str, shape: torch.Size) -> None:
+    if name != spec.name or list(shape) != list(spec.shape):
+        raise ValueError(
+            f"weights changed layout since the last sync: {name} {list(shape)} where {spec.name} {list(spec.shape)} was"
+        )

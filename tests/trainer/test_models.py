@@ -20,7 +20,9 @@ from services.train.tiny_checkpoint import write_tiny_model
 from services.trainer.hf_names import hf_to_megatron, megatron_to_hf, merge_tp_shards
 from services.trainer.models import (
     SafetensorsWeights,
+    WeightViews,
     gpt_config_from_hf,
+    hf_weights_of,
     load_gpt_model,
     read_hf_config,
     token_logprobs,
@@ -168,6 +170,33 @@ def test_round_trip_is_bit_identical(checkpoints: dict[str, Path], megatron_tp1,
         ids = _token_ids(out)
         with torch.no_grad():
             assert torch.equal(_hf_model(out)(ids).logits, _hf_model(source)(ids).logits)
+
+
+def test_weight_views_are_the_converted_weights_and_follow_the_parameters(checkpoints: dict[str, Path], megatron_tp1):
+    """What the streamed weight sync copies into its buckets with nothing converted: each view holds its HF tensor's
+    elements in order, after the weights change in place too, and a parameter whose storage moved is viewed anew."""
+    for name in FAMILIES:
+        model, config = load_gpt_model(checkpoints[name])
+        views = WeightViews(model, config)
+
+        def check() -> None:
+            expected = list(hf_weights_of(model, config))
+            assert [(n, tuple(s)) for n, _, s in views()] == [(n, tuple(t.shape)) for n, t in expected], name
+            for (hf_name, view, shape), (_, tensor) in zip(views(), expected, strict=True):
+                assert torch.equal(view.reshape(shape), tensor), hf_name
+
+        check()
+        assert views() is views()  # made once
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1.0)
+        check()
+        params = dict(model.named_parameters())
+        param = next((p for n, p in params.items() if "linear_qkv.weight" in n), next(iter(params.values())))
+        param.data = param.data.clone()  # its storage moved: the views follow it
+        with torch.no_grad():
+            param.mul_(2.0)
+        check()
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])

@@ -25,6 +25,10 @@ def backend(config) -> str:
 
 
 class Transport:
+    # Whether `send` takes the weights as views in any shape, each view's elements in its tensor's order (the
+    # parameters' own views, models.WeightViews), rather than tensors of the specs' shapes.
+    takes_views = False
+
     def __init__(self, sender, prepared, version: int, requests: queue.Queue, responses, watchdog):
         self.sender, self.prepared, self.version, self.requests = sender, prepared, version, requests
         self.responses, self.watchdog = responses, watchdog

@@ -25,6 +25,8 @@ POLL_S = 0.0005  # how often a wait for a broadcast looks at the gateway's answe
 
 
 class Streamed(Transport):
+    takes_views = True  # each is copied into its place in the staging buffer (flatten_aligned)
+
     def __init__(self, *args):
         super().__init__(*args)
         sender, layout = self.sender, self.sender.layout
