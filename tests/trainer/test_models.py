@@ -178,25 +178,25 @@ def test_weight_views_are_the_converted_weights_and_follow_the_parameters(checkp
     for name in FAMILIES:
         model, config = load_gpt_model(checkpoints[name])
         views = WeightViews(model, config)
-
-        def check() -> None:
-            expected = list(hf_weights_of(model, config))
-            assert [(n, tuple(s)) for n, _, s in views()] == [(n, tuple(t.shape)) for n, t in expected], name
-            for (hf_name, view, shape), (_, tensor) in zip(views(), expected, strict=True):
-                assert torch.equal(view.reshape(shape), tensor), hf_name
-
-        check()
+        _check_views(views, model, config)
         assert views() is views()  # made once
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(1.0)
-        check()
+        _check_views(views, model, config)
         params = dict(model.named_parameters())
         param = next((p for n, p in params.items() if "linear_qkv.weight" in n), next(iter(params.values())))
         param.data = param.data.clone()  # its storage moved: the views follow it
         with torch.no_grad():
             param.mul_(2.0)
-        check()
+        _check_views(views, model, config)
+
+
+def _check_views(views: WeightViews, model, config) -> None:
+    expected = list(hf_weights_of(model, config))
+    assert [(n, tuple(s)) for n, _, s in views()] == [(n, tuple(t.shape)) for n, t in expected]
+    for (hf_name, view, shape), (_, tensor) in zip(views(), expected, strict=True):
+        assert torch.equal(view.reshape(shape), tensor), hf_name
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
