@@ -388,8 +388,9 @@ class WeightSender:
         groups the converted tensors and keeps the layout; later ones send a bucket's specs first and convert each
         tensor just before its broadcast, so that conversion overlaps the transfer; a transport that takes views gets
         the parameters' views (`views`) as they are, with nothing converted."""
-        views = self.views() if self.views and getattr(self.transport, "takes_views", False) else None
-        if self.layout is not None and views is not None:
+        takes_views = self.layout is not None and self.views and getattr(self.transport, "takes_views", False)
+        views = self.views() if takes_views else None  # none on the first sync: it learns the layout
+        if views is not None:
             if self.viewed[0] is not views:  # grouped as the layout, and checked against it, once
                 pairs = iter(views)
                 self.viewed = views, [[_viewed(spec, *next(pairs)) for spec in specs] for specs in self.layout]
