@@ -52,12 +52,15 @@ class Engine:
     evicting: set = field(default_factory=set)  # those of them cancelled by its eviction (not by their callers)
     generates: bool = True  # False: another gateway of the fleet generates on it, this one only syncs its weights
     paused: bool = False  # told to pause (around a weight sync) and not yet to continue
+    # Evicted while paused: it may hold part of a sync that did not commit on it, weights of no version. Re-admitted,
+    # it stays paused and out of generation (weight_version "") until a sync commits on it.
+    unversioned: bool = False
     answered_at: float = 0.0  # when (monotonic) it last answered a request: no health check is due for an interval
 
     changes = 0  # of any engine's state or share, process-wide: the pools' cached choices are rebuilt after one
 
     def __setattr__(self, name: str, value) -> None:
-        if name in ("state", "generates"):
+        if name in ("state", "generates", "unversioned"):
             Engine.changes += 1
         super().__setattr__(name, value)
 
@@ -131,8 +134,9 @@ class EnginePool:
         seen = (Engine.changes, len(self.engines))
         if self._lists[0] != seen:
             healthy = [e for e in self.engines.values() if e.state == HEALTHY]
-            generating = [e for e in healthy if e.generates]
-            candidates = generating or healthy  # a fleet coordinator with no engines of its own evaluates on others'
+            serving = [e for e in healthy if not e.unversioned]
+            generating = [e for e in serving if e.generates]
+            candidates = generating or serving  # a fleet coordinator with no engines of its own evaluates on others'
             ring = _ring(tuple(e.url for e in candidates)) if candidates else None
             self._lists = (seen, healthy, generating, candidates, ring)
         return self._lists[1:]
@@ -145,11 +149,12 @@ class EnginePool:
         engine.gpus = tuple(base + rank * step for rank in range(engine.tp_size))
         engine.version = str(info.get("version", ""))
         engine.ordered_buckets = bool(info.get("ordered_weight_buckets"))
-        engine.weight_version = str(model.get("weight_version", ""))
+        engine.weight_version = "" if engine.unversioned else str(model.get("weight_version", ""))
         engine.model_path = str(model.get("model_path", ""))
         engine.state, engine.failures, engine.last_error = HEALTHY, 0, ""
         engine.admissions += 1
-        self._tell_router(engine.url, joined=True)
+        if not engine.unversioned:
+            self._tell_router(engine.url, joined=True)
         log.info("engine %s admitted (tp %d, weight version %s)", engine.url, engine.tp_size, engine.weight_version)
 
     # Health
@@ -169,12 +174,11 @@ class EnginePool:
     async def check(self, engine: Engine) -> None:
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.rollout_health_check_timeout)
-            if engine.paused and engine.state == EVICTED:  # evicted mid-sync: paused, it would stay out for good
-                await self._control(engine, "/continue_generation", {})
-                engine.paused = False
-            async with self.session.get(f"{engine.url}/health_generate", timeout=timeout) as response:
+            # Paused on purpose, an unversioned engine answers /health_generate 503: only its server is checked.
+            path = "/model_info" if engine.unversioned else "/health_generate"
+            async with self.session.get(f"{engine.url}{path}", timeout=timeout) as response:
                 if response.status != 200:
-                    raise EngineFailure(f"/health_generate answered {response.status}")
+                    raise EngineFailure(f"{path} answered {response.status}")
             if engine.state == EVICTED:
                 await self._admit(engine)
             engine.failures = 0
@@ -190,6 +194,7 @@ class EnginePool:
         engine.last_error = error
         if evict or engine.failures >= self.config.rollout_health_check_failures:
             engine.state = EVICTED
+            engine.unversioned = engine.unversioned or engine.paused
             log.warning("engine %s evicted: %s", engine.url, error)
             if self.adapters is not None:
                 self.adapters.forget(engine.url)
@@ -240,15 +245,24 @@ class EnginePool:
         await self.control("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
-        await self.control("/continue_generation", {})
-        for engine in self.healthy():
+        """Generation goes on, on every healthy engine but the unversioned ones (they stay paused)."""
+        engines = [e for e in self.healthy() if not e.unversioned]
+        await self.control("/continue_generation", {}, engines)
+        for engine in engines:
             engine.paused = False
         self.running.set()
 
-    async def control(self, path: str, payload: dict) -> dict[str, str]:
-        """POSTs a control call to every healthy engine directly and concurrently; returns the errors by engine URL
-        (an engine that fails is evicted, the others go on)."""
-        engines = self.healthy()
+    def serves(self, engine: Engine, version: str) -> None:
+        """A weight sync committed `version` on the engine; one that was unversioned generates again."""
+        engine.weight_version = version
+        if engine.unversioned:
+            engine.unversioned = False
+            self._tell_router(engine.url, joined=True)
+
+    async def control(self, path: str, payload: dict, engines: list[Engine] | None = None) -> dict[str, str]:
+        """POSTs a control call to every healthy engine (or to `engines`) directly and concurrently; returns the
+        errors by engine URL (an engine that fails is evicted, the others go on)."""
+        engines = self.healthy() if engines is None else engines
         results = await asyncio.gather(*(self._control(e, path, payload) for e in engines), return_exceptions=True)
         errors = {}
         for engine, result in zip(engines, results, strict=True):

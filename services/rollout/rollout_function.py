@@ -39,7 +39,9 @@ class GenerateEndpoint:
     async def start(self) -> int:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_post("/generate", self._generate)
-        self.runner = web.AppRunner(app, access_log=None)
+        # A stop cuts the calls' requests in flight instead of waiting for them (aiohttp's default: up to 60 s): the
+        # stopped call's groups go back to the buffer whatever they would have answered.
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()

@@ -240,8 +240,10 @@ class WeightSync:
             self.pool.evict(self.pool.engines[result.url], reason)
         results = results if labels else loaded
         self.transport.committed([r.url for r in results if r.success], version)
-        for engine in self.engines if labels else []:
-            engine.weight_version = str(version)
+        for result in (r for r in results if labels and r.success):
+            engine = self.pool.engines[result.url]
+            if engine.state != EVICTED:  # not one whose session failed to end (evicted above: unversioned)
+                self.pool.serves(engine, str(version))
         self._end()
         await self._reclaim()
         if labels:
