@@ -370,9 +370,18 @@ class Rollout:
                 await self.buffer.ExtendLease(request, timeout=30)
 
     async def _release(self, lease_id: str, reason: str, partial: list | None = None) -> None:
+        """Gives a lease back. A stop that cancels the caller meanwhile waits for the release to land instead of
+        cutting it short (the group would wait out its lease)."""
         request = buffer_pb2.ReleaseLeaseRequest(lease_id=lease_id, reason=reason, partial_samples=partial or [])
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.buffer.ReleaseLease(request, timeout=10)  # one Lua call: quick, and stops must not wait long
+        call = asyncio.ensure_future(self.buffer.ReleaseLease(request, timeout=10))  # one Lua call: quick
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())  # its error is handled here
+        try:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await asyncio.shield(call)
+        except asyncio.CancelledError:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await asyncio.shield(call)
+            raise
 
 
 class Window:

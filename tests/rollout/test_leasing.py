@@ -6,6 +6,7 @@ than it has free slots. While a call is out, a second one goes out once half a f
 the slots freed meanwhile need not wait for the first call to come back; never more than two calls are out."""
 
 import asyncio
+import contextlib
 import types
 
 from services.rollout.config import RolloutConfig
@@ -130,3 +131,23 @@ async def test_a_second_call_goes_out_while_one_is_out_once_half_a_call_of_slots
     answer.set()
     await rollout.stop(abort_in_flight=True)
     assert buffer.most_out == 2 and max(buffer.asked) <= CONCURRENCY
+
+
+async def test_a_release_that_a_stop_cancels_lands_before_the_stop_goes_on():
+    """Cut short, a release would leave its group leased until the lease expires."""
+
+    class SlowReleases(CountingBuffer):
+        async def ReleaseLease(self, request, timeout):
+            await asyncio.sleep(0.05)
+            self.released.append(request.lease_id)
+            return buffer_pb2.ReleaseLeaseResponse()
+
+    buffer = SlowReleases(0)
+    buffer.released = []
+    rollout, _, _ = rollout_on(buffer)
+    releasing = asyncio.create_task(rollout._release("g0#1", "rollout stopped"))
+    await asyncio.sleep(0.01)
+    releasing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await releasing
+    assert releasing.cancelled() and buffer.released == ["g0#1"]
