@@ -45,6 +45,10 @@ def channel_options(max_message_mb: int = 256, max_attempts: int = 5, timeout_s:
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # A connection that failed is tried again within 5 s, not gRPC's default of up to 120 s: a restarted service
+        # is found at once by calls that wait for it (wait_for_ready), and by new channels, which share the process's
+        # connection to an address and its backoff.
+        ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
 
 
