@@ -62,6 +62,7 @@ class WeightSync:
         self.engines: list[Engine] = []  # taking part in the current attempt
         self.version: int | None = None  # of the open sync
         self.partial = False  # engines hold part of an unfinished sync: generation waits for a complete one
+        self.committing = False  # the trainer's word is in: no deadline until the commit ends, however long it takes
         self.released = False  # colocated: the engines gave their GPU memory to the trainer
         self._joining: asyncio.Task | None = None
         self._deadline: asyncio.TimerHandle | None = None
@@ -215,6 +216,15 @@ class WeightSync:
     async def commit(self, version: int) -> list[Result]:
         self._check_open(version)
         self._watch(0)
+        self.committing = True
+        try:
+            return await self._commit(version)
+        finally:  # a commit that failed leaves the sync open: the trainer prepares again, or is waited out
+            if self.committing:
+                self.committing = False
+                self._watch()
+
+    async def _commit(self, version: int) -> list[Result]:
         failed = await self._joined()
         if failed:
             await self._break("commit", failed)
@@ -308,13 +318,14 @@ class WeightSync:
             )
 
     def _end(self) -> None:
-        self._joining, self.version, self.partial = None, None, False
+        self._joining, self.version, self.partial, self.committing = None, None, False, False
         if self._deadline is not None:
             self._deadline.cancel()
 
     def stream_ended(self) -> None:
-        """The trainer's bucket stream ended: a live trainer commits or prepares again at once."""
-        if self.version is not None:
+        """The trainer's bucket stream ended: a live trainer commits or prepares again at once (its commit may come
+        in before the stream's end is heard, and is not cut short)."""
+        if self.version is not None and not self.committing:
             self._watch(STREAM_END_GRACE_S)
 
     def _watch(self, timeout: float | None = None) -> None:

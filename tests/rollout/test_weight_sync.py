@@ -630,6 +630,44 @@ def test_a_commit_waits_for_a_buffer_that_is_restarting(make_system, grpc_servic
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30).policy_version == 1
 
 
+def test_a_commit_is_not_cut_short_by_the_end_of_the_bucket_stream_heard_after_it(make_system, grpc_service,
+                                                                                   tiny_model, monkeypatch, caplog):  # fmt: skip
+    """The trainer commits once it has every bucket's answer; the gateway may hear its stream end after the commit
+    began. That end gives a trainer a short grace to commit: it must not abort a commit under way (here one that waits
+    for a restarting buffer)."""
+    from services.buffer.server import build as build_buffer
+    from services.rollout import weight_sync
+
+    monkeypatch.setattr(weight_sync, "STREAM_END_GRACE_S", 0.5)
+    system = make_system(num_engines=1)
+    port = int(system.buffer_address.rsplit(":", 1)[1])
+    config = system.buffer_service.server.service.config.model_copy(update={"port": port})
+    system.buffer_service.stop()
+    sync = system.thread.server.service.servicers[0].impl.sync
+    sender = _sender(system)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sender.weights = lambda: iter(hf.items())
+    result: list[bool] = []
+    syncing = threading.Thread(target=lambda: result.append(sender.sync(1)))
+    syncing.start()
+    try:
+        _wait(lambda: sync.committing)  # waiting for the buffer
+
+        async def stream_ends_late():
+            sync.stream_ended()
+
+        system.run(stream_ends_late())
+        time.sleep(1.0)  # past the grace
+        grpc_service(build_buffer, config, keep_port=True)
+        syncing.join(120)
+        assert result == [True]
+        assert "aborted" not in caplog.text
+        assert sync.group is not None and sync.version is None  # the group stays for the next sync
+    finally:
+        syncing.join(120)
+        sender.close()
+
+
 TRAINER_DIES = """
 import os, signal, sys
 from types import SimpleNamespace
