@@ -630,8 +630,8 @@ def test_a_commit_waits_for_a_buffer_that_is_restarting(make_system, grpc_servic
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30).policy_version == 1
 
 
-def test_a_commit_is_not_cut_short_by_the_end_of_the_bucket_stream_heard_after_it(make_system, grpc_service,
-                                                                                   tiny_model, monkeypatch, caplog):  # fmt: skip
+def test_a_commit_is_not_cut_short_by_a_stream_end_heard_after_it(make_system, grpc_service, tiny_model, monkeypatch,
+                                                                   caplog):  # fmt: skip
     """The trainer commits once it has every bucket's answer; the gateway may hear its stream end after the commit
     began. That end gives a trainer a short grace to commit: it must not abort a commit under way (here one that waits
     for a restarting buffer)."""
