@@ -244,8 +244,8 @@ def adapter_tensors(model: torch.nn.Module, shape) -> dict[str, torch.Tensor]:
             if column and module.lora_parts is not None and not module.lora_parts & {_part(hf_name)}:
                 continue  # a part not targeted: no adapter in the folder
             stem = "base_model.model." + hf_name.removesuffix(".weight")
-            out[f"{stem}.lora_A.weight"] = a.clone()
-            out[f"{stem}.lora_B.weight"] = b_part.clone()
+            out[f"{stem}.lora_A.weight"] = a  # the parts of a fused layer share it: a file needs copies
+            out[f"{stem}.lora_B.weight"] = b_part
     return out
 
 
@@ -326,7 +326,8 @@ def save_adapter(model: torch.nn.Module, shape, settings: LoraSettings, base: st
         return
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "adapter_model.safetensors")
+    tensors = {k: v.clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
+    save_file(tensors, out_dir / "adapter_model.safetensors")
     (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config(settings, base, tensors), indent=2) + "\n")
 
 

@@ -10,6 +10,8 @@ import logging
 import shutil
 from pathlib import Path
 
+import torch
+
 from services.common import weight_folders
 from services.trainer.export import copy_hf_metadata, write_index
 from services.trainer.transports import Transport
@@ -33,8 +35,7 @@ class Disk(Transport):
         from safetensors.torch import save_file
 
         name = f"{self.shard}-{self.sender.group_name}-{index:05d}.safetensors"
-        # Converted tensors can be views of one fused tensor; safetensors refuses shared storage.
-        bucket = {s.name: t.detach().to("cpu", copy=True).contiguous() for s, t in zip(specs, tensors, strict=True)}
+        bucket = _on_host([s.name for s in specs], tensors)
         _writing(self.folder, lambda: save_file(bucket, self.folder / name, metadata={"format": "pt"}))
         self.weight_map.update(dict.fromkeys(bucket, name))
         self.total += sum(t.numel() * t.element_size() for t in bucket.values())
@@ -86,6 +87,21 @@ class Disk(Transport):
                 continue
             if not (published and version == self.version and self.keeps_latest):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _on_host(names: list[str], tensors) -> dict[str, torch.Tensor]:
+    """Copies of the tensors in host memory, one copy a dtype, not one a tensor (each a device round trip: an
+    adapter's sync has 504 small tensors). Copies: converted tensors can be views of one fused tensor, or one tensor
+    under several names (a fused layer's adapter A), which safetensors refuses to write."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for k, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(k)
+    host: list = [None] * len(tensors)
+    for ks in by_dtype.values():
+        flat = torch.cat([tensors[k].detach().reshape(-1) for k in ks]).to("cpu")
+        for k, part in zip(ks, flat.split([tensors[k].numel() for k in ks]), strict=True):
+            host[k] = part.view(tensors[k].shape)
+    return dict(zip(names, host, strict=True))
 
 
 def _writing(folder: Path, write) -> None:
