@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 
 from services.common.errors import StartupError
-from services.common.processes import die_with_parent
+from services.common.processes import tied_to_parent
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +35,9 @@ class Child:
 def start(name: str, args: list[str], port: int, log_dir: Path, env: dict | None = None) -> Child:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    # No Python may run in the child between fork and exec (preexec_fn) once gRPC's threads run in this process:
-    # gRPC's fork handlers can abort the child. setpriv ties the child to this process without that.
-    setpriv = shutil.which("setpriv")
     with log_path.open("ab") as out:
         proc = subprocess.Popen(
-            [setpriv, "--pdeathsig", "TERM", "--", *args] if setpriv else args,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=None if setpriv else die_with_parent,
+            **tied_to_parent(args), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
         )
     log.info("%s starting on port %d (log %s)", name, port, log_path)
     return Child(name, f"http://127.0.0.1:{port}", proc, log_path)

@@ -6,6 +6,7 @@ import ctypes
 import functools
 import os
 import random
+import shutil
 import signal
 import socket
 import sys
@@ -20,6 +21,17 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     Linux ties this to the parent thread that started the child, so start such children from the main thread."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def tied_to_parent(args: list[str]) -> dict:
+    """Popen arguments that start `args` as a child that gets SIGTERM when this process dies, even by SIGKILL.
+
+    Through util-linux's setpriv where it is installed: no Python may run in the child between fork and exec
+    (preexec_fn) once gRPC's threads run in this process, as its fork handlers can abort or hang the child."""
+    setpriv = shutil.which("setpriv")
+    if setpriv:
+        return {"args": [setpriv, "--pdeathsig", "TERM", "--", *args]}
+    return {"args": args, "preexec_fn": die_with_parent}
 
 
 def free_port(host: str = "127.0.0.1") -> int:

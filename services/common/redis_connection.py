@@ -24,7 +24,7 @@ from redis.exceptions import RedisClusterException
 
 from services.common.config import StrictModel, redacted
 from services.common.errors import StartupError
-from services.common.processes import die_with_parent
+from services.common.processes import tied_to_parent
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class EmbeddedRedis:
         args += ["--unixsocketperm", "700", "--dir", str(self.data_dir.resolve()), "--daemonize", "no"]
         args += ["--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--logfile", "redis.log"]
         # If this process dies, even by SIGKILL, the server gets SIGTERM, which flushes its AOF before it exits.
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        self._proc = subprocess.Popen(**tied_to_parent(args), stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(unix_socket_path=str(self.socket_path))
         while time.monotonic() < deadline:

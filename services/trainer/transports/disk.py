@@ -93,7 +93,7 @@ def _on_host(names: list[str], tensors) -> dict[str, torch.Tensor]:
     """Copies of the tensors in host memory, one copy a dtype, not one a tensor (each a device round trip: an
     adapter's sync has 504 small tensors). Copies: converted tensors can be views of one fused tensor, or one tensor
     under several names (a fused layer's adapter A), which safetensors refuses to write."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    tensors, by_dtype = list(tensors), {}
     for k, tensor in enumerate(tensors):
         by_dtype.setdefault(tensor.dtype, []).append(k)
     host: list = [None] * len(tensors)
