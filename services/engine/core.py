@@ -93,6 +93,8 @@ class Engine:
                 self.waiting.appendleft(seq)
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":  # the thread's current device: else GPU 0's, where another engine may run
+            torch.cuda.set_device(self.device)
         while True:
             with self._wake:
                 while not self._stopped and not self._commands and (self.paused or not self._has_work()):

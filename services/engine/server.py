@@ -28,6 +28,8 @@ def load(config: EngineConfig):
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot load a model from --model-path {config.model_path}: {e}") from None
     device = torch.device("cuda", config.base_gpu_id) if config.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":  # this thread's work (the load, the weight routes' copies) on the engine's GPU too
+        torch.cuda.set_device(device)
     routing = RoutingCapture(model) if config.enable_return_routed_experts else None
     model = model.to(device).eval()
     adapters = None
