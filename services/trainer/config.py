@@ -302,6 +302,13 @@ class TrainerConfig(ServiceConfig):
     def replays_routing(self) -> bool:
         return self.use_routing_replay or self.use_rollout_routing_replay
 
+    def lr_decay_steps(self, settings: OptimizerSettings) -> int | None:
+        """Optimizer steps over which `settings`' lr decays: --lr-decay-iters, else (megatron's and slime's default) the
+        run's, --num-rollout x --num-steps-per-rollout."""
+        if settings.lr_decay_iters is not None or self.num_rollout is None:
+            return settings.lr_decay_iters
+        return self.num_rollout * self.num_steps_per_rollout
+
     def batch_sizes(self, dp_size: int) -> BatchSizes:
         return BatchSizes(
             self.rollout_batch_size,
@@ -316,6 +323,11 @@ class TrainerConfig(ServiceConfig):
     def _check(self) -> "TrainerConfig":
         if self.loss.advantage_estimator == "ppo" and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError("the PPO critic runs without pipeline parallelism: use --pipeline-model-parallel-size 1")
+        if self.optimizer.lr_decay_style != "constant" and self.lr_decay_steps(self.optimizer) is None:
+            raise ValueError(
+                f"--lr-decay-style {self.optimizer.lr_decay_style} decays over --lr-decay-iters steps, or over the "
+                "run's steps (--num-rollout x --num-steps-per-rollout): pass one of them"
+            )
         if self.colocate and (not self.rollout_addr or self.update_weights_interval != 1):
             raise ValueError(
                 "colocate hands the GPU back to the engines at each sync: it needs --rollout-addr and "

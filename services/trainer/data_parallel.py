@@ -18,7 +18,7 @@ def build(model: torch.nn.Module, config: TrainerConfig, settings: OptimizerSett
     first), and the lr schedule of `optimizer.build_scheduler`."""
     ddp = wrap(model, config)
     s = settings
-    schedule = (s.lr_warmup_iters, s.lr_decay_iters, s.lr_decay_style, s.lr, s.min_lr)
+    schedule = (s.lr_warmup_iters, config.lr_decay_steps(s), s.lr_decay_style, s.lr, s.min_lr)
     if config.use_distributed_optimizer:
         optimizer = DistributedAdamW(ddp, config, settings)
         return ddp, optimizer, Schedulers([build_scheduler(inner, *schedule) for inner in optimizer.inner])

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from services.trainer.config import TrainerConfig
 from services.trainer.optimizer import build_optimizer, build_scheduler, clip_gradients, lr_factor
 
 
@@ -17,6 +18,19 @@ def test_warmup_then_cosine_to_min_lr():
     assert lr_factor(9, 4, 14, "linear", 0.0) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="lr_decay_style must be constant, linear or cosine, got 'wsd'"):
         lr_factor(9, 0, 14, "wsd", 0.0)
+
+
+def test_a_decaying_lr_decays_over_the_run_unless_told_otherwise():
+    """As megatron's --lr-decay-iters defaults to the run's steps: `--lr-decay-style cosine` alone decays over
+    --num-rollout x --num-steps-per-rollout (it once stayed constant), and without a run length it is refused."""
+    batch = {"rollout_batch_size": 2, "n_samples_per_prompt": 4, "global_batch_size": 4, "num_steps_per_rollout": 2}
+    config = TrainerConfig(**batch, num_rollout=50, lr_decay_style="cosine")
+    assert config.lr_decay_steps(config.optimizer) == 100
+    config = TrainerConfig(**batch, num_rollout=50, lr_decay_style="cosine", lr_decay_iters=30)
+    assert config.lr_decay_steps(config.optimizer) == 30
+    with pytest.raises(ValueError, match="--lr-decay-style cosine decays over --lr-decay-iters steps"):
+        TrainerConfig(**batch, lr_decay_style="cosine")
+    assert TrainerConfig(**batch).lr_decay_steps(TrainerConfig(**batch).optimizer) is None  # constant: no horizon
 
 
 def test_scheduler_drives_the_optimizer_lr():
