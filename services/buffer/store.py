@@ -323,6 +323,13 @@ if version > current then redis.call('HSET', ns .. ':meta', 'policy_version', ve
 return math.max(version, current)
 """
 
+# violations()' reads, at one instant: the statuses, the leased groups and the completed ones
+_SNAPSHOT = """
+local ns = ARGV[1]
+return {redis.call('HGETALL', ns .. ':status'), redis.call('ZRANGE', ns .. ':leases', 0, -1),
+        redis.call('ZRANGE', ns .. ':done', 0, -1)}
+"""
+
 
 @dataclass
 class LeaseStart:
@@ -360,6 +367,7 @@ class BufferStore(DataPlane):
                 ("commit", _COMMIT),
                 ("rewind", _REWIND),
                 ("raise_version", _RAISE_VERSION),
+                ("snapshot", _SNAPSHOT),
             ]
         }
 
@@ -547,8 +555,9 @@ class BufferStore(DataPlane):
         """What breaks the buffer's invariants in Redis (empty when none): each group's status agrees with the sets
         it is in (a leased group has a lease, a completed one is waiting with its payload, a batched one is in its
         step's batch), and no trained or dropped group keeps its samples. The fuzz and fault tests check it."""
-        status = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(self.key("status"))).items()}
-        leased, done = set(await self.leased()), {gid for gid, _ in await self.completed()}
+        pairs, leases, completed = await self._run("snapshot")  # at one instant: other replicas may be changing them
+        status = {k.decode(): v.decode() for k, v in zip(pairs[::2], pairs[1::2], strict=True)}
+        leased, done = {gid.decode() for gid in leases}, {gid.decode() for gid in completed}
         problems = [f"{gid} has a lease but status {status.get(gid)}" for gid in leased if status.get(gid) != "leased"]
         problems += [
             f"{gid} is leased without a lease" for gid, s in status.items() if s == "leased" and gid not in leased
