@@ -27,10 +27,11 @@ class ReceiverConfig(StrictModel):
     """The engine's GPUs (its --tp-size): each gets its own copy of every bucket."""
     gpu_id_step: int = Field(1, ge=1)
     """The step between the engine's GPUs (its --gpu-id-step)."""
-    buffer_slots: int = Field(3, ge=2)
-    """Buckets of room on each of the engine's GPUs: the engine loads one while the next ones arrive (with 2, a
-    bucket is received only once the engine loaded the one before last). Each costs a bucket of GPU memory
-    (the trainer's --update-weight-buffer-size)."""
+    buffer_mib: int = Field(2048, ge=0)
+    """GPU memory for buckets on each of the engine's GPUs, in MiB: as many of the trainer's buckets
+    (--update-weight-buffer-size) as fit, and at least 3 whatever it is. The engine loads the buckets received so far
+    while the next ones arrive: more room lets the transfer go on while the engine loads, and hands the engine more
+    buckets a call."""
     timeout_s: float = Field(300.0, gt=0)
     """Deadline of one sync's steps: a broadcast that has not arrived, or an engine that has not answered, by then
     ends the sync with an error, so the receiver never waits on a dead trainer or engine."""

@@ -33,7 +33,7 @@ class Receiver:
             if config.device == "cuda"
             else [torch.device("cpu")]
         )
-        self.buffers = Buffers(devices, config.buffer_slots)
+        self.buffers = Buffers(devices, config.buffer_mib << 20)
         self.copies: dict[str, Copies] = {}  # --update-weight-mode delta: each group's buckets, the deltas' base
         self.groups: dict[str, tuple[object, threading.Event]] = {}  # name → (group, its cancel flag)
         self.syncing = asyncio.Lock()  # one sync at a time; a group is destroyed only between syncs

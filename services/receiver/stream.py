@@ -1,8 +1,8 @@
 """One sync's buckets, from the trainer's weight group to the engine: bucket k is received (one broadcast of its
-tensors at `bucket_layout` offsets) into slot k % S of a buffer on the engine's GPU (S slots, --buffer-slots) while
-the engine loads bucket k - 1 from another, over SGLang's /update_weights_from_ipc and checkpoint-engine's worker
-protocol (see services/engine/ipc.py for the engine's side). No control round trip between buckets: the plan
-came whole.
+tensors at `bucket_layout` offsets) into slot k % S of a buffer on the engine's GPU (S slots: as many as --buffer-mib
+holds, at least 3) while the engine loads the buckets before it from others, over SGLang's /update_weights_from_ipc
+and checkpoint-engine's worker protocol (see services/engine/ipc.py for the engine's side). No control round trip
+between buckets: the plan came whole.
 
 Every wait ends: at the broadcast's arrival, when the group is destroyed (the gateway gave up), at the deadline, or
 when the engine's call ended (it failed, or an older checkpoint-engine worker stopped at the first None)."""
@@ -30,6 +30,7 @@ from services.engine.ipc import device_key
 
 log = logging.getLogger(__name__)
 
+MIN_SLOTS = 3  # the engine loads one bucket while the next arrives and a third waits
 POLL_MS = 50  # how often a wait for the engine's answer looks at the cancel flag, the deadline and the engine's call
 _sockets = count()
 
@@ -51,16 +52,16 @@ class Bucket:
 
 
 class Buffers:
-    """`slots` buckets of room on each of the engine's devices, kept across syncs and grown when a sync's buckets need
-    more."""
+    """Room for as many of a sync's buckets as `budget` bytes hold (at least MIN_SLOTS) on each of the engine's
+    devices, kept across syncs and made anew when a sync's buckets need other room."""
 
-    def __init__(self, devices: list[torch.device], slots: int = 3):
-        self.devices, self.slots, self.slot, self.tensors = devices, slots, 0, []
+    def __init__(self, devices: list[torch.device], budget: int = 2 << 30):
+        self.devices, self.budget, self.slots, self.slot, self.tensors = devices, budget, 0, 0, []
 
     def fit(self, buckets: list[Bucket]) -> None:
         slot = max((bucket.layout[1] for bucket in buckets), default=0)
         if slot > self.slot:
-            self.slot = slot
+            self.slot, self.slots = slot, max(MIN_SLOTS, self.budget // slot)
             self._allocate(self.slots * slot)
 
     def start(self, index: int) -> int:
@@ -85,7 +86,7 @@ class Copies(Buffers):
     the base of the next sync's deltas (services/common/weight_delta.py), and room for one bucket's payload."""
 
     def __init__(self, devices: list[torch.device]):
-        super().__init__(devices, slots=0)
+        super().__init__(devices, budget=0)
         self.sizes: list[int] = []
         self.starts: list[int] = []
         self.version: int | None = None  # the version they hold, once a sync completed
@@ -133,6 +134,8 @@ class Sync:
         self.sockets: list[zmq.Socket] = []
         self.waiting: list[bool] = []  # per socket: a message is out and its answer not read yet
         self.call: Future | None = None
+        self.posted: dict = {}  # each bucket's receive, posted and not yet seen complete
+        self.posted_up_to = -1
         self.waited = {"engine": 0.0, "broadcasts": 0.0}  # seconds this sync waited for each
 
     def run(self) -> None:
@@ -170,6 +173,8 @@ class Sync:
             raise RuntimeError(f"the engine's /update_weights_from_ipc failed: {reply.get('message', reply)}")
 
     def _stream(self) -> None:
+        if self.delta is None:
+            self._post_receives(loaded=-1)  # while the engine connects
         self._send_all([self.buffers.handle(i) for i in range(len(self.sockets))])
         self._answers()
         if self.delta is None:
@@ -182,18 +187,14 @@ class Sync:
         self._answers(or_done=True)  # an older worker (0.1.2) stopped at the first None: its call has ended
 
     def _stream_whole(self) -> None:
-        """Every bucket whole, into the slots: a receive is posted once the engine loaded what its slot held, and
-        the engine is handed every bucket received since its last answer in one message (the protocol answers each
-        message before the next), so the transfer goes on while it loads and an exchange costs once per batch."""
-        count, slots = len(self.buckets), self.buffers.slots
-        posted, received, loading = {}, [], []
-        loaded = posted_up_to = -1  # every bucket up to `loaded` is in the engine; receives posted up to the other
+        """Every bucket whole, into the slots: a receive is posted once the engine loaded what its slot held (the
+        first ones before the engine connected), and the engine is handed every bucket received since its last answer
+        in one message (the protocol answers each message before the next), so the transfer goes on while it loads
+        and an exchange costs once per batch."""
+        count, posted, received, loading = len(self.buckets), self.posted, [], []
+        loaded = -1  # every bucket up to `loaded` is in the engine
         while loaded < count - 1:
-            while posted_up_to + 1 < count and posted_up_to + 1 - slots <= loaded:  # its slot is free
-                posted_up_to += 1
-                start, size = self.buffers.start(posted_up_to), self.buckets[posted_up_to].layout[1]
-                into = self.buffers.tensors[0][start : start + size]
-                posted[posted_up_to] = dist.broadcast(into, src=0, group=self.group, async_op=True)
+            self._post_receives(loaded)
             arrived = min(posted, default=None)
             if loading and self._answered():
                 loaded, loading = loading[-1], []
@@ -205,6 +206,15 @@ class Sync:
                 loading, received = received, []
             else:
                 self._idle("engine" if loading else "broadcasts")
+
+    def _post_receives(self, loaded: int) -> None:
+        """Posts the receive of each next bucket whose slot is free: the engine loaded what it held (every bucket up to
+        `loaded`)."""
+        while self.posted_up_to + 1 < len(self.buckets) and self.posted_up_to + 1 - self.buffers.slots <= loaded:
+            self.posted_up_to += 1
+            start, size = self.buffers.start(self.posted_up_to), self.buckets[self.posted_up_to].layout[1]
+            into = self.buffers.tensors[0][start : start + size]
+            self.posted[self.posted_up_to] = dist.broadcast(into, src=0, group=self.group, async_op=True)
 
     def _stream_deltas(self) -> None:
         """Bucket by bucket: each one's header says how much follows."""

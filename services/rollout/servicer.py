@@ -39,6 +39,11 @@ def engine_info(engine: Engine) -> rollout_pb2.EngineInfo:
     )
 
 
+def _specs(tensors) -> tuple[list[str], list[str], list[list[int]]]:
+    """A bucket's TensorSpecs as its names, dtypes and shapes."""
+    return [t.name for t in tensors], [t.dtype for t in tensors], [list(t.shape) for t in tensors]
+
+
 def _results(results) -> list[rollout_pb2.EngineResult]:
     return [rollout_pb2.EngineResult(url=r.url, success=r.success, message=r.message) for r in results]
 
@@ -182,13 +187,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 loading = await self.sync.bucket(
                     Bucket(
                         bucket.bucket_index,
-                        [t.name for t in bucket.tensors],
-                        [t.dtype for t in bucket.tensors],
-                        [list(t.shape) for t in bucket.tensors],
+                        *_specs(bucket.tensors),
                         bucket.load_format,
                         tuple(bucket.serialized_named_tensors),
                         bucket.group_name,
                         bucket.num_buckets,
+                        tuple(_specs(b.tensors) for b in bucket.plan),
                     )
                 )
                 answers.put_nowait((bucket.bucket_index, loading))

@@ -79,7 +79,7 @@ class WeightSync:
         the senders must join new groups, whether the sync is streamed, the delta's base version or 0). Called again
         with the same version after an engine left, it starts the sync over with the engines still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
-            raise InvalidArgument(f"sources: each sender needs its own group_name, got {[n for n, _, _ in sources]}")
+            raise InvalidArgument("sources", f"each sender needs its own group_name, got {[n for n, _, _ in sources]}")
         asked = choose(backend, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
         if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
             await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
@@ -163,9 +163,15 @@ class WeightSync:
             self._check_open()
             self._watch(0)
             await self._mark_syncing(True)
+            if bucket.plan and not self.transport.streamed:
+                raise InvalidArgument(
+                    "plan",
+                    f"a whole plan in one message is for streamed syncs; this one is {self.transport.name}: send "
+                    "each bucket's tensors",
+                )
             group_name = bucket.group_name or self.group.names[0]
             if group_name not in self.group.names:
-                raise InvalidArgument(f"group_name: {group_name!r} is none of this sync's groups {self.group.names}")
+                raise InvalidArgument("group_name", f"{group_name!r} is none of this sync's groups {self.group.names}")
             request = self.transport.requests(self.engines, dataclasses.replace(bucket, group_name=group_name))
             if request is None:  # delivered with a later one: answered now
                 self._watch()

@@ -177,7 +177,7 @@ class PrepareWeightSyncResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ..., streamed: _Optional[bool] = ..., delta_base_version: _Optional[int] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name", "num_buckets")
+    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name", "num_buckets", "plan")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class WeightBucket(_message.Message):
     SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     version: int
     bucket_index: int
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
@@ -192,7 +193,14 @@ class WeightBucket(_message.Message):
     serialized_named_tensors: _containers.RepeatedScalarFieldContainer[bytes]
     group_name: str
     num_buckets: int
-    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., group_name: _Optional[str] = ..., num_buckets: _Optional[int] = ...) -> None: ...
+    plan: _containers.RepeatedCompositeFieldContainer[BucketSpecs]
+    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., group_name: _Optional[str] = ..., num_buckets: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[BucketSpecs, _Mapping]]] = ...) -> None: ...
+
+class BucketSpecs(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class EngineResult(_message.Message):
     __slots__ = ("url", "success", "message")

@@ -62,3 +62,9 @@ def test_a_streamed_sync_delivers_each_senders_plan_once_it_is_complete():
     assert [b["names"] for b in bodies["http://a:30000"]["buckets"]] == [["w1"], ["w2"]]
     unplanned = Bucket(0, ["w1"], ["bfloat16"], [[2, 2]], group_name="g0")  # a sender's first sync: a plan of one
     assert len(streamed.requests(engines, unplanned)[1]["http://a:30000"]["buckets"]) == 1
+    whole = ((["w1"], ["bfloat16"], [[2, 2]]), (["w2"], ["bfloat16"], [[4]]))  # the plan in one message
+    plan = Bucket(0, [], [], [], group_name="g0", num_buckets=2, plan=whole)
+    assert streamed.requests(engines, plan)[1]["http://a:30000"]["buckets"] == [
+        {"names": ["w1"], "dtypes": ["bfloat16"], "shapes": [[2, 2]]},
+        {"names": ["w2"], "dtypes": ["bfloat16"], "shapes": [[4]]},
+    ]

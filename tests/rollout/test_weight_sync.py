@@ -521,6 +521,29 @@ def test_a_sync_the_gateway_aborts_ends_the_trainers_bucket_stream(make_system, 
     _wait(system.rollout.pool.running.is_set)
 
 
+def test_a_whole_plan_sent_to_a_sync_that_does_not_stream_is_refused_naming_the_field(make_system, free_port):
+    system = make_system(num_engines=1)
+    port, name = free_port(), f"wsync-{id(system)}"
+    prepared = system.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
+        version=1, master_address="127.0.0.1", master_port=port, group_name=name, backend="gloo",
+    ), timeout=60)  # fmt: skip
+    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", prepared.world_size, 0, name)
+    spec = common_pb2.TensorSpec(name="model.norm.weight", dtype="float32", shape=[64])
+    plan = [rollout_pb2.BucketSpecs(tensors=[spec])]
+    requests: queue.Queue = queue.Queue()
+    requests.put(rollout_pb2.WeightBucket(version=1, num_buckets=1, plan=plan))
+    responses = system.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=120)
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            next(responses)
+    finally:
+        requests.put(None)
+        abort_group(group)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("plan: a whole plan in one message is for streamed syncs")
+    system.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=1, reason="test"), timeout=60)
+
+
 def test_an_engine_that_restarts_is_readmitted_and_given_the_policy_again(make_system, start_engine, tiny_model):
     """A sync that finds no engine leaves the pool running, so that the restarted engine is re-admitted; it serves
     the weights it started with, which the trainer sees (`lagging`) and replaces, in a new group."""

@@ -22,6 +22,7 @@ class Bucket:
     payloads: tuple[bytes, ...] = ()  # colocated: the tensor handles, one set per trainer GPU
     group_name: str = ""
     num_buckets: int = 0  # streamed: the sender's buckets in this sync
+    plan: tuple = ()  # streamed: every bucket's (names, dtypes, shapes) at once, in place of this one's
 
 
 class Transport:

@@ -1,7 +1,8 @@
 """Streamed through the weight receiver beside each engine (services/receiver): the receivers are the weight group's
-members (one rank each); a sender's whole plan (every bucket's names, dtypes and shapes) goes to every receiver in one
-/receive_weights call once its last bucket's specs arrived, and the receivers answer once their engines loaded every
-bucket, fed through SGLang's /update_weights_from_ipc. The buckets before the last are answered at once."""
+members (one rank each); a sender's whole plan (every bucket's names, dtypes and shapes, in one message, or a message
+a bucket) goes to every receiver in one /receive_weights call once complete, and the receivers answer once their
+engines loaded every bucket, fed through SGLang's /update_weights_from_ipc. Buckets sent a message each are answered
+at once but for the last."""
 
 from urllib.parse import urlsplit, urlunsplit
 
@@ -24,11 +25,14 @@ class Streamed(Transport):
         return receiver_url(engine.url, self.port_offset)
 
     def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict] | None:
-        plan = self.plans.setdefault(bucket.group_name, [])
-        plan.append({"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes})
-        if len(plan) < bucket.num_buckets:  # 0: a plan of one (a sender's first sync, before it knows its plan)
-            return None
-        del self.plans[bucket.group_name]
+        if bucket.plan:  # the whole plan in one message
+            plan = [{"names": n, "dtypes": d, "shapes": s} for n, d, s in bucket.plan]
+        else:  # a bucket's specs a message
+            plan = self.plans.setdefault(bucket.group_name, [])
+            plan.append({"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes})
+            if len(plan) < bucket.num_buckets:  # 0: a plan of one (a sender's first sync, before it knows its plan)
+                return None
+            del self.plans[bucket.group_name]
         body = {"group_name": bucket.group_name, "buckets": plan}
         if self.delta is not None:
             body["delta"] = self.delta

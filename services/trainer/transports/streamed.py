@@ -1,8 +1,8 @@
 """Streamed to the weight receivers beside the engines: the sync's whole plan (every bucket's specs) goes to the
-gateway first, then each bucket is broadcast as one uint8 tensor at aligned offsets (`bucket_layout`), with no answer
-awaited between buckets. Two staging buffers: bucket k is written into buffer k % 2 once bucket k - 2's broadcast
-completed (the receivers double-buffer the same way). The gateway answers every bucket, the last once every engine
-loaded the sync; an earlier failure answer ends the sync at once.
+gateway first, in one message, then each bucket is broadcast as one uint8 tensor at aligned offsets (`bucket_layout`),
+with no answer awaited between buckets. Two staging buffers: bucket k is written into buffer k % 2 once bucket k - 2's
+broadcast completed (the receivers keep more). The gateway answers the plan once every engine loaded the sync; a
+failure answer ends the sync at once.
 
 The first sync of a run knows no plan yet (the buckets are formed as the weights are converted): each bucket goes as
 a plan of its own (num_buckets 0), answered before the next, and the plan is known from then on."""
@@ -31,17 +31,14 @@ class Streamed(Transport):
         super().__init__(*args)
         sender, layout = self.sender, self.sender.layout
         self.planned = layout is not None
-        for index, specs in enumerate(layout or []):  # the plan, at once
+        if self.planned:  # the plan, at once, in one message: answered once the engines loaded every bucket
+            plan = [rollout_pb2.BucketSpecs(tensors=specs) for specs in layout]
             self.requests.put(
                 rollout_pb2.WeightBucket(
-                    version=self.version,
-                    bucket_index=index,
-                    tensors=specs,
-                    group_name=sender.group_name,
-                    num_buckets=len(layout),
+                    version=self.version, group_name=sender.group_name, num_buckets=len(layout), plan=plan
                 )
             )
-        self.expected = len(layout or [])  # answers still due
+        self.expected = int(self.planned)  # answers still due
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, name="weight-sync-answers", daemon=True).start()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
