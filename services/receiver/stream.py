@@ -52,17 +52,18 @@ class Bucket:
 
 
 class Buffers:
-    """Room for as many of a sync's buckets as `budget` bytes hold (at least MIN_SLOTS) on each of the engine's
-    devices, kept across syncs and made anew when a sync's buckets need other room."""
+    """Room for as many of a sync's buckets as `budget` bytes hold (at least MIN_SLOTS, at most the sync's buckets)
+    on each of the engine's devices, kept across syncs and made anew when a sync needs more."""
 
     def __init__(self, devices: list[torch.device], budget: int = 2 << 30):
         self.devices, self.budget, self.slots, self.slot, self.tensors = devices, budget, 0, 0, []
 
     def fit(self, buckets: list[Bucket]) -> None:
-        slot = max((bucket.layout[1] for bucket in buckets), default=0)
-        if slot > self.slot:
-            self.slot, self.slots = slot, max(MIN_SLOTS, self.budget // slot)
-            self._allocate(self.slots * slot)
+        slot = max([self.slot, *(bucket.layout[1] for bucket in buckets)])
+        slots = max(MIN_SLOTS, min(len(buckets), self.budget // max(slot, 1)))
+        if slot > self.slot or slots > self.slots:
+            self.slot, self.slots = slot, slots
+            self._allocate(slots * slot)
 
     def start(self, index: int) -> int:
         """Where bucket `index` of a sync goes."""

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.weight_group import bucket_layout, flatten_aligned, init_custom_process_group
+from services.receiver.stream import Bucket, Buffers
 from tests.rollout.conftest import wait_healthy, weights_of
 
 
@@ -103,3 +104,20 @@ def test_a_bucket_the_engine_cannot_load_fails_the_sync_naming_it_and_the_next_s
     for name, tensor in sent.items():
         assert torch.equal(weights_of(engine, name), tensor), name
     torch.distributed.destroy_process_group(group)
+
+
+def test_the_receivers_room_holds_as_many_buckets_as_its_budget_at_least_three_at_most_the_plans():
+    def plan(count: int, size_kib: int) -> list[Bucket]:
+        return [Bucket([f"w{i}"], [torch.uint8], [[size_kib << 10]]) for i in range(count)]
+
+    buffers = Buffers([torch.device("cpu")], budget=2048 << 10)  # as 2,048 MiB with MiB buckets, a thousandth
+    buffers.fit(plan(16, 512))
+    assert (buffers.slots, buffers.slot) == (4, 512 << 10)  # the budget's four
+    buffers.fit(plan(73, 128))
+    assert (buffers.slots, buffers.slot) == (4, 512 << 10)  # the room it has holds them
+    buffers.fit(plan(3, 2048))
+    assert (buffers.slots, buffers.slot) == (3, 2048 << 10)  # at least three, over the budget
+    small = Buffers([torch.device("cpu")], budget=2048 << 10)
+    small.fit(plan(18, 1))
+    assert small.slots == 18 and small.tensors[0].numel() == 18 << 10  # no more than the plan's buckets
+    assert small.start(19) == 1 << 10
