@@ -29,9 +29,9 @@ class ReceiverConfig(StrictModel):
     """The step between the engine's GPUs (its --gpu-id-step)."""
     buffer_mib: int = Field(2048, ge=0)
     """GPU memory for buckets on each of the engine's GPUs, in MiB: as many of the trainer's buckets
-    (--update-weight-buffer-size) as fit, at least 3 whatever it is and no more than a sync has. The engine loads the buckets received so far
-    while the next ones arrive: more room lets the transfer go on while the engine loads, and hands the engine more
-    buckets a call."""
+    (--update-weight-buffer-size) as fit, at least 3 whatever it is and no more than a sync has. The engine loads the
+    buckets received so far while the next ones arrive: more room lets the transfer go on while the engine loads,
+    and hands the engine more buckets a call."""
     timeout_s: float = Field(300.0, gt=0)
     """Deadline of one sync's steps: a broadcast that has not arrived, or an engine that has not answered, by then
     ends the sync with an error, so the receiver never waits on a dead trainer or engine."""
