@@ -497,16 +497,17 @@ def test_engines_that_cannot_reach_the_trainer_stop_it_at_once_naming_the_settin
     assert all(url in message for url in urls) and passes == [0]  # one attempt
 
 
-def test_a_sync_the_gateway_aborts_ends_the_trainers_bucket_stream(make_system, free_port):
-    """A trainer that waits on its bucket stream hears of the abort at once (here: the gateway's deadline, the
-    trainer being silent), instead of waiting on a stream that will never answer."""
-    system = make_system(num_engines=1, weight_sync_timeout_s=5)
-    port, name = free_port(), f"wsync-{id(system)}"
+def _stream_error(system, port: int, *buckets: rollout_pb2.WeightBucket) -> pytest.ExceptionInfo:
+    """Prepares a gloo sync of version 1, joins its group as the trainer and sends `buckets` on the bucket stream:
+    the error its first answer raises."""
+    name = f"wsync-{id(system)}"
     prepared = system.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
         version=1, master_address="127.0.0.1", master_port=port, group_name=name, backend="gloo",
     ), timeout=60)  # fmt: skip
     group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", prepared.world_size, 0, name)
     requests: queue.Queue = queue.Queue()
+    for bucket in buckets:
+        requests.put(bucket)
     responses = system.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=120)
     try:
         with pytest.raises(grpc.RpcError) as raised:
@@ -514,6 +515,14 @@ def test_a_sync_the_gateway_aborts_ends_the_trainers_bucket_stream(make_system, 
     finally:
         requests.put(None)
         abort_group(group)
+    return raised
+
+
+def test_a_sync_the_gateway_aborts_ends_the_trainers_bucket_stream(make_system, free_port):
+    """A trainer that waits on its bucket stream hears of the abort at once (here: the gateway's deadline, the
+    trainer being silent), instead of waiting on a stream that will never answer."""
+    system = make_system(num_engines=1, weight_sync_timeout_s=5)
+    raised = _stream_error(system, free_port())
     assert raised.value.code() == grpc.StatusCode.ABORTED
     assert "no word from the trainer for 5 s" in raised.value.details()
     info = httpx.get(f"{system.engines[0]}/model_info", timeout=10).json()
@@ -523,22 +532,9 @@ def test_a_sync_the_gateway_aborts_ends_the_trainers_bucket_stream(make_system, 
 
 def test_a_whole_plan_sent_to_a_sync_that_does_not_stream_is_refused_naming_the_field(make_system, free_port):
     system = make_system(num_engines=1)
-    port, name = free_port(), f"wsync-{id(system)}"
-    prepared = system.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
-        version=1, master_address="127.0.0.1", master_port=port, group_name=name, backend="gloo",
-    ), timeout=60)  # fmt: skip
-    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", prepared.world_size, 0, name)
     spec = common_pb2.TensorSpec(name="model.norm.weight", dtype="float32", shape=[64])
-    plan = [rollout_pb2.BucketSpecs(tensors=[spec])]
-    requests: queue.Queue = queue.Queue()
-    requests.put(rollout_pb2.WeightBucket(version=1, num_buckets=1, plan=plan))
-    responses = system.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=120)
-    try:
-        with pytest.raises(grpc.RpcError) as raised:
-            next(responses)
-    finally:
-        requests.put(None)
-        abort_group(group)
+    plan = rollout_pb2.WeightBucket(version=1, num_buckets=1, plan=[rollout_pb2.BucketSpecs(tensors=[spec])])
+    raised = _stream_error(system, free_port(), plan)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raised.value.details().startswith("plan: a whole plan in one message is for streamed syncs")
     system.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=1, reason="test"), timeout=60)
