@@ -13,10 +13,11 @@ So a bucket with under 1/32 of its words changed goes as indices, one with more 
 as itself. After applying, the receiver compares each tensor's checksum (the sum of its words) with the sender's:
 a copy that was not the base the sender diffed against cannot go unnoticed."""
 
+import functools
+
 import torch
 
 FULL, INDICES, BITMASK = 0, 1, 2
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def payload_size(kind: int, changed: int, size: int) -> int:
@@ -44,7 +45,7 @@ def payload(kind: int, new: torch.Tensor, mask: torch.Tensor, changed: int) -> t
     values = new.view(torch.int16)[where].view(torch.uint8)
     if kind == INDICES:
         return torch.cat([where.to(torch.int32).view(torch.uint8), values])
-    bits = (mask.view(-1, 8).to(torch.uint8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+    bits = (mask.view(-1, 8).to(torch.uint8) * _bits(mask.device)).sum(1, dtype=torch.uint8)
     return torch.cat([bits, values])
 
 
@@ -69,10 +70,17 @@ def apply(kind: int, changed: int, payload: torch.Tensor, base: torch.Tensor) ->
         base16[where] = values
     elif kind == BITMASK:
         bits = payload[: base.numel() // 16]
-        mask = (bits.unsqueeze(1) & _BITS.to(bits.device)).ne(0).view(-1)
+        mask = (bits.unsqueeze(1) & _bits(bits.device)).ne(0).view(-1)
         base16.masked_scatter_(mask, values)
     else:
         raise ValueError(f"unknown delta encoding {kind}")
+
+
+@functools.cache
+def _bits(device: torch.device) -> torch.Tensor:
+    """Each bit of a byte, on `device`: copied there once, not at every bucket (a copy from the host waits for the
+    device)."""
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
 
 
 def checksums(bucket: torch.Tensor, offsets: list[int], sizes: list[int]) -> torch.Tensor:
@@ -82,5 +90,11 @@ def checksums(bucket: torch.Tensor, offsets: list[int], sizes: list[int]) -> tor
 
 
 def header(kind: int, changed: int, sums: torch.Tensor) -> torch.Tensor:
-    """The int64 tensor broadcast before a bucket's payload: encoding, changed words, each tensor's checksum."""
-    return torch.cat([torch.tensor([kind, changed], dtype=torch.int64, device=sums.device), sums])
+    """The int64 tensor broadcast before a bucket's payload: encoding, changed words, each tensor's checksum. Made on
+    the device without a copy from the host: a blocking one would wait for all the GPU work queued (the next
+    bucket's conversion and comparison) before the sender could go on."""
+    head = torch.empty(2 + sums.numel(), dtype=torch.int64, device=sums.device)
+    head[:1].fill_(kind)
+    head[1:2].fill_(changed)
+    head[2:].copy_(sums)
+    return head
