@@ -121,9 +121,11 @@ def main() -> None:
     while not results.empty():
         name, what, seconds = results.get()
         figures.setdefault(name, {})[what] = seconds * 1e3
-    print(f"\n{BUCKETS} buckets of {BUCKET_BYTES >> 20} MiB, GPU 0 → GPU 1; {torch.cuda.get_device_name(0)}")
+    print(f"\nGPU 0 → GPU 1; {torch.cuda.get_device_name(0)}")
     print("command: python bench/gpu_overlap.py\n")
-    print("| case | broadcast of 8 GiB | 16 copies of 512 MiB on GPU 1 |\n|---|---|---|")
+    bucket = f"{BUCKET_BYTES >> 20} MiB"
+    print(f"| case | broadcast of {BUCKETS} buckets of {bucket} | {BUCKETS} copies of {bucket} on GPU 1 |")
+    print("|---|---|---|")
     for name in [c[0] for c in CASES] + ["copies alone, kernel", "copies alone, memcpy"]:
         cells = [f"{figures[name][k]:.1f} ms" if k in figures.get(name, {}) else "-" for k in ("broadcast", "copies")]
         print(f"| {name} | {' | '.join(cells)} |")
