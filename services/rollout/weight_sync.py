@@ -122,6 +122,7 @@ class WeightSync:
             await self._destroy(engines)
             # Each engine's call returns only once the sender has joined too: it runs while Prepare answers.
             self._joining = asyncio.create_task(self._join(engines, offsets, world_size))
+        transport.open(version, group.names)
         base = 0
         if delta and transport.streamed:  # the base is every receiver's copy of the last version all engines took
             same = not created and all(e.weight_version == str(delta_base) for e in engines)
@@ -246,14 +247,17 @@ class WeightSync:
         # learn the version before generation goes on under it, or synchronous training would wait forever.
         request = buffer_pb2.SetPolicyVersionRequest(version=version)
         labels = self.transport.pauses  # an adapter leaves the engines' own version (their base weights') alone
+        labelling = labels and not self.transport.labelled  # else the last bucket's load gave them the version
         ended, results, _ = await asyncio.gather(
             self._each(_sessions(self.engines) if labels else [], "/end_weight_update", {}),
-            self._each(self.engines if labels else [], "/update_weight_version", body),
+            self._each(self.engines if labelling else [], "/update_weight_version", body),
             self.buffer.SetPolicyVersion(request, timeout=self.config.weight_sync_timeout_s, wait_for_ready=True),
         )
         for result in (r for r in ended + results if not r.success):  # its state is unknown: a full sync re-admits it
             reason = f"commit of weight version {version} failed: {result.message}"
             self.pool.evict(self.pool.engines[result.url], reason)
+        if labels and not labelling:
+            results = [Result(e.url, e.state != EVICTED, e.last_error) for e in self.engines]
         results = results if labels else loaded
         self.transport.committed([r.url for r in results if r.success], version)
         for result in (r for r in results if labels and r.success):

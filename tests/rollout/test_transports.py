@@ -68,3 +68,20 @@ def test_a_streamed_sync_delivers_each_senders_plan_once_it_is_complete():
         {"names": ["w1"], "dtypes": ["bfloat16"], "shapes": [[2, 2]]},
         {"names": ["w2"], "dtypes": ["bfloat16"], "shapes": [[4]]},
     ]
+
+
+def test_the_last_senders_whole_plan_carries_the_syncs_version():
+    """The engines take the version with the last plan's load (SGLang sets it once that load succeeded), so the
+    commit posts none; a sender's first sync, a plan of one a bucket, leaves the version to the commit."""
+    engines = [_engine("http://a:30000")]
+    whole = ((["w"], ["bfloat16"], [[2]]),)
+    streamed = choose("nccl", [], _config(1))
+    streamed.open(7, ["g0", "g1"])
+    first = streamed.requests(engines, Bucket(0, [], [], [], group_name="g0", num_buckets=1, plan=whole))[1]
+    assert "weight_version" not in first["http://a:30000"] and not streamed.labelled
+    last = streamed.requests(engines, Bucket(0, [], [], [], group_name="g1", num_buckets=1, plan=whole))[1]
+    assert last["http://a:30000"]["weight_version"] == "7" and streamed.labelled
+    first_sync = choose("nccl", [], _config(1))
+    first_sync.open(1, ["g0"])
+    body = first_sync.requests(engines, Bucket(0, ["w"], ["bfloat16"], [[2]], group_name="g0"))[1]
+    assert "weight_version" not in body["http://a:30000"] and not first_sync.labelled

@@ -31,6 +31,10 @@ class Transport:
     ordered = False  # a bucket is posted while those before it still load
     streamed = False  # the trainer sends its whole plan first and awaits no answer between buckets
     pauses = True  # the engines pause for the sync, and take its version as their own at the commit
+    labelled = False  # the engines took the sync's version with its last bucket: none is posted at the commit
+
+    def open(self, version: int, groups: list[str]) -> None:
+        """A sync of `version` begins, over the weight groups `groups` (one a sender)."""
 
     def member(self, engine) -> tuple[str, int]:
         """Where `engine`'s group calls go, and its ranks in a weight group."""

@@ -2,7 +2,8 @@
 members (one rank each); a sender's whole plan (every bucket's names, dtypes and shapes, in one message, or a message
 a bucket) goes to every receiver in one /receive_weights call once complete, and the receivers answer once their
 engines loaded every bucket, fed through SGLang's /update_weights_from_ipc. Buckets sent a message each are answered
-at once but for the last."""
+at once but for the last. The last sender's whole plan carries the sync's version, which the engines take with a
+load that succeeded: the commit has no version to post."""
 
 from urllib.parse import urlsplit, urlunsplit
 
@@ -17,6 +18,10 @@ class Streamed(Transport):
         self.port_offset = port_offset
         self.plans: dict[str, list[dict]] = {}  # each sender's buckets so far, by its group
         self.delta: dict | None = None  # --update-weight-mode delta: this sync's version and base version (0: none)
+        self.version, self.waiting = None, set()  # the sync's, and the groups whose whole plan has not gone yet
+
+    def open(self, version: int, groups: list[str]) -> None:
+        self.version, self.waiting = version, set(groups)
 
     def member(self, engine) -> tuple[str, int]:
         return receiver_url(engine.url, self.port_offset), 1
@@ -36,6 +41,12 @@ class Streamed(Transport):
         body = {"group_name": bucket.group_name, "buckets": plan}
         if self.delta is not None:
             body["delta"] = self.delta
+        if bucket.plan or bucket.num_buckets:  # the sender's whole plan
+            self.waiting.discard(bucket.group_name)
+            # The last plan takes the version: SGLang sets it once the load succeeded, and nothing is left to load.
+            if not self.waiting and self.version is not None:
+                body["weight_version"] = str(self.version)
+                self.labelled = True
         return "/receive_weights", {e.url: body for e in engines}
 
 
