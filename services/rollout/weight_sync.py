@@ -257,7 +257,9 @@ class WeightSync:
             reason = f"commit of weight version {version} failed: {result.message}"
             self.pool.evict(self.pool.engines[result.url], reason)
         if labels and not labelling:
-            results = [Result(e.url, e.state != EVICTED, e.last_error) for e in self.engines]
+            results = [
+                Result(e.url, e.state != EVICTED, e.last_error if e.state == EVICTED else "") for e in self.engines
+            ]
         results = results if labels else loaded
         self.transport.committed([r.url for r in results if r.success], version)
         for result in (r for r in results if labels and r.success):
