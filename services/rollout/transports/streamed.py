@@ -23,6 +23,10 @@ class Streamed(Transport):
     def open(self, version: int, groups: list[str]) -> None:
         self.version, self.waiting = version, set(groups)
 
+    @property
+    def labelled(self) -> bool:  # every sender's whole plan went, the last with the version
+        return self.version is not None and not self.waiting
+
     def member(self, engine) -> tuple[str, int]:
         return receiver_url(engine.url, self.port_offset), 1
 
@@ -44,9 +48,8 @@ class Streamed(Transport):
         if bucket.plan or bucket.num_buckets:  # the sender's whole plan
             self.waiting.discard(bucket.group_name)
             # The last plan takes the version: SGLang sets it once the load succeeded, and nothing is left to load.
-            if not self.waiting and self.version is not None:
+            if self.labelled:
                 body["weight_version"] = str(self.version)
-                self.labelled = True
         return "/receive_weights", {e.url: body for e in engines}
 
 
