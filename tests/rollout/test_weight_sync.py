@@ -300,6 +300,38 @@ def test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights(mak
     assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=10).policy_version == 1
 
 
+def test_a_bucket_answered_before_its_broadcast_reports_done_is_not_awaited_again(make_system, tiny_model,
+                                                                                  monkeypatch, caplog):  # fmt: skip
+    """A sender's first streamed sync (no plan yet) awaits each bucket's answer before the next. On a loaded machine
+    the answer can come while the broadcast is still reported busy (the thread that marks it done is starved): here
+    each broadcast reports done only once its answer was read. The sync goes through at its first attempt."""
+    from services.trainer.transports import streamed
+
+    class Late:  # a broadcast reported done once the bucket's answer is in
+        def __init__(self, work, transport):
+            self.work, self.transport = work, transport
+
+        def is_completed(self) -> bool:
+            return self.work.is_completed() and (self.transport.planned or not self.transport.expected)
+
+        def wait(self):
+            return self.work.wait()
+
+    broadcast = streamed.Streamed._broadcast
+
+    def late(transport, index, tensors):
+        broadcast(transport, index, tensors)
+        transport.works[-1] = Late(transport.works[-1], transport)
+
+    monkeypatch.setattr(streamed.Streamed, "_broadcast", late)
+    system = make_system(num_engines=1, receivers=True)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sent = {n: t * 2 for n, t in hf.items()}
+    assert _send_with(system, lambda: iter(sent.items()), version=1)
+    assert "starting over" not in caplog.text
+    assert all(torch.equal(weights_of(system.engines[0], name), sent[name]) for name in sent)
+
+
 def test_a_disk_sync_is_an_hf_checkpoint_loaded_once_complete(make_system, tiny_model, tmp_path):
     """--update-weight-transport disk: a sync that fails while the checkpoint is written leaves only its staging
     folder, which no engine is told of (they keep their version); the next is loaded bit for bit, and with

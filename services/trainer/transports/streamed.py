@@ -79,10 +79,11 @@ class Streamed(Transport):
         else:
             self._broadcast(index, [flat])
         self.watchdog.progress(f"streaming bucket {index}")
-        if not self.planned:
+        if not self.planned:  # its answer before the next (it may come while the broadcast is still reported busy)
             self._flush()
             self._wait(self.works[index], index)
-            self._check(self._next_answer(None))
+            while self.expected:
+                self._check(self._next_answer(None))
 
     def _broadcast(self, index: int, tensors: list[torch.Tensor]) -> None:
         try:
