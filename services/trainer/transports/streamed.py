@@ -82,8 +82,7 @@ class Streamed(Transport):
         if not self.planned:  # its answer before the next (it may come while the broadcast is still reported busy)
             self._flush()
             self._wait(self.works[index], index)
-            while self.expected:
-                self._check(self._next_answer(None))
+            self._answers_due()
 
     def _broadcast(self, index: int, tensors: list[torch.Tensor]) -> None:
         try:
@@ -141,9 +140,13 @@ class Streamed(Transport):
         for index, work in enumerate(self.works):
             self._wait(work, index)
         started = time.perf_counter()
+        self._answers_due()
+        self.sender.timings["answers_s"] = time.perf_counter() - started
+
+    def _answers_due(self) -> None:
+        """Reads every answer still due: those not read already while a broadcast was awaited."""
         while self.expected:
             self._check(self._next_answer(None))
-        self.sender.timings["answers_s"] = time.perf_counter() - started
 
     def _wait(self, work, index: int) -> None:
         """Waits for a broadcast, ending early when the gateway answers that an engine failed."""
