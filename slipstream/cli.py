@@ -16,13 +16,18 @@ COMMANDS = {
     "receiver": ("services.receiver.__main__", "run the weight receiver beside an engine (streamed weights; 30100)"),
     "train": ("services.train.run", "start the whole system locally (or join running services) and train"),
     "demo": ("services.train.demo", "train a tiny model on a toy task and show that it learns"),
+    "convert-gguf": ("services.train.convert_gguf", "write a GGUF model (or the packaged smollm2) as an HF checkpoint"),
+    "reasoning-gym": ("services.buffer.reasoning_gym", "write a reasoning-gym task's problems as prompt data (JSONL)"),
 }
 # The extra a command needs beyond the base install (buffer, reward and rollout need none).
-NEEDS = {"trainer": "trainer", "engine": "engine", "receiver": "engine", "train": "all", "demo": "all"}
+NEEDS = {"trainer": "trainer", "engine": "engine", "receiver": "engine", "train": "all", "demo": "all",
+         "convert-gguf": "gguf", "reasoning-gym": "tasks"}  # fmt: skip
 # The modules each extra brings (pyproject.toml's optional dependencies).
 EXTRAS = {
     "trainer": ("torch", "megatron.core", "safetensors", "tensorboard"),
     "engine": ("torch", "safetensors", "starlette", "uvicorn", "zmq"),
+    "gguf": ("torch", "gguf"),
+    "tasks": ("reasoning_gym",),
     "all": (
         "torch",
         "megatron.core",

@@ -11,6 +11,7 @@ either way.
 
 import asyncio
 import contextlib
+import importlib
 import inspect
 import logging
 import multiprocessing
@@ -54,9 +55,11 @@ class Failure:
 OUT_OF_MEMORY = 75  # the exit code of a worker whose function ran out of its memory limit
 
 
-def _init_worker(memory_mb: int | None, custom_path: str | None, started) -> None:
+def _init_worker(memory_mb: int | None, custom_path: str | None, imports: tuple[str, ...], started) -> None:
     die_with_parent()
-    import math_verify  # noqa: F401 - warm the import so the first item does not pay for it
+    for module in ("math_verify", *imports):  # warm the imports so that the first item does not pay for them
+        with contextlib.suppress(ImportError):  # a verifier whose library is missing says so on its items
+            importlib.import_module(module)
 
     if custom_path:  # a user's reward module may load a model at import: before the first item, not during it
         with contextlib.suppress(Exception):  # it imported in the service; if not here, its items say why
@@ -127,8 +130,15 @@ CHUNK_BUDGET = 0.25  # a chunk's worker takes no further item after this share o
 
 
 class WorkerPool:
-    def __init__(self, num_workers: int, memory_mb: int | None = None, custom_path: str | None = None):
+    def __init__(
+        self,
+        num_workers: int,
+        memory_mb: int | None = None,
+        custom_path: str | None = None,
+        imports: tuple[str, ...] = (),
+    ):
         self.num_workers, self.memory_mb, self.custom_path = num_workers, memory_mb, custom_path
+        self.imports = imports  # warmed in each worker before its first item
         self._context = multiprocessing.get_context("spawn")  # forking a process that runs gRPC threads is unsafe
         self._started = self._context.Semaphore(0)  # released by each worker once it can take items
         self._pool = self._new_pool()
@@ -137,7 +147,7 @@ class WorkerPool:
         self._sending: set[asyncio.Task] = set()
 
     def _new_pool(self) -> ProcessPool:
-        initargs = (self.memory_mb, self.custom_path, self._started)
+        initargs = (self.memory_mb, self.custom_path, self.imports, self._started)
         return ProcessPool(self.num_workers, initializer=_init_worker, initargs=initargs, context=self._context)
 
     async def warm(self, timeout_s: float = 120.0) -> None:

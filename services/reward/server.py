@@ -9,7 +9,7 @@ from services.reward.core import Scorer
 from services.reward.isolation import WorkerPool
 from services.reward.remote import Backoff, GrpcRewardModel, HttpRewardModel
 from services.reward.servicer import RewardServicer
-from services.reward.verifiers import RM_TYPES, is_known
+from services.reward.verifiers import IMPORTS, RM_TYPES, is_known
 
 
 async def build(config: RewardConfig) -> Service:
@@ -28,7 +28,8 @@ async def build(config: RewardConfig) -> Service:
     if config.rm_grpc_addr:
         worker = Credentials.of(config, "worker")
         remote = GrpcRewardModel(config.rm_grpc_addr, backoff, config.rm_remote_timeout_s, worker)
-    pool = WorkerPool(config.num_workers, config.reward_worker_memory_mb, config.custom_rm_path)
+    warm = tuple(IMPORTS[t] for t in {config.rm_type, *config.eval_rm_types().values()} if t in IMPORTS)
+    pool = WorkerPool(config.num_workers, config.reward_worker_memory_mb, config.custom_rm_path, warm)
     await pool.warm()
     scorer = Scorer(config, pool, http, remote)
     return Service("reward", config, [Servicer.of(RewardServicer(scorer))], on_stop=[scorer.close])

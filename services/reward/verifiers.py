@@ -153,6 +153,50 @@ def multiple_choice(response: str, label: str, metadata: dict) -> dict:
     return {"score": 0.0, "pred": ""}
 
 
+_ANSWER_AFTER = re.compile(r"(?i)answer\s*:")
+
+
+def final_answer(response: str, numeric: bool) -> str | None:
+    """The answer a response states: what follows its last `Answer:` on that line (its last number when the expected
+    answer is a number), else its last number; None when it has neither."""
+    found = list(_ANSWER_AFTER.finditer(response))
+    if found:
+        text = response[found[-1].end() :].strip().split("\n")[0]
+        numbers = _NUMBER.findall(text)
+        if numeric and numbers:
+            return numbers[-1].replace(",", "").rstrip(".")
+        return text.strip().strip("*$`").strip().rstrip(".").strip()
+    numbers = _NUMBER.findall(response)
+    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+
+
+def _whole_numbers(value):
+    """Metadata as the task wrote it: a protobuf Struct carries every number as a float (3 → 3.0)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
+
+
+def reasoning_gym(response: str, label: str, metadata: dict) -> dict:
+    """reasoning-gym's own checker of the task in `metadata.source_dataset`, on the response's final answer (its last
+    `Answer:` line, else its last number); raises for a problem the checker cannot score."""
+    import reasoning_gym as rg
+
+    metadata = _whole_numbers(metadata)
+    task = metadata.get("source_dataset")
+    if not task:
+        raise ValueError("metadata has no source_dataset: write the prompts with `slipstream reasoning-gym`")
+    numeric = _NUMBER.fullmatch(label.strip()) is not None
+    answer = final_answer(response, numeric)
+    entry = {"question": metadata.get("question", ""), "answer": label, "metadata": metadata}
+    score = float(rg.get_score_answer_fn(task)(answer, entry))
+    return {"score": score, "acc": float(score == 1.0), "pred": answer or ""}
+
+
 def random_reward(response: str, label: str, metadata: dict) -> float:
     """0 or 1 at random (a baseline and a smoke test)."""
     return float(random.randint(0, 1))
@@ -167,7 +211,10 @@ BUILT_IN: dict[str, Callable] = {
     "f1": f1,
     "multiple_choice": multiple_choice,
     "random": random_reward,
+    "reasoning_gym": reasoning_gym,
 }
+# What a verifier imports, warmed in each reward worker before its first item when it is the service's --rm-type.
+IMPORTS = {"math": "math_verify", "reasoning_gym": "reasoning_gym"}
 NEEDS_LABEL = set(BUILT_IN) - {"random"}
 REMOTE = ("remote_rm", "remote_grpc")  # reward models elsewhere: --rm-url's (HTTP) and --rm-grpc-addr's
 RM_TYPES = (*BUILT_IN, *REMOTE)  # the valid rm_type values, besides the built-ins' boxed_ forms

@@ -47,6 +47,8 @@ class Progress:
 def summary_line(line: dict) -> str:
     m = line["metrics"]
     text = f"step {line['step']:>4}  reward {m['reward']:.3f}  len {m.get('response_length', 0):.1f}"
+    if m.get("reward_failed"):
+        text += f"  reward failed {m['reward_failed']:.0%}"
     if "kl_loss" in m or "ppo_kl" in m:
         text += f"  kl {m.get('kl_loss', m.get('ppo_kl', 0.0)):.4f}"
     if "pg_clipfrac" in m:

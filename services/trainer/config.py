@@ -242,6 +242,10 @@ class TrainerConfig(ServiceConfig):
     custom_rollout_log_function_path: str | None = None
     """slime's fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool, called with each step's
     samples (rank 0's); True skips the step's TensorBoard scalars."""
+    max_reward_failures: float = Field(0.5, ge=0, le=1)
+    """Stop the run when more than this share of a step's samples have no reward (the reward function raised, timed
+    out, or could not score the problem), rather than train on the rest; each step's share is its `reward_failed`
+    metric. 1 never stops."""
     disable_rewards_normalization: bool = False
     """Train on the rewards as scored: no group mean (or std) is taken before the estimator."""
     kl_coef: float = Field(0.0, ge=0)

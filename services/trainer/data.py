@@ -3,7 +3,7 @@ log-probs and reward, checked once when the batch arrives; micro-batches are rig
 and `[B, R]` response tensors (`R` the longest response), the layout `advantages.py` and `losses.py` use."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ class RolloutBatch:
     teacher_logprobs: list[np.ndarray] | None = None
     raw_rewards_B: torch.Tensor | None = None  # the rewards as scored, where a hook has replaced `rewards_B`
     normalized: bool = False  # `rewards_B` is already normalized (by a custom reward post-processing or conversion)
+    reward_failures: list[str] = field(default_factory=list)  # why each sample whose reward failed has none
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -49,7 +50,7 @@ class RolloutBatch:
 
 
 def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> RolloutBatch:
-    tokens, prompts, masks, logprobs, rewards, ids, routed, teacher = [], [], [], [], [], [], [], []
+    tokens, prompts, masks, logprobs, rewards, ids, routed, teacher, failures = [], [], [], [], [], [], [], [], []
     for group in groups:
         if len(group.samples) != group_size:
             raise BatchError(f"group {group.group_id} has {len(group.samples)} samples, expected {group_size}")
@@ -80,6 +81,8 @@ def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> Rollou
                 raise BatchError(f"{where}: reward is {sample.reward}; fix the reward function or its --reward-key")
             if sample.status in (common_pb2.SAMPLE_STATUS_FAILED, common_pb2.SAMPLE_STATUS_ABORTED):
                 mask = np.zeros_like(mask)  # kept for its group's statistics, not trained on
+            if sample.status == common_pb2.SAMPLE_STATUS_FAILED:  # the gateway's mark of a reward that failed
+                failures.append(sample.status_message or f"{where}: the reward failed")
             tokens.append(sample_tokens.astype(np.int64))
             prompts.append(sample.prompt_length)
             masks.append(mask.astype(np.float32))
@@ -91,8 +94,20 @@ def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> Rollou
     rewards_B = torch.tensor(rewards, dtype=torch.float32)
     teacher_or_none = teacher if any(len(t) for t in teacher) else None
     return RolloutBatch(
-        tokens, prompts, masks, logprobs, rewards_B, group_size, ids, routed, teacher_logprobs=teacher_or_none
+        tokens, prompts, masks, logprobs, rewards_B, group_size, ids, routed, teacher_or_none, reward_failures=failures
     )
+
+
+def check_reward_failures(batch: RolloutBatch, max_share: float) -> float:
+    """The share of the batch's samples whose reward failed; raises BatchError when it is over `max_share`."""
+    share = len(batch.reward_failures) / max(1, len(batch))
+    if share > max_share:
+        raise BatchError(
+            f"the reward failed for {len(batch.reward_failures)} of {len(batch)} samples of this step (more than "
+            f"--max-reward-failures {max_share}), e.g. {batch.reward_failures[0]}; fix the reward function or the "
+            "data, or raise --max-reward-failures"
+        )
+    return share
 
 
 def pad_rows(rows: list[np.ndarray], width: int, dtype=torch.float32) -> torch.Tensor:

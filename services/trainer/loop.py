@@ -16,6 +16,7 @@ from services.buffer import dataplane
 from services.trainer import assembly, checkpoint, data_parallel
 from services.trainer.actor import Actor
 from services.trainer.config import TrainerConfig
+from services.trainer.data import check_reward_failures
 from services.trainer.metrics import StepLog, mfu, rollout_times
 from services.trainer.parallel import control_group
 from slipstream import samples
@@ -172,6 +173,7 @@ class Trainer:
 
     def train_step(self, reply: buffer_pb2.GetBatchResponse) -> dict:
         batch = self.actor.hooks.batch(list(reply.groups), self.config.n_samples_per_prompt)
+        reward_failed = check_reward_failures(batch, self.config.max_reward_failures)
         self.control.phase = "train"
         if self.config.colocate and self.weights is not None:
             self.weights.release()  # the engines' GPU memory is the trainer's until the sync after this step
@@ -195,6 +197,7 @@ class Trainer:
         metrics = {
             **steps[-1],
             "reward": float(batch.scored_rewards_B.mean()),
+            "reward_failed": reward_failed,
             "train_s": trained - started,
             "sync_s": now - trained,
             "step_s": now - self.last_step_end,
