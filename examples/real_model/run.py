@@ -59,7 +59,9 @@ class Settings:
         flags = {
             "--num-rollout": self.steps, "--eval-interval": self.eval_every,
             "--rollout-batch-size": self.prompts_per_step, "--n-samples-per-prompt": self.samples_per_prompt,
-            "--global-batch-size": batch, "--rollout-max-response-len": self.max_new_tokens,
+            "--global-batch-size": batch, "--micro-batch-size": batch,
+            "--rollout-max-response-len": self.max_new_tokens,
+            "--sglang-max-running-requests": max(batch, self.num_eval),
             "--rollout-temperature": self.temperature, "--lr": self.lr, "--lr-decay-style": "constant",
             "--adam-beta2": self.adam_beta2, "--clip-grad": self.clip_grad, "--eps-clip": self.eps_clip,
             "--advantage-estimator": "grpo", "--rm-type": "reasoning_gym", "--eval-reward-key": "acc",
@@ -111,9 +113,11 @@ class GpuMemory:
         query = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
         while not self._stop.wait(0.5):
             lines = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             for line in lines:
                 index, used = (int(x) for x in line.split(","))
-                self.peak_mib[index] = max(self.peak_mib.get(index, 0), used)
+                if visible is None or str(index) in visible.split(","):  # this run's GPUs only
+                    self.peak_mib[index] = max(self.peak_mib.get(index, 0), used)
 
 
 def run_slipstream(args, settings: Settings, model: Path, train: Path, held_out: Path) -> dict:
@@ -132,14 +136,15 @@ def run_slipstream(args, settings: Settings, model: Path, train: Path, held_out:
         flags += ["--bf16", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1"]
         flags += ["--colocate"] if args.colocate else []
     code = train_main(flags + args.extra)
-    if code != 0:
-        raise SystemExit(f"slipstream train failed (exit {code}); its logs: {run_dir / 'logs'}")
+    if code != 0:  # what it trained and evaluated is still reported
+        print(f"slipstream train failed (exit {code}); its logs: {run_dir / 'logs'}", file=sys.stderr)
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     evals = {e["step"]: e for e in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}.values()
     seconds = [s["metrics"]["step_s"] for s in steps]
     done = [0.0, *itertools.accumulate(seconds)]  # training seconds when step k starts
     tokens = [s["metrics"]["response_length"] * settings.prompts_per_step * settings.samples_per_prompt for s in steps]
     return {
+        "exit_code": code,
         "evals": [
             {"step": e["step"], "accuracy": e["results"]["held_out"]["mean_reward"], "train_s": done[e["step"]]}
             for e in evals
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-buffer-size", type=int, default=0)
     parser.add_argument("--colocate", action="store_true", help="slipstream on one GPU (engine and trainer)")
     parser.add_argument("--cpu", action="store_true", help="the short form: 2 steps of 2 prompts x 4 samples")
+    parser.add_argument("--prepare-only", action="store_true", help="convert the model and write the data, no run")
     args, args.extra = parser.parse_known_args(argv)
     settings = Settings(task=args.task)
     if args.cpu:
@@ -175,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     args.name = args.name or (f"trl-{args.task}" if args.runner == "trl" else f"slipstream-{layout}-{args.task}")
     args.out.mkdir(parents=True, exist_ok=True)
     model, train, held_out = prepare(args.out, settings, args.model)
+    if args.prepare_only:
+        print(f"model: {model}\ntrain: {train}\nheld out: {held_out}")
+        return 0
     started = time.time()
     with GpuMemory() as memory:
         if args.runner == "trl":

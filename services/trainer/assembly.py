@@ -50,7 +50,12 @@ def load_policy(config: TrainerConfig):
     """The policy's (GPTModel, GPTConfig), from --hf-checkpoint; an MoE model's settings are checked against it."""
     from services.trainer.models import load_gpt_model
 
-    model, gpt = load_gpt_model(config.hf_checkpoint, dtype=model_dtype(config), **model_settings(config))
+    # Where torch's AdamW keeps float32 masters of the bf16 weights (optimizer.MasterAdamW), they start from a float32
+    # checkpoint's own values; megatron's distributed optimizer makes its own from the bf16 weights.
+    masters = config.bf16 and not config.use_distributed_optimizer and not config.lora_rank
+    model, gpt = load_gpt_model(
+        config.hf_checkpoint, dtype=model_dtype(config), keep_float32=masters, **model_settings(config)
+    )
     if config.lora_rank:
         from services.trainer import lora
 

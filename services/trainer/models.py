@@ -401,9 +401,12 @@ def _global_layer_names(model: GPTModel) -> dict[str, str]:
     return names
 
 
-def load_hf_weights(model: GPTModel, config: GPTConfig, weights: Mapping[str, torch.Tensor]) -> None:
+def load_hf_weights(
+    model: GPTModel, config: GPTConfig, weights: Mapping[str, torch.Tensor], keep_float32: bool = False
+) -> None:
     """Copies this rank's shards of the HF `weights` into `model`; raises ValueError on a missing tensor or a shape
-    that does not match."""
+    that does not match. `keep_float32`: a float32 checkpoint's values of lower-precision parameters are kept for the
+    optimizer's masters (`checkpoint_value`, which `optimizer.MasterAdamW` takes)."""
     params = checkpoint_tensors(model)
     by_global = {global_name: name for name, global_name in _global_layer_names(model).items()}
     fused_norms = any(name.endswith("linear_qkv.layer_norm_weight") for name in params)
@@ -431,13 +434,22 @@ def load_hf_weights(model: GPTModel, config: GPTConfig, weights: Mapping[str, to
             if name.endswith("router.expert_bias"):  # float32 whatever the model's dtype, as megatron and HF keep it
                 params[name].data = params[name].data.float()
             params[name].copy_(shard)
+            if keep_float32 and shard.dtype == torch.float32 and params[name].dtype != torch.float32:
+                # The optimizer's float32 master starts from the checkpoint's value, not from its bf16 rounding:
+                # a master on the bf16 grid moves the bf16 weight only once its updates add up to half a step of
+                # that grid, which at RL learning rates takes hundreds of steps (optimizer.MasterAdamW).
+                params[name].checkpoint_value = shard.to(params[name].device)
             loaded.add(name)
     if missing := sorted(set(params) - loaded):
         raise ValueError(f"the checkpoint gives no value for {len(missing)} parameters, e.g. {missing[:3]}")
 
 
 def load_gpt_model(
-    hf_dir: str | Path, dtype: torch.dtype = torch.float32, parallel_output: bool = True, **transformer_settings
+    hf_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    parallel_output: bool = True,
+    keep_float32: bool = False,
+    **transformer_settings,
 ) -> tuple[GPTModel, GPTConfig]:
     """Builds the GPTModel for an HF checkpoint directory at the tensor/pipeline parallelism megatron was
     initialised with (`parallel.init_parallel`) and loads this rank's shards of the weights. `transformer_settings`
@@ -457,7 +469,7 @@ def load_gpt_model(
     model = build_gpt_model(config, parallel_output=parallel_output)
     # The torch norms of the local spec are built on CPU in float32 whatever params_dtype says.
     model.to(device=torch.cuda.current_device() if cuda_available() else "cpu", dtype=dtype)
-    load_hf_weights(model, config, SafetensorsWeights(hf_dir))
+    load_hf_weights(model, config, SafetensorsWeights(hf_dir), keep_float32)
     return model, config
 
 

@@ -21,13 +21,24 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
 
 
+def _master(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's float32 master: the checkpoint's float32 value where the loader kept one (models.load_hf_weights:
+    between the grid points of bf16, so that small updates move the bf16 weight as often as they add up to a step of
+    it, as float32 weights cast to bf16 do), else the parameter's own value."""
+    value = getattr(param, "checkpoint_value", None)
+    if value is None:
+        return param.detach().float().clone()
+    del param.checkpoint_value
+    return value.detach().float().clone()
+
+
 class MasterAdamW(torch.optim.AdamW):
     """AdamW on float32 copies of low-precision parameters: gradients are copied up before the step and the updated
     weights copied down after it. The masters are part of the state dict, so a resume continues exactly."""
 
     def __init__(self, groups: list[dict], **settings):
         self.model_params = [p for g in groups for p in g["params"]]
-        masters = [{**g, "params": [p.detach().float().clone() for p in g["params"]]} for g in groups]
+        masters = [{**g, "params": [_master(p) for p in g["params"]]} for g in groups]
         super().__init__(masters, **settings)
         self.masters = [p for g in self.param_groups for p in g["params"]]
 

@@ -1,5 +1,7 @@
 """Evaluate: one pass over each eval set through the real engines and reward service, while a rollout runs."""
 
+import time
+
 import grpc
 import pytest
 
@@ -89,3 +91,25 @@ def test_an_eval_config_gives_each_set_its_keys_samples_sampling_and_reward(make
     assert results["short"].mean_reward > 0  # `random`: 24 draws of 0 or 1 (a plain number: no key to take)
     assert results["renamed"].num_samples == 5 * 2 and results["renamed"].metrics["response_length/max"] <= 8
     assert results["graded"].num_samples == 4 and results["graded"].mean_reward == 0.5  # score's mean would be 0
+
+
+def test_an_evaluation_paused_by_a_weight_sync_still_covers_every_prompt(make_system):
+    """A weight sync's `abort` pause sends an eval group back to the buffer with what it generated; the pass leases
+    it again and finishes it. (It used to be left out: the pass reported the other prompts, and the groups left out
+    made the next evaluation on their own — a real model's held-out accuracy read 0.000 on 3 of 256 prompts.)"""
+    system = make_system(rollout_max_response_len=96, rollout_concurrency=8, buffer={"n_samples_per_eval_prompt": 4})
+    pool = system.rollout.pool
+    request = rollout_pb2.EvaluateRequest(sampling_params=common_pb2.SamplingParams(max_new_tokens=96,
+                                                                                   ignore_eos=True))  # fmt: skip
+    for _ in range(2):
+        reply = system.gateway.Evaluate.future(request, timeout=180)
+        deadline = time.monotonic() + 60
+        while sum(e.outstanding for e in pool.engines.values()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # some tokens generated
+        system.run(pool.pause("abort"))
+        time.sleep(0.5)
+        system.run(pool.resume())
+        (result,) = reply.result().results
+        assert result.num_samples == 6 * 4  # every prompt of the set, every sample, in each pass
+        assert result.metrics["response_length/min"] == 96  # the paused ones resumed where they stopped
