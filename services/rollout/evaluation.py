@@ -17,7 +17,6 @@ from slipstream.v1 import buffer_pb2, common_pb2
 log = logging.getLogger(__name__)
 
 LEASE_CHUNK = 16
-RETRIES = 10  # times a pass leases again the groups a weight sync paused
 
 
 MAX_SAMPLES_PER_PROMPT = 1024
@@ -57,50 +56,31 @@ async def evaluate(rollout, datasets: list[str], n: int, overrides: common_pb2.S
 
 
 async def _one_pass(rollout, name: str, n: int, sampling: dict) -> dict:
-    """One pass over eval set `name`: every group of one round, each finished. A group that a weight sync paused goes
-    back to the buffer with what it generated (as a rollout's does) and is leased again to finish it; a pass that
-    left it out was an evaluation of a few prompts (those groups alone made the next pass)."""
     slots = asyncio.Semaphore(rollout.config.rollout_concurrency)
+    tasks, epoch = [], None
 
     async def run(lease):
         async with slots:
             return await rollout.run_group(lease, sampling, n)
 
-    leases, epoch = await _lease_round(rollout, name, None, None)
-    groups, tries = [], 0
-    while leases:
-        finished = [g for g in await asyncio.gather(*(run(lease) for lease in leases)) if g is not None]
-        groups += finished
-        missing = len(leases) - len(finished)
-        tries = tries + 1 if missing else 0
-        if not missing or tries > RETRIES:
-            break
-        await asyncio.sleep(0.2 * tries)  # the sync that paused them is still going
-        # Returned groups are leased first: the missing ones and at most a chunk of the next round's.
-        leases, _ = await _lease_round(rollout, name, epoch, missing + LEASE_CHUNK)
-    if tries > RETRIES:
-        log.warning("eval set %s: %d groups could not be finished after %d tries", name, missing, tries)
-    return summarize(groups)
-
-
-async def _lease_round(rollout, name: str, epoch: int | None, max_groups: int | None) -> tuple[list, int | None]:
-    """Leases the groups of one round of `name` (of `epoch`, else of the first group's), in chunks until the next
-    round shows (whose groups go back), or one lease of `max_groups`; returns them and their round."""
-    leases = []
     while True:
         request = buffer_pb2.LeasePromptsRequest(
-            max_groups=max_groups or LEASE_CHUNK, lease_seconds=rollout.config.lease_seconds, dataset=name
+            max_groups=LEASE_CHUNK, lease_seconds=rollout.config.lease_seconds, dataset=name
         )
         reply = await rollout.buffer.LeasePrompts(request, timeout=30)
         if not reply.leases:
-            return leases, epoch
+            break
         epoch = reply.leases[0].group.epoch if epoch is None else epoch
-        leases += [lease for lease in reply.leases if lease.group.epoch == epoch]
         next_round = [lease for lease in reply.leases if lease.group.epoch != epoch]
+        tasks += [asyncio.create_task(run(lease)) for lease in reply.leases if lease.group.epoch == epoch]
         for lease in next_round:  # the next pass starts with these
             await rollout._release(lease.lease_id, "belongs to the next evaluation pass")
-        if next_round or max_groups:
-            return leases, epoch
+        if next_round:
+            break
+    groups = [g for g in await asyncio.gather(*tasks) if g is not None]
+    if len(groups) < len(tasks):
+        log.warning("eval set %s: %d of %d groups could not be finished", name, len(tasks) - len(groups), len(tasks))
+    return summarize(groups)
 
 
 def summarize(groups: list[common_pb2.PromptGroup]) -> dict:

@@ -216,7 +216,9 @@ class Rollout:
             done.timings["leased"] = time.time()
             with logged_wait(log, "group %s to generate", group.group_id):
                 done.samples.extend(await self._generate(group, sampling))
-            if any(s.status == common_pb2.SAMPLE_STATUS_ABORTED for s in done.samples):
+                while group.dataset not in ("", "train") and _aborted(done):
+                    await self._finish_evaluated(group, done, sampling)
+            if _aborted(done):
                 GROUPS.labels("partial").inc()  # paused mid-response: the buffer keeps what was generated
                 await self._release(lease.lease_id, "aborted by a pause", list(done.samples))
                 return None
@@ -278,14 +280,26 @@ class Rollout:
             self._planes[ns] = plane
         return self._planes[ns]
 
-    async def _generate(self, group: common_pb2.PromptGroup, sampling: dict) -> list:
+    async def _generate(self, group: common_pb2.PromptGroup, sampling: dict, resume: bool | None = None) -> list:
         ctx = GenerateContext(self.pool, sampling, self.config, self.tokenizer, self.reward, affinity=group.group_id)
         custom = self.eval_custom.get(group.dataset, self.custom)
         if self.config.partial_rollout and self.config.mask_offpolicy_in_partial_rollout:
             mask_offpolicy(group)
         if custom is None:
-            return await generate_group(ctx, group, resume=self.config.partial_rollout)
+            return await generate_group(ctx, group, resume=self.config.partial_rollout if resume is None else resume)
         return check_samples(group, await custom(ctx, group))
+
+    async def _finish_evaluated(self, group: common_pb2.PromptGroup, done: common_pb2.PromptGroup, sampling: dict):
+        """An eval group that a weight sync paused continues where it stopped once the sync is over, rather than go
+        back to the buffer: an evaluation pass is every prompt of its set, and a group sent back started over each
+        time (with --async-buffer-size a sync comes every step, sooner than some groups finish), or was left out of
+        its pass and made the next one on its own."""
+        await self.pool.running.wait()
+        del group.samples[:]
+        group.samples.extend(done.samples)
+        resumed = await self._generate(group, sampling, resume=True)
+        del done.samples[:]
+        done.samples.extend(resumed)
 
     def sampling(
         self, overrides: common_pb2.SamplingParams | None = None, evaluation: bool = False, dataset: str = ""
@@ -408,3 +422,7 @@ class Window:
         THROUGHPUT.labels("samples_per_s").set(len(self.events) / span)
         THROUGHPUT.labels("tokens_per_s").set(self.tokens / span)
         THROUGHPUT.labels("truncated_ratio").set(self.truncated / len(self.events))
+
+
+def _aborted(group: common_pb2.PromptGroup) -> bool:
+    return any(s.status == common_pb2.SAMPLE_STATUS_ABORTED for s in group.samples)
