@@ -146,7 +146,12 @@ def run_slipstream(args, settings: Settings, model: Path, train: Path, held_out:
     return {
         "exit_code": code,
         "evals": [
-            {"step": e["step"], "accuracy": e["results"]["held_out"]["mean_reward"], "train_s": done[e["step"]]}
+            {
+                "step": e["step"],
+                "accuracy": e["results"]["held_out"]["mean_reward"],
+                "num_samples": e["results"]["held_out"].get("num_samples"),
+                "train_s": done[e["step"]],
+            }
             for e in evals
         ],
         "s_per_step": statistics.median(seconds),

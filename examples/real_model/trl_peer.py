@@ -74,8 +74,8 @@ def run_trl(args, settings, model_dir: Path, train: Path, held_out: Path) -> dic
         started = 0.0
 
         def on_train_begin(self, *_, **__):
-            log["evals"].append({"step": 0, "accuracy": accuracy(model, tokenizer, evaluation, settings.max_new_tokens),
-                                 "train_s": 0.0})  # fmt: skip
+            found = accuracy(model, tokenizer, evaluation, settings.max_new_tokens)
+            log["evals"].append({"step": 0, "accuracy": found, "num_samples": len(evaluation), "train_s": 0.0})
 
         def on_step_begin(self, *_, **__):
             self.started = time.perf_counter()
@@ -84,7 +84,8 @@ def run_trl(args, settings, model_dir: Path, train: Path, held_out: Path) -> dic
             log["step_s"].append(time.perf_counter() - self.started)
             if state.global_step % settings.eval_every == 0 or state.global_step == settings.steps:
                 found = accuracy(model, tokenizer, evaluation, settings.max_new_tokens)
-                log["evals"].append({"step": state.global_step, "accuracy": found, "train_s": sum(log["step_s"])})
+                log["evals"].append({"step": state.global_step, "accuracy": found, "num_samples": len(evaluation),
+                                     "train_s": sum(log["step_s"])})  # fmt: skip
 
         def on_log(self, _, state, __, logs=None, **___):
             if logs and "completions/mean_length" in logs:

@@ -165,7 +165,7 @@ def final_answer(response: str, numeric: bool) -> str | None:
         numbers = _NUMBER.findall(text)
         if numeric and numbers:
             return numbers[-1].replace(",", "").rstrip(".")
-        return text.strip().strip("*$`").strip().rstrip(".").strip()
+        return text.strip().rstrip(".").strip("*$` ").rstrip(".")
     numbers = _NUMBER.findall(response)
     return numbers[-1].replace(",", "").rstrip(".") if numbers else None
 

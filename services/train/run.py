@@ -349,7 +349,10 @@ class Run:
             return {
                 "step": step,
                 "time": time.time(),
-                "results": {r.dataset: {"mean_reward": r.mean_reward, **r.metrics} for r in reply.results},
+                "results": {
+                    r.dataset: {"mean_reward": r.mean_reward, "num_samples": r.num_samples, **r.metrics}
+                    for r in reply.results
+                },
             }
 
         self._eval_pending.append(self._eval_pool.submit(run))

@@ -7,10 +7,12 @@ from services.reward.verifiers import (
     deepscaler,
     exact,
     f1,
+    final_answer,
     gsm8k,
     last_boxed,
     math,
     multiple_choice,
+    reasoning_gym,
     score_builtin,
 )
 
@@ -104,3 +106,34 @@ def test_boxed_prefix_extracts_first():
 
 def test_random_is_zero_or_one():
     assert {score_builtin("random", "", "", {}) for _ in range(50)} == {0.0, 1.0}
+
+
+@pytest.mark.parametrize(
+    ("response", "numeric", "answer"),
+    [
+        ("5 - 3 = 2\nAnswer: 2", True, "2"),
+        ("Answer: 5 - 3 = 2.", True, "2"),  # a number expected: the line's last number
+        ("The result is -1,204.", True, "-1204"),  # no Answer: the last number
+        ("Answer: **Paris**.", False, "Paris"),
+        ("Answer: 7\nAnswer: 8", True, "8"),  # the last Answer: line
+        ("no idea", True, None),
+    ],
+)
+def test_the_final_answer_is_the_last_answer_line_else_the_last_number(response, numeric, answer):
+    assert final_answer(response, numeric) == answer
+
+
+def test_reasoning_gym_scores_with_the_tasks_own_checker():
+    """Metadata as the reward service hands it over (a protobuf Struct: every number a float) reaches the checker as
+    the task wrote it; a problem without its task fails the item (counted), it does not score 0."""
+    pytest.importorskip("reasoning_gym")
+    from services.buffer.reasoning_gym import problems, row
+
+    entry = problems("chain_sum", {"min_terms": 3, "max_terms": 3}, seed=5, size=1)[0]
+    prompt = row(entry)
+    metadata = {k: float(v) if isinstance(v, int) else v for k, v in prompt["metadata"].items()}
+    right = f"Let me add.\nAnswer: {entry['answer']}"
+    assert reasoning_gym(right, prompt["label"], metadata) == {"score": 1.0, "acc": 1.0, "pred": entry["answer"]}
+    assert reasoning_gym("Answer: 123456789", prompt["label"], metadata)["acc"] == 0.0
+    with pytest.raises(ValueError, match="metadata has no source_dataset: write the prompts with"):
+        reasoning_gym(right, prompt["label"], {})

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.data import BatchError, from_groups, input_tensors, response_tensors
+from services.trainer.data import BatchError, check_reward_failures, from_groups, input_tensors, response_tensors
 from slipstream import samples
 from slipstream.v1 import common_pb2
 
@@ -50,3 +50,18 @@ def test_failed_samples_are_not_trained_on():
     group.samples[0].status = common_pb2.SAMPLE_STATUS_FAILED
     mask = response_tensors(from_groups([group], 2))["loss_mask_BR"]
     assert torch.equal(mask, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+
+
+def test_a_step_whose_rewards_mostly_failed_stops_with_the_reason():
+    """A reward function that raises, or a problem its checker cannot score, marks the sample failed: the share is the
+    step's `reward_failed`, and over --max-reward-failures the run stops rather than train on the rest."""
+    group = _group("g0", [[1], [2], [3], [4]], [0.0, 0.0, 0.0, 1.0])
+    for sample in group.samples[:3]:
+        sample.status = common_pb2.SAMPLE_STATUS_FAILED
+        sample.status_message = f"item {sample.sample_id} (reasoning_gym): exception: ValueError: no source_dataset"
+    batch = from_groups([group], 4)
+    assert check_reward_failures(batch, 1.0) == 0.75
+    stops = r"the reward failed for 3 of 4 samples of this step \(more than --max-reward-failures 0.5\), e.g. item g0/0"
+    with pytest.raises(BatchError, match=stops):
+        check_reward_failures(batch, 0.5)
+    assert check_reward_failures(from_groups([_group("g1", [[1], [2]], [0.0, 1.0])], 2), 0.5) == 0.0
