@@ -172,13 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float)
     parser.add_argument("--async-buffer-size", type=int, default=0)
     parser.add_argument("--colocate", action="store_true", help="slipstream on one GPU (engine and trainer)")
-    parser.add_argument("--cpu", action="store_true", help="the short form: 2 steps of 2 prompts x 4 samples")
+    parser.add_argument("--cpu", action="store_true", help="the short form: 2 steps of 2 prompts x 2 samples")
     parser.add_argument("--prepare-only", action="store_true", help="convert the model and write the data, no run")
     args, args.extra = parser.parse_known_args(argv)
     settings = Settings(task=args.task)
     if args.cpu:
-        settings = Settings(task=args.task, steps=2, eval_every=2, prompts_per_step=2, samples_per_prompt=4,
-                            max_new_tokens=24, num_train=64, num_eval=8)  # fmt: skip
+        settings = Settings(task=args.task, steps=2, eval_every=2, prompts_per_step=2, samples_per_prompt=2,
+                            max_new_tokens=16, num_train=64, num_eval=4)  # fmt: skip
     for name in ("steps", "eval_every", "lr"):
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
