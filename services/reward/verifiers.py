@@ -213,8 +213,9 @@ BUILT_IN: dict[str, Callable] = {
     "random": random_reward,
     "reasoning_gym": reasoning_gym,
 }
-# What a verifier imports, warmed in each reward worker before its first item when it is the service's --rm-type.
-IMPORTS = {"math": "math_verify", "reasoning_gym": "reasoning_gym"}
+# What a verifier imports beyond math-verify (every worker warms that), warmed in each reward worker before its first
+# item when it is the service's --rm-type.
+IMPORTS = {"reasoning_gym": "reasoning_gym"}
 NEEDS_LABEL = set(BUILT_IN) - {"random"}
 REMOTE = ("remote_rm", "remote_grpc")  # reward models elsewhere: --rm-url's (HTTP) and --rm-grpc-addr's
 RM_TYPES = (*BUILT_IN, *REMOTE)  # the valid rm_type values, besides the built-ins' boxed_ forms
