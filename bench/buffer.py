@@ -96,7 +96,7 @@ async def submit_all(address: str, url: str, leases: list, groups: list, path: s
                 request.arrays_in_redis = True
             return (await stub.SubmitGroup(request, timeout=60)).accepted
 
-    async with grpc.aio.insecure_channel(address, options=channel_options(timeout_s=120)) as channel:
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
         stub = buffer_pb2_grpc.BufferServiceStub(channel)
         await stub.GetState(buffer_pb2.GetStateRequest(), timeout=60)  # connected
         start = time.perf_counter()
@@ -157,7 +157,7 @@ def buffer_service(
     try:
         address = f"127.0.0.1:{port}"
         wait_until_serving(address, 60)
-        with grpc.insecure_channel(address, options=channel_options(timeout_s=120)) as channel:
+        with grpc.insecure_channel(address, options=channel_options()) as channel:
             stub = buffer_pb2_grpc.BufferServiceStub(channel)
             leases = stub.LeasePrompts(buffer_pb2.LeasePromptsRequest(max_groups=groups), timeout=60).leases
             assert len(leases) == groups and all(bool(lease.submit_namespace) == (path != "upload") for lease in leases)

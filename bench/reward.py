@@ -59,7 +59,7 @@ def through_service(pairs: list[tuple[str, str]], batch: int) -> tuple[float, li
     try:
         address = f"127.0.0.1:{port}"
         wait_until_serving(address, 60)
-        with grpc.insecure_channel(address, options=channel_options(timeout_s=600)) as channel:
+        with grpc.insecure_channel(address, options=channel_options()) as channel:
             stub = reward_pb2_grpc.RewardServiceStub(channel)
             requests = [
                 reward_pb2.ScoreRequest(

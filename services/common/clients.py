@@ -1,7 +1,8 @@
 """Client side of the gRPC plumbing: channels with deadlines, keepalive and retries on UNAVAILABLE.
 
 Retries use gRPC's own retry policy (service config), so a service that restarts behind an address is retried with
-exponential backoff instead of failing the caller at once. Every call still needs a deadline: pass `timeout=`.
+exponential backoff instead of failing the caller at once. Every call needs a deadline: pass `timeout=`. The service
+config sets none: gRPC takes the shorter of the two, so a channel-wide default would cut every longer call short.
 """
 
 import json
@@ -15,13 +16,12 @@ from services.common.auth import BearerToken, TokenFile, aio_bearer_tokens
 from services.common.config import ServiceConfig, TlsConfig
 from services.common.tls import channel_credentials
 
-DEFAULT_TIMEOUT_S = 30.0
 STREAM_WINDOW_BYTES = 32 * 1024 * 1024
 
 
-def channel_options(max_message_mb: int = 256, max_attempts: int = 5, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+def channel_options(max_message_mb: int = 256, max_attempts: int = 5) -> list:
     """`max_attempts` 1 turns gRPC's retries off (for callers that retry themselves)."""
-    method = {"name": [{}], "timeout": f"{timeout_s}s"}  # every method of every service
+    method = {"name": [{}]}  # every method of every service
     if max_attempts > 1:
         method["retryPolicy"] = {
             "maxAttempts": max_attempts,

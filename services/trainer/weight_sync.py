@@ -102,7 +102,7 @@ class WeightSender:
         self.rpc_timeout_s = config.weight_sync_timeout_s * STALL_FACTOR
         # The bucket stream lasts as long as the sync: no per-method default deadline on this channel.
         credentials = Credentials.of(config, "trainer")
-        self.channel = open_channel(config.rollout_addr, credentials, timeout_s=3600) if sender else None
+        self.channel = open_channel(config.rollout_addr, credentials) if sender else None
         if config.colocate and not torch.cuda.is_available():  # CPU tensors go by shared-memory file name
             torch.multiprocessing.set_sharing_strategy("file_system")
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None
