@@ -10,14 +10,20 @@ import difflib
 import json
 import re
 import sys
+import textwrap
 import tomllib
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from services.common.sections import SECTIONS, section_of
 
 
 class ConfigError(Exception):
@@ -162,8 +168,11 @@ def command_config(model: type[Config], argv: list[str] | None, name: str) -> Co
 
 def load_config(model: type[Config], argv: list[str] | None, prog: str, description: str = "") -> Config:
     """Parses `--config FILE` plus one flag per field of `model`; the flags override the file."""
-    parser = _Parser(prog=prog, description=description or model.__doc__)
-    parser.add_argument("--config", type=Path, help="YAML or TOML file with the settings below (snake_case keys)")
+    usage = "%(prog)s [--config FILE] [--SETTING VALUE ...]"
+    parser = _Parser(prog=prog, usage=usage, description=description or model.__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--config", type=Path, metavar="FILE", help="YAML or TOML file with the settings below (snake_case keys)"
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument("--check", action="store_true", help="validate the settings and exit without starting")
     _add_field_flags(parser, model, ())
@@ -288,18 +297,37 @@ def _take_passthrough(model: type[StrictModel], unknown: list[str], args: dict) 
     return rest
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, but a flag in a help text stays whole (`--update-weight-disk-dir`, not `--update-weight-` and
+    `disk-dir` on the next line)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = " ".join(text.split())
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+
+
 class _Parser(argparse.ArgumentParser):
     """Reports bad flags as one sentence (a ConfigError), with the closest valid flag when there is one."""
 
+    @property
+    def help_command(self) -> str:
+        """The command that lists these options: `slipstream train (trainer)`, the trainer's part of `slipstream
+        train`, is no command; `slipstream train --help-all` lists every part's."""
+        command, part, _ = self.prog.partition(" (")
+        return f"{command} --help-all" if part else f"{self.prog} --help"
+
     def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(f"{message}; see `{self.prog} --help`")
+        raise ConfigError(f"{message}; see `{self.help_command}`")
 
     def reject_unknown(self, unknown: list[str]) -> typing.NoReturn:
         flag = next((arg.split("=")[0] for arg in unknown if arg.startswith("-")), None)
         if flag is None:
             raise ConfigError(f"unexpected argument {unknown[0]!r}; settings are given as --name value")
         close = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
-        hint = f"did you mean {close[0]}?" if close else f"see `{self.prog} --help` for the options"
+        hint = f"did you mean {close[0]}?" if close else f"see `{self.help_command}` for the options"
         raise ConfigError(f"unknown option {flag}; {hint}")
 
 
@@ -374,30 +402,66 @@ def _fields_at(model: type[StrictModel], loc: tuple) -> dict:
     return fields
 
 
-def _add_field_flags(parser: argparse.ArgumentParser, model: type[StrictModel], prefix: tuple[str, ...]) -> None:
+@dataclass(frozen=True)
+class FieldFlag:
+    """A setting as a flag: the trainer's `loss.eps_clip` is `--eps-clip` (a flat group's), listed under the
+    algorithm section; `redis.url` is `--redis-url`, with the value at `path`."""
+
+    flag: str
+    path: tuple[str, ...]
+    field: FieldInfo
+    section: str
+
+
+def field_flags(
+    model: type[StrictModel], prefix: tuple[str, ...] = (), groups: tuple[str, ...] = ()
+) -> list[FieldFlag]:
+    """The flag of every setting of `model`, in declaration order."""
+    flags = []
     for name, field in model.model_fields.items():
         path = (*prefix, name)
         sub = _model_type(field.annotation)
-        if sub is not None:
-            _add_field_flags(parser, sub, prefix if sub.flat else path)  # flat: its flags and keys are its own
-            continue
-        flag = "--" + "-".join(path).replace("_", "-")
-        default = "" if field.default is None or field.is_required() else f" (default: {field.default})"
-        kwargs: dict[str, Any] = {"dest": ".".join(path), "default": argparse.SUPPRESS, "metavar": name.upper()}
-        kwargs["help"] = (field.description or "").replace("%", "%%") + default
-        kind = typing.get_origin(field.annotation) or field.annotation
-        if field.annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif kind in (list, tuple, set):
-            kwargs["nargs"] = "*"
-        elif kind is Literal:
-            kwargs["choices"] = typing.get_args(field.annotation)
-            kwargs.pop("metavar")
-        elif kind is dict:
-            kwargs["type"] = _json_value
+        if sub is not None:  # flat: its flags and keys are its own
+            flags += field_flags(sub, prefix if sub.flat else path, (*groups, name))
         else:
-            kwargs["type"] = _scalar_value
-        parser.add_argument(flag, **kwargs)
+            flag = "--" + "-".join(path).replace("_", "-")
+            flags.append(FieldFlag(flag, path, field, section_of(name, groups)))
+    return flags
+
+
+def _add_field_flags(parser: argparse.ArgumentParser, model: type[StrictModel], prefix: tuple[str, ...]) -> None:
+    """One flag per setting, in argument groups by section (services/common/sections.py), so that `--help` reads
+    model, data, rollout, … rather than one flat list."""
+    flags = field_flags(model, prefix)
+    used = {item.section for item in flags}
+    groups = {section: parser.add_argument_group(title) for section, title in SECTIONS.items() if section in used}
+    for item in flags:
+        add_flag(groups[item.section], item)
+
+
+def add_flag(group: argparse._ActionsContainer, item: FieldFlag, help_text: str | None = None) -> None:
+    """Adds `item`'s flag to `group` (a parser or an argument group), with the field's help and default unless
+    `help_text` replaces them."""
+    field = item.field
+    if help_text is None:
+        shown = field.default not in (None, "", PydanticUndefined)
+        help_text = (field.description or "") + (f" (default: {field.default})" if shown else "")
+    kwargs: dict[str, Any] = {"dest": ".".join(item.path), "default": argparse.SUPPRESS}
+    kwargs["metavar"] = item.path[-1].upper()
+    kwargs["help"] = help_text.replace("%", "%%")
+    kind = typing.get_origin(field.annotation) or field.annotation
+    if field.annotation is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif kind in (list, tuple, set):
+        kwargs["nargs"] = "*"
+    elif kind is Literal:
+        kwargs["choices"] = typing.get_args(field.annotation)
+        kwargs.pop("metavar")
+    elif kind is dict:
+        kwargs["type"] = _json_value
+    else:
+        kwargs["type"] = _scalar_value
+    group.add_argument(item.flag, **kwargs)
 
 
 def _scalar_value(text: str) -> str | None:

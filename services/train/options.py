@@ -226,8 +226,8 @@ def route(argv: list[str]) -> dict[str, list[str]]:
 
 def parse(argv: list[str]) -> Plan:
     """Routes every flag to the services that know it and validates each service's config before anything starts."""
-    if any(a in ("-h", "--help") for a in argv):
-        print_help()
+    if any(a in ("-h", "--help", "--help-all") for a in argv):
+        print_help(everything="--help-all" in argv)
         raise SystemExit(0)
     routed = route(argv)
     plan = Plan(load_config(TrainOptions, routed.pop("train"), prog="slipstream train"))
@@ -352,15 +352,8 @@ def _chunks(argv: list[str]) -> list[list[str]]:
     return chunks
 
 
-def print_help() -> None:
-    print("usage: slipstream train [options]\n")
-    print("Starts Redis, the reward service, the buffer, the engines and the gateway, and the trainer under")
-    print("torchrun; shows each step and writes <output-dir>/<run-id>/ (logs, tensorboard, reward.png).\n")
-    print("slime's own options:")
-    for name, info in TrainOptions.model_fields.items():
-        print(f"  --{name.replace('_', '-'):<28} {info.description}")
-    print("\nThe services' options are accepted as well, each going to the services that have it:")
-    for name in SERVICES:
-        print(f"  {name:<8} `slipstream {name} --help`")
-    print("--sglang-<option> VALUE goes to the engines. Every slime argument and ours: docs/ARGUMENTS.md.")
-    print("--check validates all of it and exits without starting anything.")
+def print_help(everything: bool = False) -> None:
+    """`--help`: the flags to set first, on one screen; `--help-all`: every flag (services/train/help.py)."""
+    from services.train.help import full_help, short_help  # here: it reads this module's tables
+
+    print(full_help() if everything else short_help())
