@@ -1,5 +1,5 @@
 """The process group that carries weights from the trainer (rank 0) to the engines, created the way SGLang creates
-it (SGLang's `init_custom_process_group`, shared/SGLANG_API.md §3.1), so both ends of a rendezvous agree.
+it (SGLang's `init_custom_process_group`, docs/sglang_api.md "Weight updates"), so both ends of a rendezvous agree.
 
 It is a group outside torch's default one: the trainer has its own default group (its data/tensor parallel ranks)
 and each engine may have another, so the weight group is built from its own TCP rendezvous, with the group name as

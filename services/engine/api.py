@@ -1,4 +1,4 @@
-"""The HTTP API, route by route as SGLang 0.5.23 serves it (see shared/SGLANG_API.md): /generate (single, batch,
+"""The HTTP API, route by route as SGLang 0.5.23 serves it (docs/sglang_api.md): /generate (single, batch,
 n > 1, streaming), aborts, health, model and server info, pause/continue, memory release, and weight updates."""
 
 import asyncio

@@ -1,5 +1,5 @@
-"""The gateway's side of weight sync (DESIGN.md "Weight sync", SGLANG_API.md §3): it sets up the process group
-between the trainer (rank 0) and every engine's TP ranks (or the weight receiver beside each engine), pauses
+"""The gateway's side of weight sync (docs/rollout.md; SGLang's routes: docs/sglang_api.md): it sets up the process
+group between the trainer (rank 0) and every engine's TP ranks (or the weight receiver beside each engine), pauses
 generation, delivers each bucket to all engines at once while the trainer sends it, then commits the version
 (engines, generation, buffer). How buckets travel is the transport's (services/rollout/transports), chosen at each
 Prepare.

@@ -1,6 +1,6 @@
 """The HTTP contract with real SGLang releases (the pinned one and the oldest supported), read from their wheels:
 every request the gateway sends to an engine, and every request the reference engine serves, uses routes, methods,
-fields and sampling keys that the release declares (shared/SGLANG_API.md; docs/engine.md, "SGLang versions")."""
+fields and sampling keys that the release declares (docs/sglang_api.md; docs/engine.md, "SGLang versions")."""
 
 import copy
 
@@ -9,7 +9,7 @@ from tests.contract.gateway_calls import record, routes_in_code
 from tests.contract.reference_engine import sampling_keys, served
 from tests.contract.sglang_release import problems
 
-ROUTER_ROUTES = {"/workers", "/workers/{}"}  # sglang-router's own (a Rust binary: shared/SGLANG_API.md §5)
+ROUTER_ROUTES = {"/workers", "/workers/{}"}  # sglang-router's own (a Rust binary: docs/sglang_api.md)
 RECEIVER_ROUTES = {"/receive_weights"}  # the weight receiver's own (services/receiver), beside each engine
 # What the oldest supported release lacks of what our code uses; docs/engine.md lists the same.
 NOT_IN_OLDEST = {
