@@ -112,7 +112,7 @@ def short_help(width: int | None = None) -> str:
             entry = entries[flag]
             lines.append(_row(flag, entry.default(), entry.first.field.description or "", width))
         if section == "deployment":
-            text = "Passed to the engines the gateway launches as --<option> VALUE"
+            text = "Given to launched engines as --<option> VALUE"
             lines.append(_row("--sglang-<option> VALUE", "", text, width))
     return "\n".join([*lines, "", *textwrap.wrap(FOOTER, width, break_on_hyphens=False)])
 
