@@ -186,6 +186,55 @@ def test_a_failing_service_stops_the_run_and_is_named(service_process, tmp_path)
     assert wait_gone(run_dir) == []
 
 
+REWARDS = """
+def broken(args, sample, **kwargs):
+    return sample.answer  # no such attribute: every item raises
+
+
+def flaky(args, sample, **kwargs):
+    if sample.item_id.endswith("/0"):  # the first of each group's 8 samples
+        raise ValueError("cannot parse " + repr(sample.response))
+    return float(sample.response.strip() == sample.label)
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_reward_that_always_raises_stops_the_run_and_a_fixed_one_resumes_it(service_process, tmp_path):
+    """A new user's reward function that raises on every item: the run stops at the first step, naming the function
+    and its error in one sentence, with the step's groups back in the buffer. The same command with --load and a
+    function that fails on one sample in eight trains every group once, with the share on each step's line and in
+    summary.json and the first traceback shown once."""
+    (rewards := tmp_path / "my_reward.py").write_text(REWARDS)
+    args = [a for a in train_args(tmp_path, steps=3) if a not in ("--rm-type", "exact")]
+    run_dir = tmp_path / "demo"
+    first = service_process("train", *args, "--custom-rm-path", f"{rewards}:broken")
+    assert first.wait(420) == 1, first.log[-3000:]
+    last = first.log.strip().splitlines()[-1]
+    assert last == (
+        f"slipstream train: step 0: the reward failed for 256 of 256 samples (more than --max-reward-failures 0.5), "
+        f"e.g. item {last.split('e.g. item ')[1].split()[0]} (custom {rewards}:broken): exception: AttributeError: "
+        f"'RewardSample' object has no attribute 'answer'; its groups are back in the buffer: fix the reward, then "
+        f"run again with --load {run_dir / 'checkpoints'}"
+    )
+    assert not steps_of(run_dir) and wait_gone(run_dir) == []
+
+    second = service_process(
+        "train", *args, "--custom-rm-path", f"{rewards}:flaky", "--load", str(run_dir / "checkpoints")
+    )
+    assert second.wait(420) == 0, second.log[-3000:]
+    steps = steps_of(run_dir)
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert all(s["metrics"]["reward_failed"] == 0.125 for s in steps)
+    assert all(s["metrics"]["reward_errors/custom/exception"] == 32 for s in steps)
+    trained = [gid for s in steps for gid in s["groups"]]
+    assert len(trained) == len(set(trained)) == 3 * 32  # each group once, rescored by the fixed function
+    assert second.log.count("reward failed 12%") == 3
+    assert second.log.count("reward error custom/exception (first of its kind)") == 1
+    assert 'raise ValueError("cannot parse " + repr(sample.response))' in second.log  # its traceback, once
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reward_failed"] == {"share": 0.125, "by_kind": {"custom/exception": 96}}
+
+
 @pytest.mark.timeout(600)
 def test_a_weight_sync_address_not_of_the_trainer_stops_the_run_at_start_with_one_sentence(service_process, tmp_path):
     """A new user's mistake: an address that is not the trainer's. The trainer hosts the weight group there, finds at

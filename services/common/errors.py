@@ -61,3 +61,13 @@ class DeadlineExceeded(SlipstreamError):
 
 class StartupError(SlipstreamError):
     """A service cannot start (busy port, unreachable Redis). The message says what to change."""
+
+
+class RunStopped(SlipstreamError):
+    """A service stopped the run on purpose (most of a step's rewards failed): the message is the one sentence a
+    person needs, and the process exits with STOPPED."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+STOPPED = 3  # the exit code of a service that stopped the run with RunStopped

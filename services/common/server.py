@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.auth import AuthInterceptor, TokenFile
 from services.common.clients import STREAM_WINDOW_BYTES
 from services.common.config import ConfigError, ServiceConfig, command_config
-from services.common.errors import StartupError
+from services.common.errors import STOPPED, RunStopped, StartupError
 from services.common.interceptor import ServiceInterceptor
 from services.common.logs import setup_logging
 from services.common.metrics import serve_metrics
@@ -179,6 +179,9 @@ def run_service(build: Build, config: ServiceConfig) -> int:
     setup_logging(config.log_level, config.log_format)
     try:
         return uvloop.run(_serve(build, config))
+    except RunStopped as e:
+        log.error("%s", e)
+        return STOPPED
     except (StartupError, ConfigError) as e:
         log.error("%s", e)
         return 1
@@ -201,7 +204,9 @@ async def _serve(build: Build, config: ServiceConfig) -> int:
             waits.append(service.finished)
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if service.finished is not None and service.finished.done() and service.finished.exception() is not None:
-            raise StartupError(f"{service.name} failed: {service.finished.exception()}")
+            if isinstance(error := service.finished.exception(), RunStopped):
+                raise error
+            raise StartupError(f"{service.name} failed: {error}")
     finally:
         await server.stop()
     return 0

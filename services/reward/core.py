@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 ITEMS = prometheus_client.Counter("slipstream_reward_items", "Items scored, by reward type", ["rm_type"])
 ERRORS = prometheus_client.Counter(
     "slipstream_reward_errors",
-    "Items whose reward failed, by kind (timeout, memory, exception, crash, invalid)",
-    ["kind"],
+    "Items whose reward failed, by reward type and kind (exception, timeout, memory, crash, invalid)",
+    ["rm_type", "kind"],
 )
 
 
@@ -80,7 +80,7 @@ class Scorer:
         """Fills in the outcomes not known yet: the workers' items go to the pool together (`WorkerPool.run_many`),
         while the HTTP reward model scores its own."""
         todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
-        for rm_type, count in collections.Counter(samples[i].rm_type for i in todo).items():
+        for rm_type, count in collections.Counter(self.ran(samples[i]) for i in todo).items():
             ITEMS.labels(rm_type).inc(count)
         over_http, pooled, calls = [], [], []
         for i in todo:
@@ -115,6 +115,10 @@ class Scorer:
                 raise InvalidArgument(f"items[{index}].rm_type", "remote_grpc needs --rm-grpc-addr")
         response = item.response.decode("utf-8", errors="replace")
         return RewardSample(item.prompt, response, item.label, metadata, chosen, item.item_id or str(index))
+
+    def ran(self, sample: RewardSample) -> str:
+        """The reward that scores `sample`: "custom" for --custom-rm-path's function, else its reward type."""
+        return "custom" if self.config.custom_rm_path else sample.rm_type
 
     def _call(self, sample: RewardSample) -> tuple | Failure:
         """What a worker runs for the item, as (function, *args), or why it need not run."""
@@ -163,11 +167,19 @@ class Scorer:
         return reward_pb2.RewardResult(item_id=sample.item_id, reward=reward, details=details, text_details=text)
 
     def _error(self, sample: RewardSample, failure: Failure) -> reward_pb2.RewardResult:
-        ERRORS.labels(failure.kind).inc()
-        message = f"item {sample.item_id} ({sample.rm_type}): {failure.kind}: {failure.message}"
+        ran = self.ran(sample)
+        ERRORS.labels(ran, failure.kind).inc()
+        name = f"custom {self.config.custom_rm_path}" if self.config.custom_rm_path else ran
+        message = f"item {sample.item_id} ({name}): {failure.kind}: {failure.message}"
         log.warning("%s", message)
         return reward_pb2.RewardResult(
-            item_id=sample.item_id, reward=self.config.reward_on_error, error=True, error_message=message
+            item_id=sample.item_id,
+            reward=self.config.reward_on_error,
+            error=True,
+            error_message=message,
+            rm_type=ran,
+            error_kind=failure.kind,
+            error_traceback=failure.traceback,
         )
 
     async def close(self) -> None:

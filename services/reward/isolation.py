@@ -19,6 +19,7 @@ import os
 import resource
 import signal
 import time
+import traceback
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -48,8 +49,18 @@ class RewardSample:
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # "timeout", "exception" or "crash"
+    kind: str  # "timeout", "exception", "memory", "crash" or "invalid"
     message: str
+    traceback: str = ""  # the function's, when it raised
+
+
+TRACEBACK_LINES = 24  # the last lines of a reward function's traceback kept with its failure
+
+
+def raised(e: Exception, formatted: str) -> Failure:
+    """The failure of a function that raised `e` (with `formatted`, its traceback)."""
+    lines = formatted.rstrip().splitlines()[-TRACEBACK_LINES:]
+    return Failure("exception", f"{type(e).__name__}: {e}", "\n".join(lines))
 
 
 OUT_OF_MEMORY = 75  # the exit code of a worker whose function ran out of its memory limit
@@ -101,7 +112,7 @@ def run_chunk(calls: list[tuple], budget_s: float) -> list:
         except MemoryError:
             os._exit(OUT_OF_MEMORY)
         except Exception as e:
-            outcomes.append(Failure("exception", f"{type(e).__name__}: {e}"))
+            outcomes.append(raised(e, traceback.format_exc()))
         if time.monotonic() - start >= budget_s:
             break
     return outcomes
@@ -198,8 +209,8 @@ class WorkerPool:
         except BrokenProcessPool as e:  # pebble lost track of a worker that died (it fails every item from then on)
             await self._replace(pool)
             return Failure("crash", f"the workers' pool broke ({e}); it was replaced")
-        except Exception as e:  # the reward function's own error, re-raised here by the pool
-            return Failure("exception", f"{type(e).__name__}: {e}")
+        except Exception as e:  # the reward function's own error, re-raised here by the pool (with its traceback)
+            return raised(e, getattr(e, "traceback", ""))
 
     async def run_many(self, timeout_s: float, calls: list[tuple]) -> list:
         """Each call `(function, *args)` as `run` would run it, in chunks of a task each, shared among the workers

@@ -11,7 +11,7 @@ import asyncio
 import grpc
 
 from services.rollout.rounds import RoundBatcher
-from slipstream.v1 import reward_pb2
+from slipstream.v1 import common_pb2, reward_pb2
 
 MAX_ITEMS = 256  # a Score call's items at most (a 64k-token response is ~256 KB of text: well under the message cap)
 
@@ -45,3 +45,14 @@ class ScoreBatcher(RoundBatcher):
     async def _call(self, rm_type: str, items: list) -> list[reward_pb2.RewardResult]:
         reply = await self.reward.Score(reward_pb2.ScoreRequest(items=items, rm_type=rm_type), timeout=self.timeout_s)
         return list(reply.results)
+
+
+def reward_error(result: reward_pb2.RewardResult, rm_type: str) -> common_pb2.RewardError:
+    """A failed result as its sample carries it (a reward service that names no reward type or kind: the gateway's
+    --rm-type, and "exception")."""
+    return common_pb2.RewardError(
+        rm_type=result.rm_type or rm_type or "unnamed",
+        kind=result.error_kind or "exception",
+        message=result.error_message,
+        traceback=result.error_traceback,
+    )

@@ -21,7 +21,7 @@ from services.common.waits import logged_wait
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, check_samples, generate_group, mask_offpolicy
-from services.rollout.scoring import ScoreBatcher
+from services.rollout.scoring import ScoreBatcher, reward_error
 from services.rollout.submits import SubmitBatcher
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, common_pb2, reward_pb2
@@ -358,6 +358,7 @@ class Rollout:
             sample.reward_details.update(result.details)
             if result.error:
                 sample.status, sample.status_message = common_pb2.SAMPLE_STATUS_FAILED, result.error_message
+                sample.reward_error.CopyFrom(reward_error(result, self.config.rm_type))
             elif key and key in result.details:  # a dict's numbers are its details
                 sample.reward = result.details[key]
             elif key and result.details:  # a dict without it (a plain number has no details: it stays)

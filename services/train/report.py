@@ -23,6 +23,7 @@ class Progress:
         )
         self.task = self.bar.add_task("starting", total=total, completed=first)
         self.last_step = first - 1
+        self.errors_shown: set[str] = set()
 
     def __enter__(self) -> "Progress":
         self.bar.start()
@@ -38,6 +39,12 @@ class Progress:
         self.last_step = line["step"]
         self.bar.update(self.task, completed=line["step"] + 1)
         self.console.print(summary_line(line))
+        for key, error in line.get("reward_errors", {}).items():  # the first of each kind, once
+            if key not in self.errors_shown:
+                self.errors_shown.add(key)
+                self.console.print(f"[yellow]reward error {key} (first of its kind): {error['message']}")
+                if error.get("traceback"):
+                    self.console.print(error["traceback"], markup=False)
 
     def eval(self, result: dict) -> None:
         parts = [f"{name} {m['mean_reward']:.3f}" for name, m in result["results"].items()]
@@ -100,11 +107,24 @@ def finish(run_dir: Path, steps: list[dict], evals: list[dict], plan) -> None:
                 "first_reward": rewards[0],
                 "last_reward": rewards[-1],
                 "mean_last_20": sum(tail) / len(tail),
+                "reward_failed": reward_failed(steps),
                 "eval": evals[-1] if evals else None,
             },
             indent=2,
         )
     )
+
+
+def reward_failed(steps: list[dict]) -> dict:
+    """The run's failed rewards: the mean of the steps' shares, and the count of each reward type and kind."""
+    counts: dict[str, int] = {}
+    for step in steps:
+        for name, value in step["metrics"].items():
+            if name.startswith("reward_errors/"):
+                key = name.removeprefix("reward_errors/")
+                counts[key] = counts.get(key, 0) + int(value)
+    shares = [step["metrics"].get("reward_failed", 0.0) for step in steps]
+    return {"share": sum(shares) / len(shares), "by_kind": dict(sorted(counts.items()))}
 
 
 def plot(path: Path, steps: list[dict], evals: list[dict]) -> Path:

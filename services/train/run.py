@@ -18,14 +18,14 @@ import grpc
 from services.common.auth import ROLES
 from services.common.clients import PLAINTEXT, Credentials, health_status, open_channel
 from services.common.config import AuthConfig, ConfigError
-from services.common.errors import StartupError
+from services.common.errors import STOPPED, StartupError
 from services.common.launch import Child, gpu_ids, num_gpus, start, stop
 from services.common.logs import setup_logging
 from services.common.processes import free_port
 from services.common.redis_connection import open_redis
 from services.train import report, wandb_log
 from services.train.options import Plan, parse
-from services.train.stall import RunStalled, StallWatch, last_error
+from services.train.stall import LOG_PREFIX, RunStalled, StallWatch, last_error
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger("slipstream.train")
@@ -218,6 +218,8 @@ class Run:
             if child.name == "trainer" and code == 0 and trainer_may_exit:
                 return True
             own = last_error(child.log_path, warnings=False) if child.log_path.exists() else None
+            if code == STOPPED and own:  # the run stopped itself: its sentence says it all
+                raise ChildFailed(LOG_PREFIX.sub("", own))
             raise ChildFailed(
                 f"the {child.name} service exited with code {code}"
                 + (f": {own}" if own else "")

@@ -15,6 +15,7 @@ SUSPECTS = {
 # Our services' log lines ("12:00:01 E name: …"), NCCL's warnings, and the last line of a Python traceback
 # (a torchrun rank's prefixed with [rankN]).
 ERRORS = re.compile(r"(^|\s)[EC] [\w.]+: |NCCL WARN|^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception): ")
+LOG_PREFIX = re.compile(r"^\S+ [EC] [\w.]+: ")  # "12:00:01 E name: " before a service's error
 LAUNCHER = re.compile(r"torch[./]distributed[./]elastic|ChildFailedError")  # torchrun's report of a rank's failure
 WARNINGS = re.compile(r"(^|\s)W [\w.]+: ")
 

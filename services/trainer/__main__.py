@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from services.common.errors import STOPPED, RunStopped
 from services.common.server import main_for
 from services.trainer.config import TrainerConfig
 from services.trainer.server import build
@@ -32,7 +33,11 @@ def _run(argv: list[str] | None) -> int:
 
     config = load_config(TrainerConfig, argv, prog="slipstream trainer")
     setup_logging(config.log_level, config.log_format)
-    Trainer(config).run()
+    try:
+        Trainer(config).run()
+    except RunStopped as e:  # rank 0 says why
+        logging.getLogger(__name__).info("stopped: %s", e)
+        return STOPPED
     return 0
 
 

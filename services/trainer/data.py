@@ -33,7 +33,7 @@ class RolloutBatch:
     teacher_logprobs: list[np.ndarray] | None = None
     raw_rewards_B: torch.Tensor | None = None  # the rewards as scored, where a hook has replaced `rewards_B`
     normalized: bool = False  # `rewards_B` is already normalized (by a custom reward post-processing or conversion)
-    reward_failures: list[str] = field(default_factory=list)  # why each sample whose reward failed has none
+    reward_failures: list[common_pb2.RewardError] = field(default_factory=list)  # each failed reward's
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -82,7 +82,7 @@ def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> Rollou
             if sample.status in (common_pb2.SAMPLE_STATUS_FAILED, common_pb2.SAMPLE_STATUS_ABORTED):
                 mask = np.zeros_like(mask)  # kept for its group's statistics, not trained on
             if sample.status == common_pb2.SAMPLE_STATUS_FAILED:  # the gateway's mark of a reward that failed
-                failures.append(sample.status_message or f"{where}: the reward failed")
+                failures.append(_failure(sample, where))
             tokens.append(sample_tokens.astype(np.int64))
             prompts.append(sample.prompt_length)
             masks.append(mask.astype(np.float32))
@@ -98,16 +98,11 @@ def from_groups(groups: list[common_pb2.PromptGroup], group_size: int) -> Rollou
     )
 
 
-def check_reward_failures(batch: RolloutBatch, max_share: float) -> float:
-    """The share of the batch's samples whose reward failed; raises BatchError when it is over `max_share`."""
-    share = len(batch.reward_failures) / max(1, len(batch))
-    if share > max_share:
-        raise BatchError(
-            f"the reward failed for {len(batch.reward_failures)} of {len(batch)} samples of this step (more than "
-            f"--max-reward-failures {max_share}), e.g. {batch.reward_failures[0]}; fix the reward function or the "
-            "data, or raise --max-reward-failures"
-        )
-    return share
+def _failure(sample: common_pb2.Sample, where: str) -> common_pb2.RewardError:
+    """Why the FAILED sample has no reward (a sample failed before it was scored: "generation")."""
+    if sample.HasField("reward_error"):
+        return sample.reward_error
+    return common_pb2.RewardError(rm_type="generation", kind="failed", message=sample.status_message or where)
 
 
 def pad_rows(rows: list[np.ndarray], width: int, dtype=torch.float32) -> torch.Tensor:

@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 
 from services.buffer import dataplane
-from services.trainer import assembly, checkpoint, data_parallel
+from services.trainer import assembly, checkpoint, data_parallel, reward_failures
 from services.trainer.actor import Actor
 from services.trainer.config import TrainerConfig
-from services.trainer.data import check_reward_failures
 from services.trainer.metrics import StepLog, mfu, rollout_times
 from services.trainer.parallel import control_group
 from slipstream import samples
@@ -173,7 +172,9 @@ class Trainer:
 
     def train_step(self, reply: buffer_pb2.GetBatchResponse) -> dict:
         batch = self.actor.hooks.batch(list(reply.groups), self.config.n_samples_per_prompt)
-        reward_failed = check_reward_failures(batch, self.config.max_reward_failures)
+        failures = reward_failures.gather(self.info.dp_rank, len(batch), batch.reward_failures)
+        if failures.over(self.config.max_reward_failures):
+            raise failures.stop(self.step, self.config.max_reward_failures, self._give_back())
         self.control.phase = "train"
         if self.config.colocate and self.weights is not None:
             self.weights.release()  # the engines' GPU memory is the trainer's until the sync after this step
@@ -197,7 +198,7 @@ class Trainer:
         metrics = {
             **steps[-1],
             "reward": float(batch.scored_rewards_B.mean()),
-            "reward_failed": reward_failed,
+            **failures.metrics(),
             "train_s": trained - started,
             "sync_s": now - trained,
             "step_s": now - self.last_step_end,
@@ -209,12 +210,25 @@ class Trainer:
         self.last_step_end, self.last_step_unix = now, time.time()
         if torch.cuda.is_available() and "tokens_per_s" in metrics:
             metrics["mfu"] = mfu(self.gpt.shape, metrics["tokens_per_s"] / self.info.world_size, batch.lengths())
-        self.metrics.record(self.step - 1, self.policy_version, [g.group_id for g in reply.groups], metrics)
+        groups = [g.group_id for g in reply.groups]
+        self.metrics.record(self.step - 1, self.policy_version, groups, metrics, reward_errors=failures.firsts())
         custom = dist.get_rank() == 0 and self.actor.hooks.log_rollout(self.step - 1, list(reply.groups), metrics)
         c = self.control
         c.step, c.policy_version, c.last_metrics = self.step, self.policy_version, metrics
         self.metrics.report(self.step, metrics, scalars=not custom)
         return metrics
+
+    def _give_back(self) -> str:
+        """Before a run stops on its rewards: the step's groups (and every leased one) go back to the buffer's prompts,
+        and with --save a checkpoint covers every step trained. What to do next, said in the stop's sentence."""
+        if self.config.save and (not self.control.saved or self.control.saved[-1][1] != self.step):
+            self.save()
+        if dist.get_rank() == 0 and not self.config.load_debug_rollout_data:
+            request = buffer_pb2.RewindRequest(step=self.step, policy_version=self.policy_version)
+            self.buffer.Rewind(request, timeout=60)
+        if self.config.save:
+            return f"its groups are back in the buffer: fix the reward, then run again with --load {self.config.save}"
+        return "its groups are back in the buffer, but nothing was saved (no --save): fix the reward and start again"
 
     def _saved_batch(self) -> buffer_pb2.GetBatchResponse:
         """This rank's part of a batch saved by --save-debug-rollout-data; none left stops the run."""

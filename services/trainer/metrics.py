@@ -67,8 +67,8 @@ class StepLog:
 
             self.writer = SummaryWriter(config.tensorboard_dir)
 
-    def record(self, step: int, policy_version: int, group_ids: list[str], metrics: dict) -> None:
-        """The step's line of --steps-file."""
+    def record(self, step: int, policy_version: int, group_ids: list[str], metrics: dict, **more) -> None:
+        """The step's line of --steps-file (`more`: what else the line carries, such as the first reward errors)."""
         if self.steps_file is None:
             return
         line = {
@@ -77,6 +77,7 @@ class StepLog:
             "time": time.time(),
             "groups": group_ids,
             "metrics": metrics,
+            **{key: value for key, value in more.items() if value},
         }
         with self.steps_file.open("a") as f:
             f.write(json.dumps(line) + "\n")

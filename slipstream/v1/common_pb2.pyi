@@ -68,7 +68,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., sampling_seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "index", "tokens", "prompt_length", "response_length", "response_text", "loss_mask", "rollout_logprobs", "reward", "reward_details", "status", "status_message", "weight_versions", "metadata", "engine_url", "num_turns", "routed_experts", "teacher_logprobs")
+    __slots__ = ("sample_id", "index", "tokens", "prompt_length", "response_length", "response_text", "loss_mask", "rollout_logprobs", "reward", "reward_details", "status", "status_message", "weight_versions", "metadata", "engine_url", "num_turns", "routed_experts", "teacher_logprobs", "reward_error")
     class RewardDetailsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class Sample(_message.Message):
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     TEACHER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_ERROR_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     index: int
     tokens: bytes
@@ -112,7 +113,20 @@ class Sample(_message.Message):
     num_turns: int
     routed_experts: bytes
     teacher_logprobs: bytes
-    def __init__(self, sample_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., response_text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., rollout_logprobs: _Optional[bytes] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., status_message: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., engine_url: _Optional[str] = ..., num_turns: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., teacher_logprobs: _Optional[bytes] = ...) -> None: ...
+    reward_error: RewardError
+    def __init__(self, sample_id: _Optional[str] = ..., index: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., response_text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., rollout_logprobs: _Optional[bytes] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., status_message: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., engine_url: _Optional[str] = ..., num_turns: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., teacher_logprobs: _Optional[bytes] = ..., reward_error: _Optional[_Union[RewardError, _Mapping]] = ...) -> None: ...
+
+class RewardError(_message.Message):
+    __slots__ = ("rm_type", "kind", "message", "traceback")
+    RM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    rm_type: str
+    kind: str
+    message: str
+    traceback: str
+    def __init__(self, rm_type: _Optional[str] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
     __slots__ = ("group_id", "dataset", "prompt_index", "epoch", "prompt_tokens", "prompt_text", "label", "metadata", "tools_json", "n_samples", "samples", "min_weight_version", "timings")

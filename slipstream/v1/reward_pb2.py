@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aslipstream/v1/reward.proto\x12\rslipstream.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x8a\x01\n\nRewardItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\x0c\x12\r\n\x05label\x18\x04 \x01(\t\x12\x0f\n\x07rm_type\x18\x05 \x01(\t\x12)\n\x08metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xb8\x02\n\x0cRewardResult\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x39\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32(.slipstream.v1.RewardResult.DetailsEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\x08\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x42\n\x0ctext_details\x18\x06 \x03(\x0b\x32,.slipstream.v1.RewardResult.TextDetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10TextDetailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"b\n\x0cScoreRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.RewardItem\x12\x0f\n\x07rm_type\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"g\n\x11ScoreGroupRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.RewardItem\x12\x0f\n\x07rm_type\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"=\n\rScoreResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.slipstream.v1.RewardResult\"\x1c\n\x1aListRewardFunctionsRequest\"F\n\x12RewardFunctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"S\n\x1bListRewardFunctionsResponse\x12\x34\n\tfunctions\x18\x01 \x03(\x0b\x32!.slipstream.v1.RewardFunctionInfo2\x8f\x02\n\rRewardService\x12\x42\n\x05Score\x12\x1b.slipstream.v1.ScoreRequest\x1a\x1c.slipstream.v1.ScoreResponse\x12L\n\nScoreGroup\x12 .slipstream.v1.ScoreGroupRequest\x1a\x1c.slipstream.v1.ScoreResponse\x12l\n\x13ListRewardFunctions\x12).slipstream.v1.ListRewardFunctionsRequest\x1a*.slipstream.v1.ListRewardFunctionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aslipstream/v1/reward.proto\x12\rslipstream.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x8a\x01\n\nRewardItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\x0c\x12\r\n\x05label\x18\x04 \x01(\t\x12\x0f\n\x07rm_type\x18\x05 \x01(\t\x12)\n\x08metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xf6\x02\n\x0cRewardResult\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x39\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32(.slipstream.v1.RewardResult.DetailsEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\x08\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x42\n\x0ctext_details\x18\x06 \x03(\x0b\x32,.slipstream.v1.RewardResult.TextDetailsEntry\x12\x0f\n\x07rm_type\x18\x07 \x01(\t\x12\x12\n\nerror_kind\x18\x08 \x01(\t\x12\x17\n\x0f\x65rror_traceback\x18\t \x01(\t\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10TextDetailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"b\n\x0cScoreRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.RewardItem\x12\x0f\n\x07rm_type\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"g\n\x11ScoreGroupRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.RewardItem\x12\x0f\n\x07rm_type\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"=\n\rScoreResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.slipstream.v1.RewardResult\"\x1c\n\x1aListRewardFunctionsRequest\"F\n\x12RewardFunctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"S\n\x1bListRewardFunctionsResponse\x12\x34\n\tfunctions\x18\x01 \x03(\x0b\x32!.slipstream.v1.RewardFunctionInfo2\x8f\x02\n\rRewardService\x12\x42\n\x05Score\x12\x1b.slipstream.v1.ScoreRequest\x1a\x1c.slipstream.v1.ScoreResponse\x12L\n\nScoreGroup\x12 .slipstream.v1.ScoreGroupRequest\x1a\x1c.slipstream.v1.ScoreResponse\x12l\n\x13ListRewardFunctions\x12).slipstream.v1.ListRewardFunctionsRequest\x1a*.slipstream.v1.ListRewardFunctionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARDITEM']._serialized_start=76
   _globals['_REWARDITEM']._serialized_end=214
   _globals['_REWARDRESULT']._serialized_start=217
-  _globals['_REWARDRESULT']._serialized_end=529
-  _globals['_REWARDRESULT_DETAILSENTRY']._serialized_start=431
-  _globals['_REWARDRESULT_DETAILSENTRY']._serialized_end=477
-  _globals['_REWARDRESULT_TEXTDETAILSENTRY']._serialized_start=479
-  _globals['_REWARDRESULT_TEXTDETAILSENTRY']._serialized_end=529
-  _globals['_SCOREREQUEST']._serialized_start=531
-  _globals['_SCOREREQUEST']._serialized_end=629
-  _globals['_SCOREGROUPREQUEST']._serialized_start=631
-  _globals['_SCOREGROUPREQUEST']._serialized_end=734
-  _globals['_SCORERESPONSE']._serialized_start=736
-  _globals['_SCORERESPONSE']._serialized_end=797
-  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_start=799
-  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_end=827
-  _globals['_REWARDFUNCTIONINFO']._serialized_start=829
-  _globals['_REWARDFUNCTIONINFO']._serialized_end=899
-  _globals['_LISTREWARDFUNCTIONSRESPONSE']._serialized_start=901
-  _globals['_LISTREWARDFUNCTIONSRESPONSE']._serialized_end=984
-  _globals['_REWARDSERVICE']._serialized_start=987
-  _globals['_REWARDSERVICE']._serialized_end=1258
+  _globals['_REWARDRESULT']._serialized_end=591
+  _globals['_REWARDRESULT_DETAILSENTRY']._serialized_start=493
+  _globals['_REWARDRESULT_DETAILSENTRY']._serialized_end=539
+  _globals['_REWARDRESULT_TEXTDETAILSENTRY']._serialized_start=541
+  _globals['_REWARDRESULT_TEXTDETAILSENTRY']._serialized_end=591
+  _globals['_SCOREREQUEST']._serialized_start=593
+  _globals['_SCOREREQUEST']._serialized_end=691
+  _globals['_SCOREGROUPREQUEST']._serialized_start=693
+  _globals['_SCOREGROUPREQUEST']._serialized_end=796
+  _globals['_SCORERESPONSE']._serialized_start=798
+  _globals['_SCORERESPONSE']._serialized_end=859
+  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_start=861
+  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_end=889
+  _globals['_REWARDFUNCTIONINFO']._serialized_start=891
+  _globals['_REWARDFUNCTIONINFO']._serialized_end=961
+  _globals['_LISTREWARDFUNCTIONSRESPONSE']._serialized_start=963
+  _globals['_LISTREWARDFUNCTIONSRESPONSE']._serialized_end=1046
+  _globals['_REWARDSERVICE']._serialized_start=1049
+  _globals['_REWARDSERVICE']._serialized_end=1320
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ class RewardItem(_message.Message):
     def __init__(self, item_id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[bytes] = ..., label: _Optional[str] = ..., rm_type: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class RewardResult(_message.Message):
-    __slots__ = ("item_id", "reward", "details", "error", "error_message", "text_details")
+    __slots__ = ("item_id", "reward", "details", "error", "error_message", "text_details", "rm_type", "error_kind", "error_traceback")
     class DetailsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,13 +45,19 @@ class RewardResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TEXT_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    RM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TRACEBACK_FIELD_NUMBER: _ClassVar[int]
     item_id: str
     reward: float
     details: _containers.ScalarMap[str, float]
     error: bool
     error_message: str
     text_details: _containers.ScalarMap[str, str]
-    def __init__(self, item_id: _Optional[str] = ..., reward: _Optional[float] = ..., details: _Optional[_Mapping[str, float]] = ..., error: _Optional[bool] = ..., error_message: _Optional[str] = ..., text_details: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    rm_type: str
+    error_kind: str
+    error_traceback: str
+    def __init__(self, item_id: _Optional[str] = ..., reward: _Optional[float] = ..., details: _Optional[_Mapping[str, float]] = ..., error: _Optional[bool] = ..., error_message: _Optional[str] = ..., text_details: _Optional[_Mapping[str, str]] = ..., rm_type: _Optional[str] = ..., error_kind: _Optional[str] = ..., error_traceback: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("items", "rm_type", "timeout_seconds")

@@ -320,16 +320,20 @@ async def test_rewind_to_a_checkpoint_generates_the_lost_steps_again(make_buffer
     await buffer.submit(leases[4].lease_id, finish(leases[4].group, [0.0, 1.0], version=2))  # newer than the checkpoint
     await buffer.get_batch(0, 0, 1, 1)
     step1 = {g.group_id for g in (await buffer.get_batch(1, 0, 1, 1)).groups}
+    await buffer.submit(leases[5].lease_id, finish(leases[5].group, [0.0, 1.0], version=1))  # not batched yet
     await buffer.commit(0)
     await buffer.set_policy_version(2)
+    leases += await lease_all(buffer, 1)
+    assert len(leases) == 7
 
-    # Step 1's batch, the group of policy 2 and the leased group go back without their samples.
-    assert await buffer.rewind(1, 1) == 4
+    # Step 1's batch, the completed groups (of policy 2, and of policy 1: scored by the reward as it was) and the
+    # leased group go back without their samples.
+    assert await buffer.rewind(1, 1) == 5
     state = await buffer.state()
     assert state["policy_version"] == 1 and state["num_leased_groups"] == 0 and state["num_completed_groups"] == 0
     again = await lease_all(buffer, 10)
     back = {leased.group.group_id for leased in again}
-    assert back >= step1 | {leases[4].group.group_id, leases[5].group.group_id}
+    assert back >= step1 | {leases[i].group.group_id for i in (4, 5, 6)}
     assert all(not leased.group.samples for leased in again if leased.group.group_id in back)
     for leased in again[:2]:
         await buffer.submit(leased.lease_id, finish(leased.group, [0.0, 1.0], version=1))

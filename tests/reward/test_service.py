@@ -67,7 +67,10 @@ def test_a_plugin_that_raises_or_crashes_costs_only_its_item(reward_service, plu
     stub = reward_service(custom_rm_path=f"{plugin}:slow_or_broken")
     results = score(stub, ("raise", "x"), ("crash", "x"), ("ok", "x"))
     assert results[0].error and "exception: ValueError: the judge refused" in results[0].error_message
-    assert results[1].error and "crash" in results[1].error_message
+    assert f"(custom {plugin}:slow_or_broken)" in results[0].error_message  # the function, not a built-in's name
+    assert (results[0].rm_type, results[0].error_kind) == ("custom", "exception")
+    assert "raise ValueError" in results[0].error_traceback  # the function's own line
+    assert results[1].error and "crash" in results[1].error_message and results[1].error_kind == "crash"
     assert not results[2].error and results[2].reward == 2.0
     assert score(stub, ("still here", "x"))[0].reward == 10.0
 

@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from services.trainer.data import BatchError, check_reward_failures, from_groups, input_tensors, response_tensors
+from services.common.errors import RunStopped
+from services.trainer import reward_failures
+from services.trainer.data import BatchError, from_groups, input_tensors, response_tensors
 from slipstream import samples
 from slipstream.v1 import common_pb2
 
@@ -53,15 +55,27 @@ def test_failed_samples_are_not_trained_on():
 
 
 def test_a_step_whose_rewards_mostly_failed_stops_with_the_reason():
-    """A reward function that raises, or a problem its checker cannot score, marks the sample failed: the share is the
-    step's `reward_failed`, and over --max-reward-failures the run stops rather than train on the rest."""
+    """A reward function that raises, or a problem its checker cannot score, marks the sample failed with the reward
+    type and the kind: the step's metrics count them, and over --max-reward-failures the run stops rather than train
+    on the rest."""
     group = _group("g0", [[1], [2], [3], [4]], [0.0, 0.0, 0.0, 1.0])
-    for sample in group.samples[:3]:
+    for sample, kind in zip(group.samples[:3], ["exception", "exception", "timeout"], strict=False):
         sample.status = common_pb2.SAMPLE_STATUS_FAILED
-        sample.status_message = f"item {sample.sample_id} (reasoning_gym): exception: ValueError: no source_dataset"
+        message = f"item {sample.sample_id} (custom r.py:f): {kind}: ValueError: no answer"
+        sample.reward_error.CopyFrom(common_pb2.RewardError(rm_type="custom", kind=kind, message=message))
     batch = from_groups([group], 4)
-    assert check_reward_failures(batch, 1.0) == 0.75
-    stops = r"the reward failed for 3 of 4 samples of this step \(more than --max-reward-failures 0.5\), e.g. item g0/0"
-    with pytest.raises(BatchError, match=stops):
-        check_reward_failures(batch, 0.5)
-    assert check_reward_failures(from_groups([_group("g1", [[1], [2]], [0.0, 1.0])], 2), 0.5) == 0.0
+    failures = reward_failures.gather(0, len(batch), batch.reward_failures)
+    assert failures.metrics() == {
+        "reward_failed": 0.75,
+        "reward_errors/custom/exception": 2.0,
+        "reward_errors/custom/timeout": 1.0,
+    }
+    assert failures.firsts()["custom/exception"]["message"].startswith("item g0/0 (custom r.py:f)")
+    assert not failures.over(1.0) and failures.over(0.5)
+    stop = failures.stop(7, 0.5, "fix it")
+    assert isinstance(stop, RunStopped) and str(stop) == (
+        "step 7: the reward failed for 3 of 4 samples (more than --max-reward-failures 0.5), e.g. item g0/0 "
+        "(custom r.py:f): exception: ValueError: no answer; fix it"
+    )
+    clean = from_groups([_group("g1", [[1], [2]], [0.0, 1.0])], 2)
+    assert reward_failures.gather(0, len(clean), clean.reward_failures).metrics() == {"reward_failed": 0.0}
