@@ -18,7 +18,8 @@ ALLOWED = {  # folder: the other services' modules it may import
     "receiver": {"services.engine.ipc", "services.engine.responses", "services.engine.server"},
     "train": {"services.buffer.config", "services.buffer.datasets", "services.reward.config",
               "services.rollout.config", "services.rollout.sglang_options", "services.trainer.config",
-              "services.trainer.batching"},
+              "services.trainer.batching", "services.buffer.preflight", "services.reward.preflight",
+              "services.rollout.preflight", "services.trainer.preflight"},
 }  # fmt: skip
 
 

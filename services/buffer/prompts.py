@@ -4,11 +4,13 @@ template and tokenizes, so that rollout is token-in/token-out. Runs in the data 
 
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
+from services.buffer.config import BufferConfig
 from services.buffer.datasets import DatasetError, RawRow, parse_json_row
+from services.common.eval_sets import EvalSet
 from slipstream import samples
 from slipstream.v1 import common_pb2
 
@@ -36,6 +38,36 @@ class Skipped:
 
     reason: str  # "invalid_row" or "prompt_too_long"
     message: str
+
+
+def row_spec(config: BufferConfig) -> RowSpec:
+    return RowSpec(
+        tokenizer_path=config.hf_checkpoint or "",
+        input_key=config.input_key,
+        label_key=config.label_key,
+        metadata_key=config.metadata_key,
+        tool_key=config.tool_key,
+        apply_chat_template=config.apply_chat_template,
+        chat_template_kwargs=config.apply_chat_template_kwargs,
+        max_prompt_len=config.rollout_max_prompt_len,
+        skip_invalid_rows=config.skip_invalid_rows,
+    )
+
+
+def eval_row_spec(config: BufferConfig, eval_set: EvalSet) -> RowSpec:
+    """An eval set's own keys, chat template and metadata, else the --eval-* flags', else the training ones; its
+    prompt length bound is --eval-max-prompt-len alone, as in slime."""
+    own = {
+        "input_key": eval_set.input_key or config.eval_input_key,
+        "label_key": eval_set.label_key or config.eval_label_key,
+        "tool_key": eval_set.tool_key or config.eval_tool_key,
+        "metadata_key": eval_set.metadata_key,
+        "apply_chat_template": eval_set.apply_chat_template,
+        "chat_template_kwargs": eval_set.apply_chat_template_kwargs,
+    }
+    own = {k: v for k, v in own.items() if v is not None}
+    own.update(max_prompt_len=config.eval_max_prompt_len, metadata=eval_set.metadata(), flags="--eval-")
+    return replace(row_spec(config), **own)
 
 
 _LOAD_LOCK = threading.Lock()

@@ -4,19 +4,17 @@ import asyncio
 import contextlib
 import multiprocessing
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
-from dataclasses import replace
 
 import prometheus_client
 
 from services.buffer.config import BufferConfig
 from services.buffer.core import TRAIN, Buffer
 from services.buffer.datasets import DatasetError, open_blocks
-from services.buffer.prompts import RowSpec, check_rows
+from services.buffer.prompts import check_rows, eval_row_spec, row_spec
 from services.buffer.servicer import BufferServicer
 from services.buffer.source import CustomPromptStream, PromptStream, start_data_worker, warm
 from services.buffer.store import BufferStore
 from services.common.errors import StartupError
-from services.common.eval_sets import EvalSet
 from services.common.plugins import PluginError, load_callable
 from services.common.redis_connection import open_redis
 from services.common.server import Service, Servicer
@@ -24,36 +22,6 @@ from services.common.server import Service, Servicer
 BUFFER_COUNTS = prometheus_client.Gauge(
     "slipstream_buffer_count", "Buffer counters and sizes as stored in Redis (they survive restarts)", ["name"]
 )
-
-
-def row_spec(config: BufferConfig) -> RowSpec:
-    return RowSpec(
-        tokenizer_path=config.hf_checkpoint or "",
-        input_key=config.input_key,
-        label_key=config.label_key,
-        metadata_key=config.metadata_key,
-        tool_key=config.tool_key,
-        apply_chat_template=config.apply_chat_template,
-        chat_template_kwargs=config.apply_chat_template_kwargs,
-        max_prompt_len=config.rollout_max_prompt_len,
-        skip_invalid_rows=config.skip_invalid_rows,
-    )
-
-
-def eval_row_spec(config: BufferConfig, eval_set: EvalSet) -> RowSpec:
-    """An eval set's own keys, chat template and metadata, else the --eval-* flags', else the training ones; its
-    prompt length bound is --eval-max-prompt-len alone, as in slime."""
-    own = {
-        "input_key": eval_set.input_key or config.eval_input_key,
-        "label_key": eval_set.label_key or config.eval_label_key,
-        "tool_key": eval_set.tool_key or config.eval_tool_key,
-        "metadata_key": eval_set.metadata_key,
-        "apply_chat_template": eval_set.apply_chat_template,
-        "chat_template_kwargs": eval_set.apply_chat_template_kwargs,
-    }
-    own = {k: v for k, v in own.items() if v is not None}
-    own.update(max_prompt_len=config.eval_max_prompt_len, metadata=eval_set.metadata(), flags="--eval-")
-    return replace(row_spec(config), **own)
 
 
 def build_streams(config: BufferConfig, executor) -> dict:

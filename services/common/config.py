@@ -16,10 +16,11 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -28,6 +29,28 @@ from services.common.sections import SECTIONS, section_of
 
 class ConfigError(Exception):
     """A configuration problem, worded for the user: what is wrong and how to fix it."""
+
+
+def _http_url(value: str) -> str:
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as e:
+        raise ValueError(f"not a URL ({e}); pass http://host:port") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("not an http:// or https:// URL with a host; pass http://host:port")
+    return value
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("not host:port; pass e.g. reward-service:50053")
+    return value
+
+
+HttpUrl = Annotated[str, AfterValidator(_http_url)]  # an address reached over HTTP, checked when it is given
+HostPort = Annotated[str, AfterValidator(_host_port)]  # a gRPC address
 
 
 def _model_type(annotation: Any) -> type["StrictModel"] | None:
@@ -364,6 +387,8 @@ def validate_config(model: type[Config], data: dict[str, Any], flag_paths: set[s
 def _describe(model: type[StrictModel], err: dict, flag_paths: set[str], file_name: str | None) -> str:
     err = {**err, "loc": _flat_loc(model, err["loc"])}
     path = ".".join(str(p) for p in err["loc"]) or "settings"  # a check across fields has no single field
+    if err["loc"] and isinstance(err["loc"][-1], int) and path.rpartition(".")[0] in flag_paths:
+        path = path.rpartition(".")[0]  # an item of a list: its flag's
     if path in flag_paths:
         source = "--" + path.replace(".", "-").replace("_", "-")
     else:

@@ -66,3 +66,16 @@ def _load_file(file_name: str, what: str):
         del sys.modules[module_name]
         raise PluginError(f"{what}: loading {file_name} raised {type(e).__name__}: {e}") from None
     return module
+
+
+def check_plugins(paths: dict[str, str | None]) -> None:
+    """Imports each plugin of `paths` ({what it is, as errors name it: its path}; empty ones skipped) before anything
+    starts; raises ConfigError with the loader's sentence."""
+    from services.common.config import ConfigError
+
+    for what, path in paths.items():
+        if path:
+            try:
+                load_callable(path, what)
+            except PluginError as e:
+                raise ConfigError(str(e)) from None

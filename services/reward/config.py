@@ -6,7 +6,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from services.common import eval_sets
-from services.common.config import ServiceConfig
+from services.common.config import HostPort, HttpUrl, ServiceConfig
 
 
 class RewardConfig(ServiceConfig):
@@ -39,9 +39,9 @@ class RewardConfig(ServiceConfig):
     reward_worker_memory_mb: int | None = Field(8192, ge=128)
     """Memory a worker may allocate (its data segment and anonymous mappings, RLIMIT_DATA), in MiB. A verifier or
     reward function that needs more fails its item, and its worker is replaced. null: no limit."""
-    rm_url: str | None = None
+    rm_url: HttpUrl | None = None
     """Remote reward model over HTTP (slime's remote_rm): POST {prompt, response, label} → a number or a dict."""
-    rm_grpc_addr: str | None = None
+    rm_grpc_addr: HostPort | None = None
     """Remote reward service over gRPC (host:port of any server implementing slipstream.v1.RewardService)."""
     rm_max_retries: int = Field(5, ge=0)
     """Retries of a remote reward call after a failure, with exponential backoff."""

@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from services.common import eval_sets
-from services.common.config import ServiceConfig
+from services.common.config import HttpUrl, ServiceConfig
 from services.common.eval_sets import EvalSets
 from services.common.redis_connection import RedisConfig
 from services.rollout.allowlist import LOOPBACK
@@ -17,7 +17,7 @@ class RolloutConfig(ServiceConfig):
 
     port: int = Field(50052, ge=0, le=65535)
     """gRPC port; 0 picks a free one (logged at start)."""
-    engine_urls: list[str] = []
+    engine_urls: list[HttpUrl] = []
     """Engines to use from the start (http://host:port of SGLang servers or reference engines); more can register
     at run time (RegisterEngine)."""
     allowed_engine_hosts: list[str] = LOOPBACK
@@ -76,7 +76,7 @@ class RolloutConfig(ServiceConfig):
     opd_type: Literal["sglang", "megatron"] | None = None
     """sglang: the teacher engines are this gateway's (--opd-teacher-urls, --opd-teacher-hf-checkpoint); megatron:
     the trainer runs the teacher, and the gateway does nothing for it."""
-    opd_teacher_urls: list[str] = []
+    opd_teacher_urls: list[HttpUrl] = []
     """Engines serving the teacher model (SGLang servers, or `slipstream engine`), SGLang's /generate."""
     opd_teacher_hf_checkpoint: str | None = None
     """Launch teacher engines serving this HF folder (as the policy's engines are, on the GPUs after theirs)."""

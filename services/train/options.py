@@ -14,12 +14,16 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from services.buffer import preflight as buffer_preflight
 from services.buffer.config import BufferConfig
 from services.buffer.datasets import parse_spec
 from services.common.config import ConfigError, ServiceConfig, StrictModel, _add_field_flags, load_config
+from services.reward import preflight as reward_preflight
 from services.reward.config import RewardConfig
+from services.rollout import preflight as rollout_preflight
 from services.rollout import sglang_options
 from services.rollout.config import RolloutConfig
+from services.trainer import preflight as trainer_preflight
 from services.trainer.batching import BatchSizeError
 from services.trainer.config import TrainerConfig
 
@@ -108,6 +112,12 @@ class TrainOptions(StrictModel):
 
 
 SERVICES = {"buffer": BufferConfig, "reward": RewardConfig, "rollout": RolloutConfig, "trainer": TrainerConfig}
+PREFLIGHT = {
+    "buffer": buffer_preflight.check,
+    "reward": reward_preflight.check,
+    "rollout": rollout_preflight.check,
+    "trainer": trainer_preflight.check,
+}
 # Set by `slipstream train` for each service it starts.
 OWN = {
     "host",
@@ -242,6 +252,9 @@ def parse(argv: list[str]) -> Plan:
         plan.argv[name] = routed[name]
         plan.configs[name] = load_config(model, started.get(name, []) + routed[name], prog=f"slipstream train ({name})")
     _check_together(plan)
+    for name, check in PREFLIGHT.items():  # what each service it starts would find at its start (a joined one: its own)
+        if getattr(plan.options, f"{name}_addr", None) is None:
+            check(plan.configs[name])
     return plan
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.buffer.config import BufferConfig
-from services.buffer.server import build_streams, eval_row_spec
+from services.buffer.prompts import eval_row_spec
+from services.buffer.server import build_streams
 from services.common import eval_sets
 from services.common.config import ConfigError, load_config
 from services.common.errors import StartupError
