@@ -265,6 +265,17 @@ def test_train_checks_the_reward_and_the_data_rows_before_starting_anything(tmp_
     assert run_cli("train", *base, "--rm-type", "exact", "--check", cwd=tmp_path).returncode == 0
 
 
+def test_train_sets_what_a_flag_implies_or_says_what_to_add():
+    from services.common.config import ConfigError
+    from services.train.options import route
+
+    routed = route(["--update-weight-mode", "delta"])  # the engines it starts get their weight receivers
+    assert routed["rollout"][-2:] == ["--weight-receiver-port-offset", "1"]
+    assert "--weight-receiver-port-offset" not in route(["--update-weight-mode", "full"])["rollout"]
+    with pytest.raises(ConfigError, match="start `slipstream receiver` beside each one and pass --weight-receiver"):
+        route(["--update-weight-mode", "delta", "--engine-urls", "http://engine:30000"])
+
+
 def test_train_names_the_closest_option(tmp_path):
     result = run_cli("train", "--rollout-batch-sise", "4", cwd=tmp_path)
     assert result.returncode == 2

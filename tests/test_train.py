@@ -162,11 +162,12 @@ def test_the_demo_learns_with_its_weights_going_through_disk(service_process, tm
 
 @pytest.mark.timeout(600)
 def test_train_streams_the_weights_through_a_receiver_beside_each_launched_engine(service_process, tmp_path):
-    """--weight-receiver-port-offset: the gateway starts a weight receiver beside each engine it launches, and every
-    sync streams through them (one control call per sync); they stop with the run. With --engine-api-key-file the
-    engines and their receivers take the key from that file (on no command line) and want it on every call."""
+    """--update-weight-mode delta sends the changes through weight receivers, so the launcher has the gateway start
+    one beside each engine it launches (--weight-receiver-port-offset), and every sync streams through them (one
+    control call per sync); they stop with the run. With --engine-api-key-file the engines and their receivers take
+    the key from that file (on no command line) and want it on every call."""
     (key := tmp_path / "engine-api-key").write_text("k3y-0123456789\n")
-    run = service_process("train", *train_args(tmp_path, steps=3), "--weight-receiver-port-offset", "1",
+    run = service_process("train", *train_args(tmp_path, steps=3), "--update-weight-mode", "delta",
                           "--engine-api-key-file", str(key))  # fmt: skip
     assert run.wait(420) == 0, run.log[-3000:]
     assert [s["step"] for s in steps_of(tmp_path / "demo")] == [0, 1, 2]

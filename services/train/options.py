@@ -229,6 +229,13 @@ def route(argv: list[str]) -> dict[str, list[str]]:
         folder = str((options.run_dir / "adapters").resolve())  # the engines it launches read the adapters there
         routed["trainer"] += ["--update-weight-disk-dir", folder]
         routed["rollout"] += ["--update-weight-disk-dir", folder]
+    if _value(argv, "--update-weight-mode") == "delta" and _value(argv, "--weight-receiver-port-offset") is None:
+        if options.rollout_addr or _value(argv, "--engine-urls"):  # engines it does not start: their receivers neither
+            raise ConfigError(
+                "--update-weight-mode delta sends the changes through a weight receiver beside each engine: start "
+                "`slipstream receiver` beside each one and pass --weight-receiver-port-offset (docs/rollout.md)"
+            )
+        routed["rollout"] += ["--weight-receiver-port-offset", "1"]  # the engines it starts get theirs
     if options.debug_rollout_only:  # the engines keep their weights: no group may be dropped as stale
         routed["buffer"] += ["--stale-policy", "mark"]
     return routed
@@ -268,6 +275,8 @@ def _check_together(plan: Plan) -> None:
         raise ConfigError("--hf-checkpoint is required: the HF model folder to start from")
     if rollout.engine_urls and rollout.rollout_num_gpus:
         raise ConfigError("--engine-urls uses running engines; drop --rollout-num-gpus, which starts new ones")
+    if options.eval_interval and not (buffer.eval_sets() or options.buffer_addr):
+        raise ConfigError("--eval-interval evaluates the eval sets: add --eval-prompt-data NAME PATH, or drop it")
     if options.save_debug_rollout_data and not options.debug_rollout_only:
         raise ConfigError("--save-debug-rollout-data is written by --debug-rollout-only runs")
     _check_ranks(options, trainer)

@@ -127,19 +127,26 @@ class Trainer:
         if self.shards.optimizer:  # this rank's shards of the actor's (and critic's) distributed optimizer
             own = (self.shards.optimizer, {name: state.pop(name) for name in list(state) if name.endswith("optimizer")})
         path = checkpoint.save(root, self.step, state, self.shards.model, writes=self.shards.writes, own=own)
-        if self.config.save_hf and self.config.lora_rank:  # the adapters, as a peft folder
-            from services.trainer import lora
-
-            lora.save_adapter(self.model, self.gpt.shape, lora.settings_of(self.config), self.config.hf_checkpoint,
-                              self.config.save_hf)  # fmt: skip
-        elif self.config.save_hf:
-            from services.trainer.export import export_hf_checkpoint
-
-            export_hf_checkpoint(self.model, self.gpt, self.config.hf_checkpoint, self.config.save_hf)
+        if self.config.save_hf:
+            self.save_hf()
         self.control.saved.append((str(path), self.step))
         if not folder or Path(folder) == Path(self.config.save or ""):
             self._commit(self.uncommitted)  # a resume from this checkpoint no longer needs these steps' groups
         return path
+
+    def save_hf(self) -> None:
+        """--save-hf: the model as an HF folder (with LoRA, its adapters as a peft folder); at each checkpoint, or
+        without --save at the end of the run."""
+        if self.config.lora_rank:
+            from services.trainer import lora
+
+            lora.save_adapter(self.model, self.gpt.shape, lora.settings_of(self.config), self.config.hf_checkpoint,
+                              self.config.save_hf)  # fmt: skip
+        else:
+            from services.trainer.export import export_hf_checkpoint
+
+            export_hf_checkpoint(self.model, self.gpt, self.config.hf_checkpoint, self.config.save_hf)
+        log.info("the model of step %d written to %s (--save-hf)", self.step, self.config.save_hf)
 
     def _commit(self, steps: list[int]) -> None:
         if dist.get_rank() == 0 and not self.config.load_debug_rollout_data:
@@ -164,6 +171,8 @@ class Trainer:
                     self.save()
             if c.save and (not self.control.saved or self.control.saved[-1][1] != self.step):
                 self.save()
+            elif c.save_hf and not c.save:
+                self.save_hf()
         finally:
             self.control.phase = "stopped"
             self.channel.close()

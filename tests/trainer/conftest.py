@@ -57,9 +57,10 @@ def generated(group):
 
 
 def trainer_args(model, buffer: str, save, *extra: str) -> list[str]:
+    """`slipstream trainer`'s command line for the tests (`save` None: no --save)."""
     return ["trainer", "--port", "0", "--metrics-port", "null", "--hf-checkpoint", str(model), "--buffer-addr", buffer,
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--lr", "1e-3",
-            "--save", str(save), *extra]  # fmt: skip
+            *(["--save", str(save)] if save else []), *extra]  # fmt: skip
 
 
 def weights(folder, step: int, part: str = "model") -> dict:

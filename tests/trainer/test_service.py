@@ -32,6 +32,19 @@ def test_trainer_trains_commits_and_saves(filled_buffer, service_process, channe
     assert not torch.equal(exported.model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
 
 
+def test_save_hf_alone_writes_the_trained_model_at_the_end(filled_buffer, service_process, model, tmp_path):
+    """--save-hf without --save: no checkpoint, and the model of the last step as an HF folder transformers loads."""
+    proc = service_process(*trainer_args(model, filled_buffer("hf"), None, "--num-rollout", "2",
+                                         "--save-hf", str(tmp_path / "hf")))  # fmt: skip
+    assert proc.wait(timeout_s=240) == 0, proc.log
+    assert "the model of step 2 written to" in proc.log
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    original = AutoModelForCausalLM.from_pretrained(model)
+    assert not torch.equal(exported.model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "ppo"])  # ppo: the critic is saved and resumed too
 def test_stop_and_resume_equals_an_uninterrupted_run(filled_buffer, service_process, model, tmp_path, estimator):
     algorithm = ["--advantage-estimator", estimator]
