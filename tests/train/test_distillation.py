@@ -9,6 +9,7 @@ import pytest
 
 from examples.on_policy_distillation.run import args_for
 from services.trainer.config import TrainerConfig
+from tests.once import made_once
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -20,8 +21,16 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
+@pytest.fixture
+def teacher(tmp_path_factory, tmp_path) -> Path:
+    """The example's teacher in the test's folder, trained once for both test processes (a minute or two)."""
+    shared = made_once(tmp_path_factory, "opd-teacher", lambda made: args_for(made, steps=1))
+    (tmp_path / "teacher").symlink_to(shared / "teacher")
+    return tmp_path / "teacher"
+
+
 @pytest.mark.timeout(600)
-def test_the_student_learns_the_task_from_the_teachers_signal_alone(service_process, tmp_path):
+def test_the_student_learns_the_task_from_the_teachers_signal_alone(service_process, tmp_path, teacher):
     run = service_process("train", *args_for(tmp_path, steps=40))
     assert run.wait(480) == 0, run.log[-3000:]
     steps = _metrics(tmp_path / "opd")
@@ -32,7 +41,7 @@ def test_the_student_learns_the_task_from_the_teachers_signal_alone(service_proc
 
 
 @pytest.mark.timeout(600)
-def test_a_megatron_teacher_trains_under_tensor_parallelism(service_process, tmp_path):
+def test_a_megatron_teacher_trains_under_tensor_parallelism(service_process, tmp_path, teacher):
     args = [a for a in args_for(tmp_path, steps=3)]
     at = args.index("--opd-type")
     args[at + 1] = "megatron"

@@ -14,6 +14,7 @@ pytest.importorskip("reasoning_gym")
 pytest.importorskip("gguf")
 
 from services.train.convert_gguf import ConvertError, find_gguf
+from tests.once import made_once
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,10 +25,12 @@ def smollm2(tmp_path_factory) -> Path:
         gguf = find_gguf("smollm2")
     except ConvertError as e:
         pytest.skip(str(e))
-    out = tmp_path_factory.mktemp("smollm2") / "model"
-    command = [sys.executable, "-m", "slipstream", "convert-gguf", str(gguf), str(out)]
-    subprocess.run(command, check=True, cwd=REPO, capture_output=True, timeout=300)
-    return out
+
+    def convert(folder: Path) -> None:
+        command = [sys.executable, "-m", "slipstream", "convert-gguf", str(gguf), str(folder / "model")]
+        subprocess.run(command, check=True, cwd=REPO, capture_output=True, timeout=300)
+
+    return made_once(tmp_path_factory, "smollm2", convert) / "model"
 
 
 def test_the_packaged_gguf_becomes_an_hf_checkpoint_with_its_tokenizer(smollm2):

@@ -12,6 +12,7 @@ import pytest
 from services.common.processes import PORT_RANGE_ENV, port_range_share
 from services.train.demo import train_args
 from tests.conftest import REPO, ServiceProcess
+from tests.once import made_once
 
 EXAMPLES = REPO / "examples" / "slime_plugins"
 STEPS = 3
@@ -59,21 +60,27 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both runs, started together (each a whole `slipstream train`), finished before the first test reads them."""
-    started = {}
+    """Both runs, started together (each a whole `slipstream train`), finished before the first test reads them;
+    made once for both test processes."""
+    root = made_once(tmp_path_factory, "slime-plugin-runs", _start_and_finish)
+    return {name: Run(root / name) for name in RUNS}
+
+
+def _start_and_finish(root: Path) -> None:
+    started = []
     for index, (name, flags) in enumerate(RUNS.items()):
-        folder = tmp_path_factory.mktemp(name)
+        folder = root / name
+        folder.mkdir()
         recorder = folder / "recorder.py"
         recorder.write_text(RECORDER.format(examples=EXAMPLES))
         args = [*train_args(folder, steps=STEPS), *(f.format(r=recorder) for f in flags)]
         env = {"PLUGIN_CALLS": str(folder / "calls.jsonl"), "ROLLOUT_LOG": str(folder / "rollout_log.jsonl")}
         if share := port_range_share(index, len(RUNS)):  # the two runs' launchers must not hand out the same port
             env[PORT_RANGE_ENV] = share
-        started[name] = (folder, ServiceProcess(["train", *args], folder / "train.log", cwd=folder, env=env))
-    for _, proc in started.values():
+        started.append(ServiceProcess(["train", *args], folder / "train.log", cwd=folder, env=env))
+    for proc in started:
         assert proc.wait(540) == 0, proc.log[-3000:]
         proc.stop()
-    return {name: Run(folder) for name, (folder, _) in started.items()}
 
 
 class Run:

@@ -92,7 +92,8 @@ def test_distributed_optimizer_with_experts_trains_like_one_process(layout, fill
             torch.testing.assert_close(trained[tensor], value, atol=1e-5, rtol=1e-4, msg=tensor)
 
 
-@pytest.mark.parametrize("precision", [[], ["--bf16"]])  # bf16: the float32 main weights are the optimizer's
+# bf16: the float32 main weights are the optimizer's (float32 alone in `make test-slow`: the same path, fewer parts)
+@pytest.mark.parametrize("precision", [pytest.param([], marks=pytest.mark.slow), ["--bf16"]])
 def test_save_and_resume_is_bit_exact(precision, filled_buffer, service_process, model, tmp_path):
     """DP=2: four steps at once, against two steps, a save and a resume from it for two more."""
     sharded = [*SHARDED, *precision]
