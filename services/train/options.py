@@ -209,7 +209,7 @@ def route(argv: list[str]) -> dict[str, list[str]]:
             if not names:
                 everything = sorted(set().union(*flags.values(), IGNORED))
                 close = difflib.get_close_matches(flag, everything, n=1)
-                hint = f"did you mean {close[0]}?" if close else "see `slipstream train --help` and docs/ARGUMENTS.md"
+                hint = f"did you mean {close[0]}?" if close else "see `slipstream train --help-all` and docs/ARGUMENTS.md"
                 raise ConfigError(f"unknown option {flag}; {hint}")
             for name in names:
                 routed[name] += chunk
