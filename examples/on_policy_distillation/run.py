@@ -2,7 +2,9 @@
 the demo's untrained model learns from it alone (`--use-opd --opd-type sglang`, a teacher engine launched by the
 gateway, every task reward replaced by 0 for training). The step's reward (the task's, reported) rises.
 
-    python examples/on_policy_distillation/run.py --output-dir runs/opd [--steps 40] [slipstream train flags]
+    python examples/on_policy_distillation/run.py [--output-dir runs] [--steps 40] [slipstream train flags]
+
+The model and data (the demo's), the teacher and the run go to runs/model, runs/data, runs/teacher and runs/opd.
 """
 
 import argparse
@@ -31,10 +33,14 @@ def args_for(folder: Path, steps: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/opd"))
+    parser.add_argument("--output-dir", type=Path, default=Path("runs"), help="the run goes to OUTPUT_DIR/opd")
     parser.add_argument("--steps", type=int, default=40)
     args, extra = parser.parse_known_args(argv)
-    return train_main(args_for(args.output_dir, args.steps) + extra)
+    run = args.output_dir / "opd"
+    print(f"on-policy distillation: a teacher first, then {args.steps} steps from it alone; the run: {run}", flush=True)
+    command = args_for(args.output_dir, args.steps) + extra
+    print("starting the services and the teacher's engine: ~30 s to step 0", flush=True)
+    return train_main(command)
 
 
 if __name__ == "__main__":

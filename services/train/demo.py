@@ -50,6 +50,7 @@ def prepare(folder: Path, arch: str = "qwen3") -> tuple[Path, Path, Path]:
 
     model = folder / "model"
     if not (model / "config.json").exists():
+        print(f"writing the tiny model to {model} and its data to {folder / 'data'}", flush=True)
         text = [
             f"<|im_start|>user\n{a} {b}<|im_end|>\n<|im_start|>assistant\n{max(a, b)}<|im_end|>\n"
             for a, b in itertools.permutations(range(10), 2)
@@ -88,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     shutil.rmtree(args.output_dir / run_id, ignore_errors=True)  # the demo always starts over
     print(f"slipstream demo: {args.steps} steps of 32 prompts x 8 samples; the run goes to {args.output_dir / run_id}")
-    return train_main(train_args(args.output_dir, args.steps, args.async_buffer_size, run_id) + extra)
+    command = train_args(args.output_dir, args.steps, args.async_buffer_size, run_id) + extra
+    # The services load torch and the model before the first step: half a minute without a line of their own.
+    print("starting the services (Redis, buffer, reward, gateway, engine, trainer): ~30 s to step 0", flush=True)
+    return train_main(command)
 
 
 if __name__ == "__main__":
