@@ -5,6 +5,8 @@ gateway itself is SIGKILLed and restarted, and still every group reaches the buf
 import json
 import signal
 
+import pytest
+
 from slipstream import samples
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
 from tests.rollout.conftest import gateway_address, get_batch, start_rollout, wait_completed
@@ -13,6 +15,7 @@ NUM_GROUPS = 300
 BATCH = 20
 
 
+@pytest.mark.slow  # `make test` kills a gateway mid-rollout in tests/rollout/test_workers.py, an engine in tests/faults
 def test_hundreds_of_groups_survive_an_engine_kill_and_a_gateway_restart(
     service_process, wait_serving, free_port, channel_to, start_engine, tiny_model, tmp_path
 ):

@@ -29,6 +29,7 @@ def teacher(tmp_path_factory, tmp_path) -> Path:
     return tmp_path / "teacher"
 
 
+@pytest.mark.slow  # 40 steps; `make test` distils 3 steps from a Megatron teacher (below), `make test-slow` this too
 @pytest.mark.timeout(600)
 def test_the_student_learns_the_task_from_the_teachers_signal_alone(service_process, tmp_path, teacher):
     run = service_process("train", *args_for(tmp_path, steps=40))
