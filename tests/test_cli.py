@@ -238,28 +238,40 @@ def test_train_checks_the_model_folder_and_the_data_before_starting_anything(tmp
     assert not (tmp_path / "runs").exists()
 
 
-def test_train_checks_the_reward_and_the_data_rows_before_starting_anything(tmp_path):
-    """A new user's first mistakes, each refused in one sentence before any service starts (each service's own
-    start-up checks, run by the launcher first): as a start, and with --check."""
+FIRST_MISTAKES = {  # a new user's, each with the sentence that refuses it
+    "rm-type": (["--rm-type", "exactt"], "--rm-type 'exactt' is unknown; did you mean exact?"),
+    "missing-reward": (["--custom-rm-path", "nowhere.py:score"], "--custom-rm-path: file nowhere.py does not exist"),
+    "reward-import": (["--custom-rm-path", "imports.py:score"],
+                      "loading imports.py raised ModuleNotFoundError: No module named 'no_such_package'"),
+    "reward-signature": (["--custom-rm-path", "one.py:score"], "score(sample) cannot be called as fn(args, sample)"),
+    "bad-row": (["--prompt-data", "bad.jsonl"], "--prompt-data: bad.jsonl line 6: not valid JSON"),
+    "label-key": (["--label-key", "label"],
+                  'p.jsonl line 1: field "label" missing (keys present: answer, prompt); pass --label-key'),
+}  # fmt: skip
+
+
+def _first_run_folder(tmp_path: Path) -> list[str]:
+    """A model, prompts, and the files of the mistakes above; the flags of a good run of them."""
     model = write_tiny_model(tmp_path / "model")
     rows = [json.dumps({"prompt": f"{i} + 1?", "answer": str(i + 1)}) for i in range(8)]
     (tmp_path / "p.jsonl").write_text("\n".join(rows) + "\n")
     (tmp_path / "bad.jsonl").write_text("\n".join([*rows[:5], '{"prompt": "5 + 1?" "answer": "6"}', *rows[6:]]))
     (tmp_path / "imports.py").write_text("import no_such_package\n\ndef score(args, sample):\n    return 1.0\n")
     (tmp_path / "one.py").write_text("def score(sample):\n    return 1.0\n")
-    base = ["--hf-checkpoint", str(model), "--prompt-data", "p.jsonl", "--label-key", "answer"]
-    cases = [(["--rm-type", "exactt"], "--rm-type 'exactt' is unknown; did you mean exact?"),
-             (["--custom-rm-path", "nowhere.py:score"], "--custom-rm-path: file nowhere.py does not exist"),
-             (["--custom-rm-path", "imports.py:score"],
-              "--custom-rm-path: loading imports.py raised ModuleNotFoundError: No module named 'no_such_package'"),
-             (["--custom-rm-path", "one.py:score"], "score(sample) cannot be called as fn(args, sample)"),
-             (["--prompt-data", "bad.jsonl"], "--prompt-data: bad.jsonl line 6: not valid JSON"),
-             (["--label-key", "label"], '--prompt-data: p.jsonl line 1: field "label" missing (keys present: answer, '
-                                        'prompt); pass --label-key <key>')]  # fmt: skip
-    for args, said in cases:
-        result = run_cli("train", *base, *args, cwd=tmp_path)
-        assert result.returncode == 2 and said in result.stderr.splitlines()[-1], result.stderr
+    return ["--hf-checkpoint", str(model), "--prompt-data", "p.jsonl", "--label-key", "answer"]
+
+
+@pytest.mark.parametrize("mistake", list(FIRST_MISTAKES))
+def test_train_refuses_a_first_mistake_before_starting_anything(mistake, tmp_path):
+    """Each service's own start-up checks, run by the launcher before any service starts: one sentence."""
+    args, said = FIRST_MISTAKES[mistake]
+    result = run_cli("train", *_first_run_folder(tmp_path), *args, cwd=tmp_path)
+    assert result.returncode == 2 and said in result.stderr.splitlines()[-1], result.stderr
     assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_train_check_runs_the_same_checks(tmp_path):
+    base = _first_run_folder(tmp_path)
     checked = run_cli("train", *base, "--rm-type", "exactt", "--check", cwd=tmp_path)
     assert checked.returncode == 2 and "did you mean exact?" in checked.stderr
     assert run_cli("train", *base, "--rm-type", "exact", "--check", cwd=tmp_path).returncode == 0
