@@ -451,9 +451,9 @@ class Buffer:
         return max(deleted, 0)
 
     async def rewind(self, step: int, version: int) -> int:
-        """Back to the state a trainer resumed at `step` (policy `version`) expects: every group not trained into the
-        checkpoint (the lost steps' batches, the completed and the leased groups) is generated and scored again, by the
-        resumed policy and the reward as it is now; returns how many went back."""
+        """Back to the state a trainer resumed at `step` (policy `version`) expects: what the lost steps were trained
+        on, what newer policies generated, what a reward failed to score (a resume after the reward was fixed) and
+        every leased group are generated and scored again; returns how many went back."""
         if step < 0 or version < 0:
             raise InvalidArgument("step", f"step and policy_version must be >= 0, got {step} and {version}")
         # The checkpoint holds the steps before `step`: those whose commit was lost (the trainer or Redis died between
@@ -463,7 +463,7 @@ class Buffer:
             await self.commit(covered)
         for _ in range(ATTEMPTS):
             try:
-                returned = await self.store.rewind(step, version, await self._rewound_groups(step))
+                returned = await self.store.rewind(step, version, await self._rewound_groups(step, version))
                 break
             except Contended:  # another buffer process leased or batched meanwhile
                 continue
@@ -472,7 +472,7 @@ class Buffer:
         log.info("rewound to step %d, policy version %d: %d groups go back to the prompts", step, version, returned)
         return returned
 
-    async def _rewound_groups(self, step: int) -> list[tuple[str, bytes]]:
+    async def _rewound_groups(self, step: int, version: int) -> list[tuple[str, bytes]]:
         """What goes back to the prompts in a rewind, as (group id, prompt group without samples)."""
         last = await self.store.meta_int("last_committed_step", -1)
         if step <= last:
@@ -482,8 +482,13 @@ class Buffer:
             )
         top = await self.store.meta_int("top_step", -1)
         gids = [gid for k in range(step, top + 1) for gid in await self.store.batch(k) or []]
-        gids += [gid for gid, _ in await self.store.completed()]  # also of older policies: scored by the old reward
         payloads = await self.store.completed_groups(gids)
+        completed = await self.store.completed()
+        stored = await self.store.completed_groups([gid for gid, _ in completed])
+        for (gid, v), payload in zip(completed, stored, strict=True):
+            if v > version or _reward_failed(payload):
+                gids.append(gid)
+                payloads.append(payload)
         leased = await self.store.leased()
         payloads += [await self.store.leased_group(gid) for gid in leased]
         back = []
@@ -578,3 +583,8 @@ def _copy(group: common_pb2.PromptGroup) -> common_pb2.PromptGroup:
     copy = common_pb2.PromptGroup()
     copy.CopyFrom(group)
     return copy
+
+
+def _reward_failed(payload: bytes | None) -> bool:
+    """Whether a completed group has a sample whose reward failed."""
+    return any(sample.HasField("reward_error") for sample in common_pb2.PromptGroup.FromString(payload or b"").samples)

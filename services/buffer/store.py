@@ -268,8 +268,8 @@ return #gids
 """
 
 # ARGV: ns, step, version, then (gid, prompt payload) pairs of the groups that go back: those of the batches of `step`
-# and later, the completed ones and the leased ones. Refused when those are not the groups given (another buffer
-# process leased or batched meanwhile).
+# and later, the completed ones of a version after `version` (and others the caller chose: a failed reward's) and the
+# leased ones. Refused when those are not the groups given (another buffer process leased or batched meanwhile).
 _REWIND = """
 local ns, step, version = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local last = tonumber(redis.call('HGET', ns .. ':meta', 'last_committed_step') or '-1')
@@ -287,7 +287,11 @@ for k = step, top do
   end
 end
 for _, gid in ipairs(redis.call('ZRANGE', ns .. ':done', 0, -1)) do
-  if not goes_back(gid) then return redis.error_reply('CONTENDED ' .. gid .. ' completed meanwhile') end
+  if given[gid] then
+    expected = expected + 1
+  elseif tonumber(redis.call('HGET', ns .. ':done_version', gid) or '0') > tonumber(version) then
+    return redis.error_reply('CONTENDED ' .. gid .. ' completed meanwhile')
+  end
 end
 for _, gid in ipairs(redis.call('ZRANGE', ns .. ':leases', 0, -1)) do
   if not goes_back(gid) then return redis.error_reply('CONTENDED ' .. gid .. ' leased meanwhile') end

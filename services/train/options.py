@@ -209,7 +209,7 @@ def route(argv: list[str]) -> dict[str, list[str]]:
             if not names:
                 everything = sorted(set().union(*flags.values(), IGNORED))
                 close = difflib.get_close_matches(flag, everything, n=1)
-                hint = f"did you mean {close[0]}?" if close else "see `slipstream train --help-all` and docs/ARGUMENTS.md"
+                hint = f"did you mean {close[0]}?" if close else "see `slipstream train --help-all`, docs/ARGUMENTS.md"
                 raise ConfigError(f"unknown option {flag}; {hint}")
             for name in names:
                 routed[name] += chunk
@@ -275,6 +275,8 @@ def _check_together(plan: Plan) -> None:
         raise ConfigError("--hf-checkpoint is required: the HF model folder to start from")
     if rollout.engine_urls and rollout.rollout_num_gpus:
         raise ConfigError("--engine-urls uses running engines; drop --rollout-num-gpus, which starts new ones")
+    if trainer.save_interval and not trainer.save:  # here: a run file for containers leaves --save to each job
+        raise ConfigError("--save-interval saves checkpoints into --save: add --save DIR, or drop it")
     if options.eval_interval and not (buffer.eval_sets() or options.buffer_addr):
         raise ConfigError("--eval-interval evaluates the eval sets: add --eval-prompt-data NAME PATH, or drop it")
     if options.save_debug_rollout_data and not options.debug_rollout_only:

@@ -370,8 +370,6 @@ class TrainerConfig(ServiceConfig):
                 "--overlap-param-gather gathers the weights the distributed optimizer updated in shards: "
                 "add --use-distributed-optimizer or drop it"
             )
-        if self.save_interval and not self.save:
-            raise ValueError("--save-interval saves checkpoints into --save: add --save DIR, or drop it")
         if (self.loss.loss_type == "custom_loss") != bool(self.custom_loss_function_path):
             raise ValueError("--loss-type custom_loss and --custom-loss-function-path go together: give both, or none")
         if self.custom_loss_function_path and self.parallel.pipeline_model_parallel_size > 1:

@@ -132,9 +132,9 @@ class BufferServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Rewind(self, request, context):
-        """Resume from a checkpoint of step `step`: the batches of that step and later, the completed and the leased groups
-        go back to the pending prompts without their samples (they are generated and scored again by the resumed policy
-        and the reward as it is now), and the policy version becomes the checkpoint's.
+        """Resume from a checkpoint of step `step`: the batches of that step and later, the completed groups of newer
+        policy versions or with a failed reward, and every leased group go back to the pending prompts without their
+        samples (generated and scored again by the resumed policy), and the policy version becomes the checkpoint's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -320,24 +320,27 @@ async def test_rewind_to_a_checkpoint_generates_the_lost_steps_again(make_buffer
     await buffer.submit(leases[4].lease_id, finish(leases[4].group, [0.0, 1.0], version=2))  # newer than the checkpoint
     await buffer.get_batch(0, 0, 1, 1)
     step1 = {g.group_id for g in (await buffer.get_batch(1, 0, 1, 1)).groups}
-    await buffer.submit(leases[5].lease_id, finish(leases[5].group, [0.0, 1.0], version=1))  # not batched yet
+    unscored = finish(leases[5].group, [0.0, 1.0], version=1)  # not batched yet: its reward failed (since fixed)
+    unscored.samples[0].reward_error.kind = "exception"
+    await buffer.submit(leases[5].lease_id, unscored)
     await buffer.commit(0)
     await buffer.set_policy_version(2)
-    leases += await lease_all(buffer, 1)
-    assert len(leases) == 7
+    leases += await lease_all(buffer, 2)
+    assert len(leases) == 8
+    await buffer.submit(leases[7].lease_id, finish(leases[7].group, [0.0, 1.0], version=1))  # kept: of policy 1
 
-    # Step 1's batch, the completed groups (of policy 2, and of policy 1: scored by the reward as it was) and the
-    # leased group go back without their samples.
+    # Step 1's batch, the group of policy 2, the one whose reward failed and the leased one go back without their
+    # samples.
     assert await buffer.rewind(1, 1) == 5
     state = await buffer.state()
-    assert state["policy_version"] == 1 and state["num_leased_groups"] == 0 and state["num_completed_groups"] == 0
+    assert state["policy_version"] == 1 and state["num_leased_groups"] == 0 and state["num_completed_groups"] == 1
     again = await lease_all(buffer, 10)
     back = {leased.group.group_id for leased in again}
     assert back >= step1 | {leases[i].group.group_id for i in (4, 5, 6)}
     assert all(not leased.group.samples for leased in again if leased.group.group_id in back)
-    for leased in again[:2]:
+    for leased in again[:1]:
         await buffer.submit(leased.lease_id, finish(leased.group, [0.0, 1.0], version=1))
-    assert len((await buffer.get_batch(1, 0, 1, 1)).groups) == 2  # step 1 is built anew
+    assert len((await buffer.get_batch(1, 0, 1, 1)).groups) == 2  # step 1 is built anew, with the kept group
     with pytest.raises(FailedPrecondition, match="resume from a checkpoint of step 1 or later"):
         await buffer.rewind(0, 0)
 
