@@ -71,7 +71,7 @@ def _load_file(file_name: str, what: str):
 def check_plugins(paths: dict[str, str | None]) -> None:
     """Imports each plugin of `paths` ({what it is, as errors name it: its path}; empty ones skipped) before anything
     starts; raises ConfigError with the loader's sentence."""
-    from services.common.config import ConfigError
+    from services.common.config import ConfigError  # here: the reward workers import this module, not the configs
 
     for what, path in paths.items():
         if path:
