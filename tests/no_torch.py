@@ -2,6 +2,7 @@
 packages of the `trainer` and `engine` extras cannot be imported, as in an install without them (the slim image)."""
 
 import importlib.abc
+import importlib.util
 import sys
 
 from slipstream.cli import main
@@ -16,6 +17,14 @@ class Blocker(importlib.abc.MetaPathFinder):
         return None
 
 
+def find_spec(name, package=None):
+    """As for a package that is not installed: None (transformers asks this before it imports torch)."""
+    return None if name.split(".")[0] in BLOCKED else _find_spec(name, package)
+
+
+_find_spec = importlib.util.find_spec
+
 if __name__ == "__main__":
     sys.meta_path.insert(0, Blocker())
+    importlib.util.find_spec = find_spec
     sys.exit(main(sys.argv[1:]))

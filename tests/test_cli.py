@@ -78,25 +78,26 @@ def test_commands_name_the_extra_they_need_when_it_is_missing():
 def test_the_buffer_reward_and_rollout_services_run_a_rollout_without_torch(service_process, free_port, wait_serving,
                                                                             tmp_path):  # fmt: skip
     """Packaging by role: the three services import nothing of the trainer's or the engine's extras (they are
-    blocked in their processes), and still serve a rollout end to end with a real engine."""
+    blocked in their processes), and still serve a rollout end to end with a real engine, each reading the run's
+    settings from one run file as the service image does in the compose stack."""
     model = write_tiny_model(tmp_path / "model")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Add {i} and 2", "label": str(i + 2)}) + "\n" for i in range(8)))
     ports = {name: free_port() for name in ("buffer", "reward", "rollout", "engine")}
     engine = service_process("engine", "--model-path", str(model), "--port", str(ports["engine"]))
+    run_file = tmp_path / "run.flags"
+    run_file.write_text(f"--prompt-data {data} --label-key label --hf-checkpoint {model} --num-epoch 1\n"
+                        "--rollout-batch-size 4 --n-samples-per-prompt 2 --rm-type math --rollout-max-response-len 8\n"
+                        f"--engine-urls http://127.0.0.1:{ports['engine']}\n")  # fmt: skip
     flags = {
-        "buffer": ["--prompt-data", str(data), "--label-key", "label", "--hf-checkpoint", str(model), "--num-epoch",
-                   "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--output-dir", str(tmp_path),
-                   "--max-staleness", "100"],  # no trainer: every group may be generated under version 0
-        "reward": ["--rm-type", "math"],
-        "rollout": ["--engine-urls", f"http://127.0.0.1:{ports['engine']}", "--buffer-addr",
-                    f"127.0.0.1:{ports['buffer']}", "--reward-addr", f"127.0.0.1:{ports['reward']}",
-                    "--rollout-max-response-len", "8"],
-    }  # fmt: skip
+        "buffer": ["--output-dir", str(tmp_path), "--max-staleness", "100"],  # no trainer: all under version 0
+        "reward": [],
+        "rollout": ["--buffer-addr", f"127.0.0.1:{ports['buffer']}", "--reward-addr", f"127.0.0.1:{ports['reward']}"],
+    }
     procs = {}
     for name in ("buffer", "reward", "rollout"):
         procs[name] = service_process(name, "--host", "127.0.0.1", "--port", str(ports[name]), "--metrics-port",
-                                      "null", *flags[name], module="tests.no_torch")  # fmt: skip
+                                      "null", f"@{run_file}", *flags[name], module="tests.no_torch")  # fmt: skip
         wait_serving(f"127.0.0.1:{ports[name]}", procs[name], timeout_s=120)
     assert engine.proc.poll() is None
     with grpc.insecure_channel(f"127.0.0.1:{ports['rollout']}") as channel:

@@ -23,20 +23,8 @@ from services.common.plugins import load_callable
 from services.common.slime_api import Sample, args_of, samples_of
 from services.trainer.data import BatchError, RolloutBatch, from_groups
 from services.trainer.losses import aggregate
+from services.trainer.preflight import NAMES, flag
 from slipstream.v1 import common_pb2
-
-NAMES = (
-    "custom_convert_samples_to_train_data_path",
-    "custom_reward_post_process_path",
-    "custom_advantage_function_path",
-    "custom_tis_function_path",
-    "custom_loss_function_path",
-    "custom_rollout_log_function_path",
-)
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 class Hooks:
