@@ -229,13 +229,13 @@ def grpc_service() -> Iterator[Callable]:
 class ServiceProcess:
     """`slipstream <name> …` as a real child process, with its log in a file."""
 
-    def __init__(self, args: list[str], log_path: Path, cwd: Path, nproc: int = 1, module: str = "slipstream",
+    def __init__(self, args: list[str], log_path: Path, cwd: Path, nproc: int = 1, module: str = "services",
                  env: dict[str, str] | None = None):  # fmt: skip
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         base = {**os.environ, **(env or {})}
         cmd, env = [sys.executable, "-m", module, *args], base
-        if module != "slipstream":  # a module of the tests, which runs the command its own way
+        if module != "services":  # a module of the tests, which runs the command its own way
             env = {**base, "PYTHONPATH": str(REPO)}
         if nproc > 1:  # ranks under torchrun (the trainer)
             port = str(processes.free_port())
@@ -270,7 +270,7 @@ def service_process(tmp_path) -> Iterator[Callable]:
     (`module=` runs it through a module of the tests, e.g. tests.no_torch)."""
     started: list[ServiceProcess] = []
 
-    def start(*args: str, nproc: int = 1, module: str = "slipstream") -> ServiceProcess:
+    def start(*args: str, nproc: int = 1, module: str = "services") -> ServiceProcess:
         log = tmp_path / f"{args[0]}-{len(started)}.log"
         proc = ServiceProcess(list(args), log, cwd=tmp_path, nproc=nproc, module=module)
         started.append(proc)

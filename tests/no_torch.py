@@ -5,7 +5,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from slipstream.cli import main
+from services.train.cli import main
 
 BLOCKED = {"torch", "megatron", "safetensors", "tensorboard", "starlette", "uvicorn"}
 

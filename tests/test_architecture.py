@@ -1,13 +1,16 @@
 """The map of docs/architecture.md, held: each service folder imports the shared layer, its own modules, and only
 the other services' modules the map names (the buffer's declared data plane, the trainer's table of model families,
-the reference engine's IPC protocol for its receiver, and every service's options for `slipstream train`)."""
+the reference engine's IPC protocol for its receiver, and every service's options for `slipstream train`); the
+`slipstream` package (the protos' stubs, samples) is the bottom layer and imports no service; no two modules import
+each other, directly or through others."""
 
 import ast
 from pathlib import Path
 
 from tests.python_source import parse
 
-SERVICES = Path(__file__).resolve().parents[1] / "services"
+REPO = Path(__file__).resolve().parents[1]
+SERVICES = REPO / "services"
 ALLOWED = {  # folder: the other services' modules it may import
     "common": set(),
     "buffer": set(),
@@ -54,3 +57,81 @@ def test_each_service_imports_only_what_the_map_allows():
                 if folder == "common" and owner != "common":
                     wrong.append(f"{path.relative_to(SERVICES.parent)} (the shared layer) imports {module}")
     assert wrong == []
+
+
+def test_the_slipstream_package_imports_no_service():
+    wrong = [f"{path.relative_to(REPO)} imports {module}" for path in _modules().values() if
+             path.is_relative_to(REPO / "slipstream") for module in imported(path)]  # fmt: skip
+    assert wrong == []
+
+
+def test_no_modules_import_each_other():
+    """Any import counts, one inside a function too; a package importing its own modules does not (the usual
+    `choose` of a transport by name), and the import of a name its module re-exports counts as the module's."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = {_owner(module, modules) for module in imported(path) | _slipstream_imports(path)}
+        graph[name] = {t for t in targets if t and t != name and not t.startswith(f"{name}.")}
+    assert _cycles(graph) == []
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of services/ and slipstream/ (not the generated stubs), by its dotted name."""
+    found = {}
+    for path in [*SERVICES.rglob("*.py"), *(p for p in (REPO / "slipstream").rglob("*.py") if "v1" not in p.parts)]:
+        parts = path.relative_to(REPO).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _slipstream_imports(path: Path) -> set[str]:
+    return {
+        node.module for node in ast.walk(parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("slipstream.")
+        and "v1" not in node.module
+    }  # fmt: skip
+
+
+def _owner(module: str, modules: dict[str, Path]) -> str:
+    while module and module not in modules:
+        module = module.rpartition(".")[0]
+    return module
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, without recursion)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found

@@ -27,12 +27,12 @@ SERVICES = {
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "slipstream", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "services", *args], capture_output=True, text=True, cwd=cwd)
 
 
 def test_help_lists_the_subcommands_without_heavy_imports():
     code = (
-        "import sys; from slipstream.cli import main; main(['--help']); "
+        "import sys; from services.train.cli import main; main(['--help']); "
         "heavy = {'grpc', 'torch', 'pydantic', 'megatron'} & set(sys.modules); assert not heavy, heavy"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

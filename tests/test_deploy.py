@@ -78,7 +78,7 @@ def test_every_container_command_line_is_accepted(form, tmp_path):
         args = [a.replace("@/etc/slipstream/run.flags", f"@{flags}").replace("/data", str(data))
                 for a in service["command"]]  # fmt: skip
         args = [a.replace("/runs", str(tmp_path / "runs")) for a in args]
-        result = subprocess.run([sys.executable, "-m", "slipstream", *args, "--check"], capture_output=True,
+        result = subprocess.run([sys.executable, "-m", "services", *args, "--check"], capture_output=True,
                                 text=True, cwd=tmp_path, timeout=120)  # fmt: skip
         assert result.returncode == 0, f"{name}: {result.stderr}"
         checked.append(name)

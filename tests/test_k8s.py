@@ -234,14 +234,14 @@ def test_every_command_line_is_accepted(objects, tmp_path):
         if name == "engine":  # its receiver, a slipstream command too
             receiver = command_line(workload, containers(workload)["receiver"])
             receiver = [a.replace("/etc/slipstream/auth", str(auth)) for a in receiver]
-            result = subprocess.run([sys.executable, "-m", "slipstream", *receiver, "--check"], capture_output=True,
+            result = subprocess.run([sys.executable, "-m", "services", *receiver, "--check"], capture_output=True,
                                     text=True, cwd=tmp_path, timeout=120)  # fmt: skip
             assert result.returncode == 0, f"receiver: {result.stderr}"
         if name == "trainer":
             assert args[0] == "torchrun" and args[args.index("--no-python") + 1] == "slipstream"
             args = args[args.index("--no-python") + 2 :]
         if name in SLIPSTREAM:
-            result = subprocess.run([sys.executable, "-m", "slipstream", *args, "--check"], capture_output=True,
+            result = subprocess.run([sys.executable, "-m", "services", *args, "--check"], capture_output=True,
                                     text=True, cwd=tmp_path, timeout=120)  # fmt: skip
             assert result.returncode == 0, f"{name}: {result.stderr}"
         if name == "engine":

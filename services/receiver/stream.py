@@ -7,7 +7,6 @@ between buckets: the plan came whole.
 Every wait ends: at the broadcast's arrival, when the group is destroyed (the gateway gave up), at the deadline, or
 when the engine's call ended (it failed, or an older checkpoint-engine worker stopped at the first None)."""
 
-import contextlib
 import logging
 import os
 import threading
@@ -335,13 +334,23 @@ class Sync:
                 raise RuntimeError(f"the engine could not load a bucket: {answer.decode(errors='replace')}")
 
     def _tell_engine(self, error: BaseException) -> None:
-        """Ends the engine's side with the error: it is sent where the engine waits for a message (after reading an
-        answer still due, if it comes within a second); elsewhere the engine's wait ends at its own deadline."""
+        """Ends the engine's side with the error, so that its update ends now and the next sync finds it free (the
+        engine waits for the next message until its own deadline, minutes, and takes one update at a time). The error
+        goes where the engine waits for a message: after the answer still due, and to an engine that has not
+        connected yet once it does. Ends when the engine's call ended or at the sync's timeout."""
+        until = time.monotonic() + self.timeout_s
         for i, socket in enumerate(self.sockets):
-            if self.waiting[i] and socket.poll(1000):
-                socket.recv()
-                self.waiting[i] = False
-            if not self.waiting[i]:
-                socket.setsockopt(zmq.LINGER, 1000)  # the message goes out before the socket closes
-                with contextlib.suppress(zmq.ZMQError):
+            socket.setsockopt(zmq.LINGER, 1000)  # the message goes out before the socket closes
+            while not self.call.done() and time.monotonic() < until:
+                if self.waiting[i]:  # the engine answers once done with the last message
+                    if socket.poll(POLL_MS):
+                        socket.recv()
+                        self.waiting[i] = False
+                    continue
+                try:
                     socket.send_pyobj(RuntimeError(str(error)), flags=zmq.NOBLOCK)
+                    break
+                except zmq.Again:  # no engine connected yet
+                    time.sleep(POLL_MS / 1000)
+                except zmq.ZMQError:  # the socket cannot send: the engine's wait ends at its deadline
+                    break

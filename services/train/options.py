@@ -243,9 +243,6 @@ def route(argv: list[str]) -> dict[str, list[str]]:
 
 def parse(argv: list[str]) -> Plan:
     """Routes every flag to the services that know it and validates each service's config before anything starts."""
-    if any(a in ("-h", "--help", "--help-all") for a in argv):
-        print_help(everything="--help-all" in argv)
-        raise SystemExit(0)
     routed = route(argv)
     plan = Plan(load_config(TrainOptions, routed.pop("train"), prog="slipstream train"))
     # Here, not in TrainOptions: a service reading the launcher's flags (@run.flags) has no wandb and needs none.
@@ -374,10 +371,3 @@ def _chunks(argv: list[str]) -> list[list[str]]:
         else:
             chunks.append([arg])
     return chunks
-
-
-def print_help(everything: bool = False) -> None:
-    """`--help`: the flags to set first, on one screen; `--help-all`: every flag (services/train/help.py)."""
-    from services.train.help import full_help, short_help  # here: it reads this module's tables
-
-    print(full_help() if everything else short_help())

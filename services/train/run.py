@@ -24,6 +24,7 @@ from services.common.logs import setup_logging
 from services.common.processes import free_port
 from services.common.redis_connection import open_redis
 from services.train import report, wandb_log
+from services.train.help import full_help, short_help
 from services.train.options import Plan, parse
 from services.train.stall import LOG_PREFIX, RunStalled, StallWatch, last_error
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -419,6 +420,9 @@ def _read_steps(path: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     setup_logging("info")
     argv = list(argv or [])
+    if any(a in ("-h", "--help", "--help-all") for a in argv):  # the flags to set first, on one screen; or all
+        print(full_help() if "--help-all" in argv else short_help())
+        return 0
     check = "--check" in argv  # validate every service's settings and what they must agree on, start nothing
     try:
         plan = parse([a for a in argv if a != "--check"])

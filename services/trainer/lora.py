@@ -30,6 +30,8 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 
+from services.trainer.param_names import global_layer_names, is_adapter
+
 MODULES = {  # HF projection -> (megatron layer, its part of the fused output or None)
     "q_proj": ("linear_qkv", "q"),
     "k_proj": ("linear_qkv", "k"),
@@ -78,10 +80,6 @@ def check_targets(target_modules: list[str]) -> None:
             f"--target-modules {' '.join(unknown)}: not a layer this trainer adapts; use {', '.join(MODULES)} "
             f"or {ALL_LINEAR}"
         )
-
-
-def is_adapter(name: str) -> bool:
-    return name.endswith((".lora_A", ".lora_B"))
 
 
 def apply(model: torch.nn.Module, settings: LoraSettings, shape) -> int:
@@ -226,10 +224,9 @@ def adapter_tensors(model: torch.nn.Module, shape) -> dict[str, torch.Tensor]:
     .q_proj.lora_A.weight`, …), gathered over the tensor-parallel ranks (a collective: each of them calls it). A fused
     layer's A is every part's A; its B is split into the parts' rows as the layer's weight is."""
     from services.trainer.hf_names import gather_tp_param, megatron_to_hf
-    from services.trainer.models import _global_layer_names
 
     group = parallel_state.get_tensor_model_parallel_group()
-    global_names = _global_layer_names(model)
+    global_names = global_layer_names(model)
     out = {}
     for name, module in model.named_modules():
         if not hasattr(module, "lora_A"):
@@ -259,7 +256,6 @@ def load_adapter(model: torch.nn.Module, shape, settings: LoraSettings, folder) 
     from safetensors.torch import load_file
 
     from services.trainer.hf_names import megatron_to_hf, split_tp
-    from services.trainer.models import _global_layer_names
 
     folder = Path(folder)
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -273,7 +269,7 @@ def load_adapter(model: torch.nn.Module, shape, settings: LoraSettings, folder) 
     used: set[str] = set()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    global_names = _global_layer_names(model)
+    global_names = global_layer_names(model)
     with torch.no_grad():
         for name, module in model.named_modules():
             if not hasattr(module, "lora_A"):

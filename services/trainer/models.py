@@ -34,7 +34,8 @@ from services.trainer.hf_names import (
     megatron_to_hf_views,
     tp_split_dim,
 )
-from services.trainer.lora import is_adapter, merged
+from services.trainer.lora import merged
+from services.trainer.param_names import checkpoint_tensors, global_layer_names
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -366,13 +367,6 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         return len(self._where)
 
 
-def checkpoint_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
-    """The tensors an HF checkpoint holds: the parameters (not LoRA's adapters), and the routers' expert-score
-    corrections (DeepSeek-V3's `e_score_correction_bias`, megatron's `expert_bias` buffer)."""
-    buffers = {name: buffer for name, buffer in model.named_buffers() if name.endswith("router.expert_bias")}
-    return {name: p for name, p in model.named_parameters() if not is_adapter(name)} | buffers
-
-
 def served_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
     """`checkpoint_tensors` as the engines serve them: a LoRA-adapted layer's weight with its adapter folded in."""
     tensors = checkpoint_tensors(model)
@@ -382,25 +376,6 @@ def served_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _global_layer_names(model: GPTModel) -> dict[str, str]:
-    """Model parameter name → the same name with the layer numbered across all pipeline stages and the expert across
-    all expert-parallel ranks."""
-    names = {}
-    layers = model.decoder.layers
-    first_expert = parallel_state.get_expert_model_parallel_rank() * (model.config.num_moe_experts or 0)
-    first_expert //= parallel_state.get_expert_model_parallel_world_size()
-    for name in checkpoint_tensors(model):
-        global_name = name
-        if name.startswith("decoder.layers."):
-            local, rest = name[len("decoder.layers.") :].split(".", 1)
-            if rest.startswith("mlp.experts.local_experts."):
-                expert, weight = rest[len("mlp.experts.local_experts.") :].split(".", 1)
-                rest = f"mlp.experts.local_experts.{first_expert + int(expert)}.{weight}"
-            global_name = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
-        names[name] = global_name
-    return names
-
-
 def load_hf_weights(
     model: GPTModel, config: GPTConfig, weights: Mapping[str, torch.Tensor], keep_float32: bool = False
 ) -> None:
@@ -408,7 +383,7 @@ def load_hf_weights(
     that does not match. `keep_float32`: a float32 checkpoint's values of lower-precision parameters are kept for the
     optimizer's masters (`checkpoint_value`, which `optimizer.MasterAdamW` takes)."""
     params = checkpoint_tensors(model)
-    by_global = {global_name: name for name, global_name in _global_layer_names(model).items()}
+    by_global = {global_name: name for name, global_name in global_layer_names(model).items()}
     fused_norms = any(name.endswith("linear_qkv.layer_norm_weight") for name in params)
     shards = hf_to_megatron(
         weights,
@@ -478,7 +453,7 @@ def hf_weights_of(model: GPTModel, config: GPTConfig) -> Iterator[tuple[str, tor
     the experts over the expert-tensor- and expert-parallel groups, one parameter at a time (a collective: every
     rank of those groups iterates it to the end)."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    global_names = _global_layer_names(model)
+    global_names = global_layer_names(model)
     for name, param in served_tensors(model).items():
         if not is_expert(name):
             full = gather_tp_param(global_names[name], param.detach(), group=tp_group)
@@ -510,7 +485,7 @@ class WeightViews:
         if not self.viewable:
             return None
         if self.views is None or any(t.data_ptr() != ptr for t, ptr in self.held):
-            global_names = _global_layer_names(self.model)
+            global_names = global_layer_names(self.model)
             self.views = [
                 view
                 for name, tensor in served_tensors(self.model).items()

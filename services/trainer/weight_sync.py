@@ -26,6 +26,7 @@ import torch.multiprocessing
 from services.common.clients import Credentials, open_channel
 from services.common.weight_group import abort_group, end_group, init_custom_process_group
 from services.trainer import transports
+from services.trainer.transports import EnginesLeft, GatewayLeft, Unreachable, WeightSyncFailed
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,23 +36,6 @@ ATTEMPTS = 3  # an engine that leaves mid-sync costs one attempt; the others get
 STALL_FACTOR = 1.5  # the gateway's deadline for an engine call is weight_sync_timeout_s: its answer comes first
 GRACE_S = 30.0  # after the watchdog aborted a stalled sync, the sync must return within this
 STALLED_EXIT_CODE = 75
-
-
-class EnginesLeft(Exception):
-    """An engine left the weight group mid-sync: the group is gone, and the sync starts over without it."""
-
-
-class GatewayLeft(Exception):
-    """The gateway did not answer mid-sync (with a fleet of gateways: the coordinator died, and another takes its
-    lease): the sync starts over, through whichever gateway answers; when none does, it fails as other errors do."""
-
-
-class Unreachable(Exception):
-    """No engine joined the weight group: they cannot reach the trainer at its address, which no retry fixes."""
-
-
-class WeightSyncFailed(Exception):
-    """No engine could take the weights, attempt after attempt: the run cannot go on with a policy it cannot serve."""
 
 
 class WeightSender:

@@ -71,10 +71,10 @@ def start_engine(service_process, free_port, tiny_model):
     """`url = start_engine()`: a real engine process of its own on a free port (or `port=`), ready (/health answered
     200); `start_engine.procs[url]` is its process. `module="tests.rollout.faulty_engine"` starts a faulty one."""
 
-    def start(*args: str, port: int | None = None, module: str = "slipstream") -> str:
+    def start(*args: str, port: int | None = None, module: str = "services") -> str:
         return many([args], [port], module)[0]
 
-    def many(args: list, ports: list, module: str = "slipstream") -> list[str]:
+    def many(args: list, ports: list, module: str = "services") -> list[str]:
         """`start_engine.many([args, ...], [port, ...])`: several engines at once (their start-ups overlap)."""
         ports = [port or free_port() for port in ports]
         procs = [service_process("engine", "--model-path", str(tiny_model), "--port", str(port), *a, module=module)

@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed
 
-from slipstream.cli import main
+from services.train.cli import main
 
 NCCL_ERROR = (
     "NCCL error in: ProcessGroupNCCL.cpp:3690, unhandled cuda error (run with NCCL_DEBUG=INFO for details), "

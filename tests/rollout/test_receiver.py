@@ -7,11 +7,12 @@ import socket
 import threading
 
 import httpx
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from services.common.weight_group import bucket_layout, flatten_aligned, init_custom_process_group
-from services.receiver.stream import Bucket, Buffers
+from services.receiver.stream import Bucket, Buffers, Copies, Sync
 from tests.rollout.conftest import wait_healthy, weights_of
 
 
@@ -104,6 +105,23 @@ def test_a_bucket_the_engine_cannot_load_fails_the_sync_naming_it_and_the_next_s
     for name, tensor in sent.items():
         assert torch.equal(weights_of(engine, name), tensor), name
     torch.distributed.destroy_process_group(group)
+
+
+def test_a_sync_that_ends_before_the_engine_connected_ends_the_engines_update_too(start_engine, tiny_model):
+    """The group is destroyed (the gateway gave up) before the engine took the sync's first message, or while its
+    answer is due: the engine is told, and its update ends now rather than at its own deadline (minutes), in which
+    it would keep every later sync out (found by a delta sync under load, whose retries each timed out)."""
+    engine = start_engine()
+    hf = load_file(tiny_model / "model.safetensors")
+    buckets = [Bucket([name], [tensor.dtype], [list(tensor.shape)]) for name, tensor in sorted(hf.items())]
+    cancelled = threading.Event()
+    cancelled.set()
+    with httpx.Client() as client:
+        sync = Sync(None, cancelled, buckets, Copies([torch.device("cpu")]), engine, client, None, False, 120.0,
+                    delta={"version": 1, "base_version": 0})  # fmt: skip
+        with pytest.raises(RuntimeError, match="destroyed while streaming"):
+            sync.run()
+    assert "the sender ended the update: the weight update group was destroyed" in sync.call.result()["message"]
 
 
 def test_the_receivers_room_holds_as_many_buckets_as_its_budget_at_least_three_at_most_the_plans():

@@ -25,7 +25,7 @@ FIRST_NEEDED = ("--hf-checkpoint", "--prompt-data", "--lr", "--advantage-estimat
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "100"}
-    return subprocess.run([sys.executable, "-m", "slipstream", *args], capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", "services", *args], capture_output=True, text=True, env=env)
 
 
 def accepted_flags() -> set[str]:

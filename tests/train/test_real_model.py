@@ -27,7 +27,7 @@ def smollm2(tmp_path_factory) -> Path:
         pytest.skip(str(e))
 
     def convert(folder: Path) -> None:
-        command = [sys.executable, "-m", "slipstream", "convert-gguf", str(gguf), str(folder / "model")]
+        command = [sys.executable, "-m", "services", "convert-gguf", str(gguf), str(folder / "model")]
         subprocess.run(command, check=True, cwd=REPO, capture_output=True, timeout=300)
 
     return made_once(tmp_path_factory, "smollm2", convert) / "model"

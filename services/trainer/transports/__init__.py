@@ -13,6 +13,23 @@ import torch
 GROUPLESS = ("ipc", "disk", "lora")  # the backends whose weights do not travel over a weight group
 
 
+class EnginesLeft(Exception):
+    """An engine left the weight group mid-sync: the group is gone, and the sync starts over without it."""
+
+
+class GatewayLeft(Exception):
+    """The gateway did not answer mid-sync (with a fleet of gateways: the coordinator died, and another takes its
+    lease): the sync starts over, through whichever gateway answers; when none does, it fails as other errors do."""
+
+
+class Unreachable(Exception):
+    """No engine joined the weight group: they cannot reach the trainer at its address, which no retry fixes."""
+
+
+class WeightSyncFailed(Exception):
+    """No engine could take the weights, attempt after attempt: the run cannot go on with a policy it cannot serve."""
+
+
 def backend(config) -> str:
     """What a sync asks the gateway for (PrepareWeightSync's backend)."""
     if config.lora_rank:
@@ -52,7 +69,6 @@ def choose(sender, prepared, version: int, requests: queue.Queue, responses, wat
     from services.trainer.transports.handles import Handles
     from services.trainer.transports.lora import Lora
     from services.trainer.transports.streamed import Streamed
-    from services.trainer.weight_sync import Unreachable
 
     if sender.config.lora_rank:
         return Lora(sender, prepared, version, requests, responses, watchdog)

@@ -7,8 +7,7 @@ import collections
 import torch.distributed as dist
 
 from services.common.weight_group import flatten
-from services.trainer.transports import Transport
-from services.trainer.weight_sync import EnginesLeft
+from services.trainer.transports import EnginesLeft, Transport
 from slipstream.v1 import rollout_pb2
 
 

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from services.common import weight_delta
 from services.common.weight_group import bucket_layout, flatten_aligned
-from services.trainer.transports import Transport
-from services.trainer.weight_sync import EnginesLeft
+from services.trainer.transports import EnginesLeft, Transport
 from slipstream.v1 import rollout_pb2
 
 POLL_S = 0.0005  # how often a wait for a broadcast looks at the gateway's answers
