@@ -152,12 +152,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if (answer := await self._forward("PrepareWeightSync", request, context)) is not None:
             return answer
         prepared = await self.sync.prepare(
-            request.version, sources, request.backend or "nccl", request.delta, request.delta_base_version
+            request.version,
+            sources,
+            request.backend or "nccl",
+            request.transport,
+            request.delta,
+            request.delta_base_version,
         )
-        world_size, ranks, created, streamed, base = prepared
+        world_size, ranks, created, transport, base = prepared
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
         return rollout_pb2.PrepareWeightSyncResponse(
-            world_size=world_size, engines=engines, group_created=created, streamed=streamed, delta_base_version=base
+            world_size=world_size, engines=engines, group_created=created, transport=transport, delta_base_version=base
         )
 
     async def SyncWeightBuckets(self, request_iterator, context):

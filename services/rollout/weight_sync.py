@@ -22,7 +22,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Unavaila
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EVICTED, Engine, EngineFailure, EnginePool, EngineTimeout
 from services.rollout.transports import Bucket, Transport, choose
-from slipstream.v1 import buffer_pb2
+from slipstream.v1 import buffer_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ WAITS_FOR_PEERS = {"/init_weights_update_group", "/update_weights_from_distribut
 class Group:
     members: tuple  # ((engine url, ranks), ...) in rank order
     sources: tuple  # ((group name, master address, port), ...): one group per sender
-    backend: str
+    backend: str  # the group's collective backend (nccl, gloo)
     transport: str = ""  # a group is rebuilt for another transport (its members are others)
     admissions: tuple = ()  # each member's admission count: a re-admitted engine needs a new group
     # The bucket whose failure took the group down; the others in flight failed because of it, not of their engines.
@@ -72,15 +72,22 @@ class WeightSync:
         self.transport: Transport = choose("nccl", [], config)  # of the open sync
 
     async def prepare(
-        self, version: int, sources: list[tuple[str, str, int]], backend: str, delta: bool = False, delta_base: int = 0
+        self,
+        version: int,
+        sources: list[tuple[str, str, int]],
+        backend: str,
+        asked: int = rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED,
+        delta: bool = False,
+        delta_base: int = 0,
     ):
-        """`sources`: (group name, master address, port) of each sender; `delta`: the senders send deltas against
-        version `delta_base` where every engine holds it. Returns (world size, [(url, rank offset, ranks)], whether
-        the senders must join new groups, whether the sync is streamed, the delta's base version or 0). Called again
-        with the same version after an engine left, it starts the sync over with the engines still healthy."""
+        """`sources`: (group name, master address, port) of each sender; `backend`: a weight group's collective
+        backend; `asked`: the WeightTransport the trainer asks for; `delta`: the senders send deltas against version
+        `delta_base` where every engine holds it. Returns (world size, [(url, rank offset, ranks)], whether the
+        senders must join new groups, the WeightTransport chosen, the delta's base version or 0). Called again with
+        the same version after an engine left, it starts the sync over with the engines still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
             raise InvalidArgument("sources", f"each sender needs its own group_name, got {[n for n, _, _ in sources]}")
-        asked = choose(backend, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
+        kind = choose(asked, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
         if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
             await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
         self._watch(0)
@@ -94,7 +101,7 @@ class WeightSync:
             await self._break("joining", [])
         await self._mark_syncing(True)
         # A dead member would stall the group: pausing weeds them out (a failed control call evicts), or a probe.
-        if self.pool.running.is_set() and asked.pauses:
+        if self.pool.running.is_set() and kind.pauses:
             await self.pool.pause(self.config.pause_mode)
         else:
             await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))
@@ -102,7 +109,7 @@ class WeightSync:
         if not engines:  # the pool goes on (its health checks pause with it): a restarted engine is re-admitted
             await self.pool.resume()
             raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
-        transport = choose(backend, engines, self.config, self.pool.adapters)
+        transport = choose(asked, engines, self.config, self.pool.adapters)
         members = tuple((e.url, transport.member(e)[1]) for e in engines)
         group = Group(members, tuple(sources), backend, transport.name, tuple(e.admissions for e in engines))
         offsets = [1 + sum(ranks for _, ranks in members[:i]) for i in range(len(members))]
@@ -137,7 +144,7 @@ class WeightSync:
             await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
         self._watch()
         ranks = [(url, offset, n) for (url, n), offset in zip(members, offsets, strict=True)]
-        return world_size, ranks, created, transport.streamed, base
+        return world_size, ranks, created, transport.kind, base
 
     async def _rehost(self, version: int, group: Group) -> None:
         """The engines taking part changed, and a sender offers the port of its old group: it must host the new one

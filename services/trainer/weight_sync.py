@@ -165,13 +165,13 @@ class WeightSender:
             self.stream.cancel()
 
     def _send(self, version: int, buckets, watchdog: "Watchdog") -> None:
-        backend = transports.backend(self.config)
+        grouped = transports.asked(self.config) == rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED
         started = time.perf_counter()
-        prepared = self._prepare(version, backend)
-        if backend not in transports.GROUPLESS and (prepared.group_created or self.group is None):
+        prepared = self._prepare(version, grouped)
+        if grouped and (prepared.group_created or self.group is None):
             watchdog.progress("joining the weight group")  # its own deadline, the timeout, ends first
             self._drop_group()
-            self._join(backend, prepared)
+            self._join(prepared)
         watchdog.progress("after joining the weight group")
         self.timings = {"prepare_s": time.perf_counter() - started}
         requests: queue.Queue = queue.Queue()
@@ -189,10 +189,10 @@ class WeightSender:
             self.stream = None
         self.timings["send_s"] = time.perf_counter() - started - self.timings["prepare_s"]
 
-    def _prepare(self, version: int, backend: str) -> rollout_pb2.PrepareWeightSyncResponse:
-        """The coordinator prepares the sync for every sender's group; a sender that lost its group offers a new
-        address (port), for which the gateway builds new groups."""
-        if self.group is None and backend not in transports.GROUPLESS:
+    def _prepare(self, version: int, grouped: bool) -> rollout_pb2.PrepareWeightSyncResponse:
+        """The coordinator prepares the sync for every sender's group (`grouped`: the weights go over one); a sender
+        that lost its group offers a new address (port), for which the gateway builds new groups."""
+        if self.group is None and grouped:
             self._listen()
         mine = rollout_pb2.WeightSource(master_address=self.address, master_port=self.port, group_name=self.group_name)
         sources = [mine]
@@ -206,7 +206,8 @@ class WeightSender:
                     rollout_pb2.PrepareWeightSyncRequest(
                         version=version,
                         sources=sources,
-                        backend=backend,
+                        backend=transports.group_backend(),
+                        transport=transports.asked(self.config),
                         delta=self.config.update_weight_mode == "delta",
                         delta_base_version=self.copies_version,
                     ),
@@ -244,7 +245,7 @@ class WeightSender:
         name = type(self.transport).__name__.lower()
         log.info("weights of version %d sent to %d engine(s) (%s)", version, live, name)
 
-    def _join(self, backend: str, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
+    def _join(self, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
         """Hosts the weight group as rank 0 and waits for the engines to join it."""
         address = f"{self.address}:{self.port}"
         # Each group on a port of its own, held since Prepare: the gateway never has a group rebuilt on a port hosted
@@ -254,7 +255,7 @@ class WeightSender:
             raise EnginesLeft("the gateway built a new weight group on the port of the old one")
         try:
             self.group = init_custom_process_group(
-                backend,
+                transports.group_backend(),
                 f"tcp://{address}",
                 prepared.world_size,
                 0,

@@ -15,11 +15,26 @@ class EngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_STATE_HEALTHY: _ClassVar[EngineState]
     ENGINE_STATE_EVICTED: _ClassVar[EngineState]
     ENGINE_STATE_DRAINING: _ClassVar[EngineState]
+
+class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHT_TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_BROADCAST: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_STREAMED: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_HANDLES: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_DISK: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_LORA: _ClassVar[WeightTransport]
 ENGINE_STATE_UNSPECIFIED: EngineState
 ENGINE_STATE_STARTING: EngineState
 ENGINE_STATE_HEALTHY: EngineState
 ENGINE_STATE_EVICTED: EngineState
 ENGINE_STATE_DRAINING: EngineState
+WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
+WEIGHT_TRANSPORT_BROADCAST: WeightTransport
+WEIGHT_TRANSPORT_STREAMED: WeightTransport
+WEIGHT_TRANSPORT_HANDLES: WeightTransport
+WEIGHT_TRANSPORT_DISK: WeightTransport
+WEIGHT_TRANSPORT_LORA: WeightTransport
 
 class EngineInfo(_message.Message):
     __slots__ = ("url", "tp_size", "state", "weight_version", "num_outstanding_requests", "model_path", "last_error")
@@ -133,7 +148,7 @@ class EngineRank(_message.Message):
     def __init__(self, url: _Optional[str] = ..., rank_offset: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class PrepareWeightSyncRequest(_message.Message):
-    __slots__ = ("version", "master_address", "master_port", "group_name", "backend", "sources", "delta", "delta_base_version")
+    __slots__ = ("version", "master_address", "master_port", "group_name", "backend", "sources", "delta", "delta_base_version", "transport")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +157,7 @@ class PrepareWeightSyncRequest(_message.Message):
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     version: int
     master_address: str
     master_port: int
@@ -150,7 +166,8 @@ class PrepareWeightSyncRequest(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[WeightSource]
     delta: bool
     delta_base_version: int
-    def __init__(self, version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[WeightSource, _Mapping]]] = ..., delta: _Optional[bool] = ..., delta_base_version: _Optional[int] = ...) -> None: ...
+    transport: WeightTransport
+    def __init__(self, version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[WeightSource, _Mapping]]] = ..., delta: _Optional[bool] = ..., delta_base_version: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
 
 class WeightSource(_message.Message):
     __slots__ = ("master_address", "master_port", "group_name")
@@ -163,18 +180,18 @@ class WeightSource(_message.Message):
     def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ...) -> None: ...
 
 class PrepareWeightSyncResponse(_message.Message):
-    __slots__ = ("world_size", "engines", "group_created", "streamed", "delta_base_version")
+    __slots__ = ("world_size", "engines", "group_created", "delta_base_version", "transport")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     GROUP_CREATED_FIELD_NUMBER: _ClassVar[int]
-    STREAMED_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineRank]
     group_created: bool
-    streamed: bool
     delta_base_version: int
-    def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ..., streamed: _Optional[bool] = ..., delta_base_version: _Optional[int] = ...) -> None: ...
+    transport: WeightTransport
+    def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ..., delta_base_version: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
     __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name", "num_buckets", "plan")

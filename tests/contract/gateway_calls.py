@@ -25,7 +25,7 @@ from services.rollout.transports import Bucket
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
 from slipstream import samples
-from slipstream.v1 import common_pb2
+from slipstream.v1 import common_pb2, rollout_pb2
 from tests.python_source import parse
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,10 +97,12 @@ async def _drive(url: str) -> None:
         await sync.prepare(1, sources, "nccl")
         await sync.bucket(Bucket(0, ["w"], ["bfloat16"], [[2, 2]], "flattened_bucket", (), "weights-0"))
         await sync.commit(1)
-        await sync.prepare(2, sources, "ipc")
+        await sync.prepare(2, sources, "", rollout_pb2.WEIGHT_TRANSPORT_HANDLES)
         await sync.bucket(Bucket(0, ["w"], ["bfloat16"], [[2, 2]], "", (b"handles",)))
         await sync.abort(2, "the trainer went away")
-        await sync.prepare(3, sources, "disk")  # --update-weight-transport disk: loaded at the commit
+        await sync.prepare(
+            3, sources, "", rollout_pb2.WEIGHT_TRANSPORT_DISK
+        )  # --update-weight-transport disk: loaded at the commit
         await sync.bucket(Bucket(0, ["w"], ["bfloat16"], [[2, 2]], "", (), "weights-0"))
         await sync.commit(3)
     finally:
@@ -117,7 +119,7 @@ async def _drive_lora(url: str) -> None:
         await pool.register(url)
         sync = WeightSync(config, pool, _Buffer())
         for version in (1, 2):
-            await sync.prepare(version, [("weights-0", "127.0.0.1", 29500)], "lora")
+            await sync.prepare(version, [("weights-0", "127.0.0.1", 29500)], "", rollout_pb2.WEIGHT_TRANSPORT_LORA)
             await sync.bucket(Bucket(0, ["w.lora_A.weight"], ["bfloat16"], [[2, 2]], "", (), "weights-0"))
             await sync.commit(version)
             group = _group_with_partial_sample()

@@ -8,6 +8,10 @@ from services.common.errors import FailedPrecondition
 from services.rollout.config import RolloutConfig
 from services.rollout.transports import Bucket, choose
 from services.rollout.transports.streamed import receiver_url
+from slipstream.v1 import rollout_pb2
+
+UNSPECIFIED, HANDLES, DISK = (rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED, rollout_pb2.WEIGHT_TRANSPORT_HANDLES,
+                              rollout_pb2.WEIGHT_TRANSPORT_DISK)  # fmt: skip
 
 
 def _engine(url: str, ordered: bool = True, tp: int = 2):
@@ -18,20 +22,20 @@ def _config(offset: int | None = None, disk: str | None = None) -> RolloutConfig
     return RolloutConfig(weight_receiver_port_offset=offset, update_weight_disk_dir=disk)
 
 
-def test_each_sync_takes_the_transport_its_setting_says():
+def test_each_sync_takes_the_transport_the_trainer_asks_for_or_the_gateways_settings_say():
     engines = [_engine("http://a:30000"), _engine("http://b:30000", ordered=False)]
-    assert choose("ipc", engines, _config(1)).name == "handles"  # colocated, whatever else is set
-    assert choose("disk", engines, _config(1, "/shared/w")).name == "disk"  # the trainer's setting
-    assert choose("nccl", engines, _config(100)).name == "streamed"
-    broadcast = choose("nccl", engines, _config())
+    assert choose(HANDLES, engines, _config(1)).name == "handles"  # colocated, whatever else is set
+    assert choose(DISK, engines, _config(1, "/shared/w")).name == "disk"  # the trainer's setting
+    assert choose(UNSPECIFIED, engines, _config(100)).kind == rollout_pb2.WEIGHT_TRANSPORT_STREAMED  # receivers
+    broadcast = choose(UNSPECIFIED, engines, _config())
     assert broadcast.name == "broadcast" and not broadcast.ordered  # one engine takes one bucket at a time
-    assert choose("gloo", engines[:1], _config()).ordered
+    assert choose(UNSPECIFIED, engines[:1], _config()).ordered
 
 
 def test_a_disk_sync_loads_the_versions_folder_as_the_engines_see_it_at_the_commit():
     with pytest.raises(FailedPrecondition, match="--update-weight-disk-dir"):
-        choose("disk", [], _config())
-    disk = choose("disk", [], _config(disk="/mnt/weights/"))
+        choose(DISK, [], _config())
+    disk = choose(DISK, [], _config(disk="/mnt/weights/"))
     engines = [_engine("http://a:30000"), _engine("http://b:30000")]
     assert not disk.uses_group and disk.requests(engines, Bucket(0, ["w"], ["bfloat16"], [[2]])) is None
     path, bodies = disk.loads(engines, 42)
@@ -48,7 +52,7 @@ def test_a_receiver_is_on_its_engines_host_at_the_offset_port():
 
 
 def test_a_streamed_sync_delivers_each_senders_plan_once_it_is_complete():
-    streamed = choose("nccl", [], _config(1))
+    streamed = choose(UNSPECIFIED, [], _config(1))
     engines = [_engine("http://a:30000", tp=2)]
     assert streamed.member(engines[0]) == ("http://a:30001", 1)  # one rank per engine, whatever its TP size
     first = Bucket(0, ["w1"], ["bfloat16"], [[2, 2]], group_name="g0", num_buckets=2)
@@ -75,13 +79,13 @@ def test_the_last_senders_whole_plan_carries_the_syncs_version():
     commit posts none; a sender's first sync, a plan of one a bucket, leaves the version to the commit."""
     engines = [_engine("http://a:30000")]
     whole = ((["w"], ["bfloat16"], [[2]]),)
-    streamed = choose("nccl", [], _config(1))
+    streamed = choose(UNSPECIFIED, [], _config(1))
     streamed.open(7, ["g0", "g1"])
     first = streamed.requests(engines, Bucket(0, [], [], [], group_name="g0", num_buckets=1, plan=whole))[1]
     assert "weight_version" not in first["http://a:30000"] and not streamed.labelled
     last = streamed.requests(engines, Bucket(0, [], [], [], group_name="g1", num_buckets=1, plan=whole))[1]
     assert last["http://a:30000"]["weight_version"] == "7" and streamed.labelled
-    first_sync = choose("nccl", [], _config(1))
+    first_sync = choose(UNSPECIFIED, [], _config(1))
     first_sync.open(1, ["g0"])
     body = first_sync.requests(engines, Bucket(0, ["w"], ["bfloat16"], [[2]], group_name="g0"))[1]
     assert "weight_version" not in body["http://a:30000"] and not first_sync.labelled

@@ -1,13 +1,15 @@
-"""How a weight sync's buckets reach the engines, one module per transport, chosen at each PrepareWeightSync
-(`choose`, the pool's LoRA adapters at hand for `lora`): `broadcast` (each bucket posted to the engines'
-/update_weights_from_distributed while the trainer broadcasts it), `handles` (colocated: the bucket's CUDA IPC
-handles, posted to /update_weights_from_tensor), `streamed` (the sync's whole plan to the weight receiver beside each
-engine, the buckets streamed with no call between them), `disk` (a checkpoint folder the trainer wrote, loaded at
-the commit) and `lora` (an adapter folder the same way, loaded beside the base weights). The sync itself
-(services/rollout/weight_sync.py) holds the group, the sessions, faults and commits, and asks the transport only
-what differs."""
+"""How a weight sync's buckets reach the engines, one module per transport (a WeightTransport of rollout.proto),
+chosen by the gateway at each PrepareWeightSync (`choose`, the pool's LoRA adapters at hand for `lora`): `broadcast`
+(each bucket posted to the engines' /update_weights_from_distributed while the trainer broadcasts it), `handles`
+(colocated: the bucket's CUDA IPC handles, posted to /update_weights_from_tensor), `streamed` (the sync's whole plan
+to the weight receiver beside each engine, the buckets streamed with no call between them), `disk` (a checkpoint
+folder the trainer wrote, loaded at the commit) and `lora` (an adapter folder the same way, loaded beside the base
+weights). The sync itself (services/rollout/weight_sync.py) holds the group, the sessions, faults and commits, and
+asks the transport only what differs."""
 
 from dataclasses import dataclass
+
+from slipstream.v1 import rollout_pb2
 
 
 @dataclass(frozen=True)
@@ -26,12 +28,16 @@ class Bucket:
 
 
 class Transport:
-    name = ""
+    kind = rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED
     uses_group = True  # the members join the senders' weight groups
     ordered = False  # a bucket is posted while those before it still load
     streamed = False  # the trainer sends its whole plan first and awaits no answer between buckets
     pauses = True  # the engines pause for the sync, and take its version as their own at the commit
     labelled = False  # the engines took the sync's version with its last bucket: none is posted at the commit
+
+    @property
+    def name(self) -> str:
+        return rollout_pb2.WeightTransport.Name(self.kind).removeprefix("WEIGHT_TRANSPORT_").lower()
 
     def open(self, version: int, groups: list[str]) -> None:
         """A sync of `version` begins, over the weight groups `groups` (one a sender)."""
@@ -57,18 +63,20 @@ class Transport:
         """The engines at `loaded` serve the sync's version now."""
 
 
-def choose(backend: str, engines: list, config, adapters=None) -> Transport:
+def choose(asked: int, engines: list, config, adapters=None) -> Transport:
+    """The gateway's choice for what the trainer `asked` (a WeightTransport): its own, or, for a weight group, the
+    receivers' streamed path where the gateway has them, else the engines' broadcast."""
     from services.rollout.transports.broadcast import Broadcast
     from services.rollout.transports.disk import Disk
     from services.rollout.transports.handles import Handles
     from services.rollout.transports.lora import Lora
     from services.rollout.transports.streamed import Streamed
 
-    if backend == "lora":
+    if asked == rollout_pb2.WEIGHT_TRANSPORT_LORA:
         return Lora(config.update_weight_disk_dir, adapters)
-    if backend == "ipc":
+    if asked == rollout_pb2.WEIGHT_TRANSPORT_HANDLES:
         return Handles()
-    if backend == "disk":
+    if asked == rollout_pb2.WEIGHT_TRANSPORT_DISK:
         return Disk(config.update_weight_disk_dir)
     if config.weight_receiver_port_offset is not None:
         return Streamed(config.weight_receiver_port_offset)

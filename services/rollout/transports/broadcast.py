@@ -3,10 +3,11 @@ them. Engines that take ordered buckets (`sequence`: the reference engine) are p
 they still receive or load this one; others (SGLang) once every engine answered this one."""
 
 from services.rollout.transports import Bucket, Transport
+from slipstream.v1 import rollout_pb2
 
 
 class Broadcast(Transport):
-    name = "broadcast"
+    kind = rollout_pb2.WEIGHT_TRANSPORT_BROADCAST
 
     def __init__(self, ordered: bool):
         self.ordered = ordered

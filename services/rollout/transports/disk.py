@@ -8,10 +8,11 @@ from pathlib import PurePosixPath
 from services.common import weight_folders
 from services.common.errors import FailedPrecondition
 from services.rollout.transports import Bucket, Transport
+from slipstream.v1 import rollout_pb2
 
 
 class Disk(Transport):
-    name = "disk"
+    kind = rollout_pb2.WEIGHT_TRANSPORT_DISK
     uses_group = False
 
     def __init__(self, folder: str | None):

@@ -4,10 +4,11 @@ GPU, posted to the engines' /update_weights_from_tensor; no weight group."""
 import base64
 
 from services.rollout.transports import Bucket, Transport
+from slipstream.v1 import rollout_pb2
 
 
 class Handles(Transport):
-    name = "handles"
+    kind = rollout_pb2.WEIGHT_TRANSPORT_HANDLES
     uses_group = False
 
     def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict]:

@@ -7,10 +7,11 @@ the engines may serve other runs' adapters as well, so nothing is paused and the
 from services.common import weight_folders
 from services.common.errors import FailedPrecondition
 from services.rollout.transports.disk import Disk
+from slipstream.v1 import rollout_pb2
 
 
 class Lora(Disk):
-    name = "lora"
+    kind = rollout_pb2.WEIGHT_TRANSPORT_LORA
     pauses = False
 
     def __init__(self, folder: str | None, adapters):

@@ -8,10 +8,11 @@ load that succeeded: the commit has no version to post."""
 from urllib.parse import urlsplit, urlunsplit
 
 from services.rollout.transports import Bucket, Transport
+from slipstream.v1 import rollout_pb2
 
 
 class Streamed(Transport):
-    name = "streamed"
+    kind = rollout_pb2.WEIGHT_TRANSPORT_STREAMED
     streamed = True
 
     def __init__(self, port_offset: int):

@@ -1,5 +1,6 @@
-"""How the trainer's sender sends a sync's buckets once the gateway prepared it, one module per transport, chosen by
-the settings and the gateway's answer (`choose`): `broadcast` (each bucket's specs to the gateway, then its
+"""How the trainer's sender sends a sync's buckets once the gateway prepared it, one module per transport (a
+WeightTransport of rollout.proto): the trainer asks for one (`asked`), the gateway decides, and `choose` takes the
+sender's half of the gateway's choice: `broadcast` (each bucket's specs to the gateway, then its
 broadcast, a few in flight), `handles` (colocated: the bucket's tensor handles, every GPU's), `streamed` (the whole
 plan first, then every bucket's bytes, with no answer awaited between them) and `disk` (an HF checkpoint the engines
 load at the commit). The sync itself (services/trainer/weight_sync.py) holds the groups, attempts, the watchdog and
@@ -10,7 +11,7 @@ import queue
 
 import torch
 
-GROUPLESS = ("ipc", "disk", "lora")  # the backends whose weights do not travel over a weight group
+from slipstream.v1 import rollout_pb2
 
 
 class EnginesLeft(Exception):
@@ -30,14 +31,20 @@ class WeightSyncFailed(Exception):
     """No engine could take the weights, attempt after attempt: the run cannot go on with a policy it cannot serve."""
 
 
-def backend(config) -> str:
-    """What a sync asks the gateway for (PrepareWeightSync's backend)."""
+def asked(config) -> int:
+    """The WeightTransport a sync asks the gateway for: its own for LoRA, disk and colocation; unspecified for a
+    weight group, where the gateway picks broadcast or streamed."""
     if config.lora_rank:
-        return "lora"
+        return rollout_pb2.WEIGHT_TRANSPORT_LORA
     if config.update_weight_transport == "disk":
-        return "disk"
+        return rollout_pb2.WEIGHT_TRANSPORT_DISK
     if config.colocate:
-        return "ipc"
+        return rollout_pb2.WEIGHT_TRANSPORT_HANDLES
+    return rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED
+
+
+def group_backend() -> str:
+    """A weight group's collective backend."""
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -64,20 +71,25 @@ class Transport:
 
 
 def choose(sender, prepared, version: int, requests: queue.Queue, responses, watchdog) -> Transport:
+    """The sender's half of the transport the gateway chose (PrepareWeightSyncResponse.transport)."""
     from services.trainer.transports.broadcast import Broadcast
     from services.trainer.transports.disk import Disk
     from services.trainer.transports.handles import Handles
     from services.trainer.transports.lora import Lora
     from services.trainer.transports.streamed import Streamed
 
-    if sender.config.lora_rank:
-        return Lora(sender, prepared, version, requests, responses, watchdog)
-    if sender.config.update_weight_mode == "delta" and not prepared.streamed:
+    halves = {
+        rollout_pb2.WEIGHT_TRANSPORT_BROADCAST: Broadcast,
+        rollout_pb2.WEIGHT_TRANSPORT_STREAMED: Streamed,
+        rollout_pb2.WEIGHT_TRANSPORT_HANDLES: Handles,
+        rollout_pb2.WEIGHT_TRANSPORT_DISK: Disk,
+        rollout_pb2.WEIGHT_TRANSPORT_LORA: Lora,
+    }
+    if sender.config.update_weight_mode == "delta" and prepared.transport != rollout_pb2.WEIGHT_TRANSPORT_STREAMED:
         raise Unreachable(
             "--update-weight-mode delta needs a weight receiver beside each engine: start the gateway "
             "with --weight-receiver-port-offset (docs/rollout.md, 'Streamed weight sync')"
         )
-    if sender.config.update_weight_transport == "disk":
-        return Disk(sender, prepared, version, requests, responses, watchdog)
-    kind = Handles if sender.config.colocate else Streamed if prepared.streamed else Broadcast
-    return kind(sender, prepared, version, requests, responses, watchdog)
+    if prepared.transport not in halves:
+        raise Unreachable(f"the gateway chose weight transport {prepared.transport}, which this trainer does not know")
+    return halves[prepared.transport](sender, prepared, version, requests, responses, watchdog)
