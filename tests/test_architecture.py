@@ -135,3 +135,24 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     found.append(sorted(component))
     return found
+
+
+def test_a_flag_that_several_services_take_is_a_shared_groups():
+    """A run fact is declared once (services/common/run_facts.py), as the server's and Redis's settings are: no two
+    services declare a flag of the same name, which could mean two things or disagree."""
+    from services.buffer.config import BufferConfig
+    from services.common.config import ServiceConfig, field_flags
+    from services.common.redis_connection import RedisConfig
+    from services.common.run_facts import RunConfig
+    from services.reward.config import RewardConfig
+    from services.rollout.config import RolloutConfig
+    from services.trainer.config import TrainerConfig
+
+    takers: dict[str, list[str]] = {}
+    for name, model in (("buffer", BufferConfig), ("reward", RewardConfig), ("rollout", RolloutConfig),
+                        ("trainer", TrainerConfig)):  # fmt: skip
+        for item in field_flags(model):
+            takers.setdefault(item.flag, []).append(name)
+    shared = {item.flag for model in (ServiceConfig, RunConfig) for item in field_flags(model)}
+    shared |= {item.flag for item in field_flags(RedisConfig, ("redis",))}
+    assert {flag: names for flag, names in takers.items() if len(names) > 1 and flag not in shared} == {}

@@ -10,6 +10,7 @@ from services.common import eval_sets
 from services.common.config import ServiceConfig
 from services.common.eval_sets import EvalSets
 from services.common.redis_connection import RedisConfig
+from services.common.run_facts import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -17,10 +18,10 @@ log = logging.getLogger(__name__)
 class BufferConfig(ServiceConfig):
     """The data buffer: owns datasets and all sample state, in Redis."""
 
+    run: RunConfig = RunConfig()  # the run's facts, as every service has them (services/common/run_facts.py)
+
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port; 0 picks a free one (logged at start)."""
-    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
-    """Name of the run: its Redis namespace and its folder under --output-dir."""
     output_dir: Path = Path("runs")
     """Folder of all runs; this run's files (and the embedded Redis data) go to <output-dir>/<run-id>."""
     redis: RedisConfig = RedisConfig()
@@ -30,9 +31,6 @@ class BufferConfig(ServiceConfig):
     """Training prompts: a .jsonl or .parquet file, optionally sliced by rows as path@[a:b]."""
     eval_prompt_data: list[str] = []
     """Evaluation sets as name/path pairs: aime a.jsonl gsm8k g.parquet@[0:500]."""
-    eval_config: Path | None = None
-    """slime's multi-task evaluation file (YAML): each set's path, keys, reward type, samples per prompt and sampling
-    (services/common/eval_sets.py); given, --eval-prompt-data is ignored (as in slime)."""
     eval_input_key: str | None = None
     """Row field of the eval sets' prompts; unset takes --input-key."""
     eval_label_key: str | None = None
@@ -49,8 +47,6 @@ class BufferConfig(ServiceConfig):
     """Row field holding per-prompt metadata (an object, or a JSON string); carried to rollout and reward."""
     tool_key: str | None = None
     """Row field holding tool specs for the chat template (a list, or a JSON string)."""
-    hf_checkpoint: str | None = None
-    """HF checkpoint folder (or tokenizer folder) whose tokenizer and chat template tokenize the prompts."""
     apply_chat_template: bool = False
     """Render prompts through the tokenizer's chat template with add_generation_prompt."""
     apply_chat_template_kwargs: dict = {}
@@ -63,8 +59,6 @@ class BufferConfig(ServiceConfig):
     """Seed of the per-epoch shuffle."""
     num_epoch: int | None = Field(None, ge=1)
     """Stop handing out prompts after this many passes over the data."""
-    num_rollout: int | None = Field(None, ge=1)
-    """Number of training steps (rollouts) of the run; no prompts are handed out beyond what they need."""
     streaming_data: bool = False
     """Read datasets lazily in blocks (JSONL byte ranges, Parquet row groups) instead of all at start-up."""
     num_data_workers: int = Field(1, ge=0, le=64)
@@ -75,10 +69,6 @@ class BufferConfig(ServiceConfig):
     """A custom prompt source class (pkg.mod:Class) with slime's get_samples(n) contract; replaces --prompt-data."""
 
     # Groups, batches and filters
-    rollout_batch_size: int = Field(32, ge=1)
-    """Prompt groups per training step."""
-    n_samples_per_prompt: int = Field(1, ge=1)
-    """Responses generated per prompt (the size of a group)."""
     n_samples_per_eval_prompt: int = Field(1, ge=1)
     """Responses generated per prompt of an eval set."""
     over_sampling_batch_size: int | None = Field(None, ge=1)
@@ -98,8 +88,9 @@ class BufferConfig(ServiceConfig):
     """Cap on leased plus completed groups; at the cap leases return none (backpressure) until batches drain."""
     balance_data: bool = True
     """Split each step's groups across data-parallel ranks balanced by token count."""
-    lease_seconds: float = Field(600.0, gt=0)
-    """Default lease length; a worker extends its leases while it works, an expired lease returns the group."""
+    default_lease_seconds: float = Field(600.0, gt=0)
+    """Lease length of a LeasePrompts or ExtendLease call that asks for none (the gateway asks for its
+    --lease-seconds); a worker extends its leases while it works, an expired lease returns the group."""
     batch_timeout_s: float = Field(600.0, gt=0)
     """Default wait of GetBatch for enough eligible groups."""
     expire_interval_s: float = Field(1.0, gt=0)

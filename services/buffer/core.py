@@ -115,9 +115,9 @@ class Buffer:
         if not 0 <= lease_seconds <= MAX_LEASE_S:  # also refuses NaN
             raise InvalidArgument(
                 "lease_seconds",
-                f"must be 0 (the buffer's --lease-seconds) to {MAX_LEASE_S} seconds, got {lease_seconds}",
+                f"must be 0 (the buffer's --default-lease-seconds) to {MAX_LEASE_S} seconds, got {lease_seconds}",
             )
-        return int((lease_seconds or self.config.lease_seconds) * 1000)
+        return int((lease_seconds or self.config.default_lease_seconds) * 1000)
 
     async def lease(self, max_groups: int, lease_seconds: float, dataset: str) -> LeaseResult:
         if max_groups < 0:

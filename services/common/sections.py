@@ -41,7 +41,7 @@ RULES = (
     ("weight sync", ("*weight*", "pause_mode", "buffer_mib")),
     ("deployment", ("host", "port", "*_port", "*_addr", "*_urls", "engine_url", "*api_key*", "allowed_*",
                     "*health_check*", "*timeout*", "*_retries", "grace_period_s", "max_message_mb", "keepalive_*",
-                    "engine_discovery*", "fleet_*", "use_router", "lease_seconds", "expire_interval_s",
+                    "engine_discovery*", "fleet_*", "use_router", "*lease_seconds", "expire_interval_s",
                     "use_fault_tolerance")),
     ("reward", ("*reward*", "num_workers")),
     ("model", ("hf_checkpoint", "load", "save", "save_*", "*lora*", "target_modules", "model_path", "dtype")),

@@ -1,33 +1,26 @@
 """Configuration of the reward service. Names follow slime's arguments (`--rm-type`, `--custom-rm-path`, …)."""
 
 import os
-from pathlib import Path
 
 from pydantic import Field, model_validator
 
 from services.common import eval_sets
 from services.common.config import HostPort, HttpUrl, ServiceConfig
+from services.common.run_facts import RunConfig
 
 
 class RewardConfig(ServiceConfig):
     """The reward service: built-in verifiers, custom reward functions and remote reward models."""
 
+    run: RunConfig = RunConfig()  # the run's facts, as every service has them (services/common/run_facts.py)
+
     port: int = Field(50053, ge=0, le=65535)
     """gRPC port; 0 picks a free one (logged at start)."""
-    rm_type: str = "math"
-    """Default reward type: math, deepscaler, dapo, gsm8k, exact, f1, multiple_choice, random (a boxed_ prefix
-    extracts \\boxed{} first), remote_rm (HTTP, --rm-url) or remote_grpc (--rm-grpc-addr). A request's or an item's
-    rm_type (also metadata.rm_type) overrides it."""
     custom_rm_path: str | None = None
     """Your reward function (pkg.mod:fn or file.py:fn), fn(args, sample) -> number or dict, sync or async; with
     --group-rm, fn(args, samples) -> list. It replaces the built-in types."""
-    group_rm: bool = False
-    """--custom-rm-path scores a whole group at once (ScoreGroup)."""
     custom_rm_args: dict = {}
     """Settings for your reward function, as JSON (it reads them as args.custom_rm_args)."""
-    eval_config: Path | None = None
-    """slime's multi-task evaluation file (as the buffer's and the gateway's): each set's rm_type is checked at start
-    (the buffer puts it in every prompt's metadata, which overrides --rm-type)."""
     reward_key: str = "score"
     """When a reward function returns a dict, the key of the trained reward; the other numbers become details."""
     reward_on_error: float = 0.0

@@ -9,11 +9,14 @@ from services.common import eval_sets
 from services.common.config import HttpUrl, ServiceConfig
 from services.common.eval_sets import EvalSets
 from services.common.redis_connection import RedisConfig
+from services.common.run_facts import RunConfig
 from services.rollout.allowlist import LOOPBACK
 
 
 class RolloutConfig(ServiceConfig):
     """The rollout gateway: engine pool, rollout workers, evaluation and the weight-sync control plane."""
+
+    run: RunConfig = RunConfig()  # the run's facts, as every service has them (services/common/run_facts.py)
 
     port: int = Field(50052, ge=0, le=65535)
     """gRPC port; 0 picks a free one (logged at start)."""
@@ -39,15 +42,8 @@ class RolloutConfig(ServiceConfig):
     """A health check (/health_generate) slower than this counts as a failure."""
     rollout_health_check_failures: int = Field(2, ge=1)
     """Consecutive failures (health checks or requests) that evict an engine; it is re-admitted once healthy."""
-    buffer_addr: str = "localhost:50051"
-    """The buffer service (host:port) that leases prompt groups and takes finished ones."""
     reward_addr: str = "localhost:50053"
     """The reward service (host:port) that scores samples."""
-    rm_type: str = ""
-    """Reward type asked of the reward service; empty uses the reward service's own default."""
-    group_rm: bool = False
-    """Score each group with one ScoreGroup call (a reward service whose --custom-rm-path sees the whole group, e.g. a
-    pairwise judge), as slime's --group-rm; off, samples are scored one by one (in one Score call per group)."""
     rollout_concurrency: int = Field(64, ge=1)
     """Prompt groups generated at once."""
     lease_seconds: float = Field(120.0, gt=0)
@@ -67,40 +63,16 @@ class RolloutConfig(ServiceConfig):
     affinity_slack: int = Field(4, ge=0)
     """Samples of one prompt group go to the same engine (its prefix cache) unless it has this many more requests
     in flight than the least busy engine."""
-    weight_sync_timeout_s: float = Field(120.0, gt=0)
-    """Deadline of each engine call of a weight sync (joining the group, loading a bucket, committing); an engine
-    past it is evicted and the sync goes on without it."""
-    use_opd: bool = False
-    """On-policy distillation (slime's): with --opd-type sglang, the teacher's log-prob of every response token is
-    fetched from teacher engines as each training group finishes, and stored with its samples."""
-    opd_type: Literal["sglang", "megatron"] | None = None
-    """sglang: the teacher engines are this gateway's (--opd-teacher-urls, --opd-teacher-hf-checkpoint); megatron:
-    the trainer runs the teacher, and the gateway does nothing for it."""
     opd_teacher_urls: list[HttpUrl] = []
     """Engines serving the teacher model (SGLang servers, or `slipstream engine`), SGLang's /generate."""
     opd_teacher_hf_checkpoint: str | None = None
     """Launch teacher engines serving this HF folder (as the policy's engines are, on the GPUs after theirs)."""
     opd_teacher_num_gpus: int = Field(1, ge=1)
     """GPUs of the launched teacher engines (--rollout-num-gpus-per-engine each)."""
-    update_weight_disk_dir: str | None = None
-    """The folder a trainer with --update-weight-transport disk writes each sync's checkpoint into, as the engines
-    see it (the trainer's --update-weight-disk-dir, mounted here or elsewhere): the engines load
-    `<folder>/weight_v000042` through /update_weights_from_disk (with --lora-rank, /load_lora_adapter). Reference
-    engines this gateway launches may load from it (their --weight-disk-dir)."""
-    lora_rank: int = Field(0, ge=0)
-    """The trainer trains LoRA adapters of this rank (0: none): each sync is an adapter the engines load under a name
-    of this run and version, and every request asks for the live one; engines this gateway launches get SGLang's
-    --enable-lora, --max-lora-rank and --lora-target-modules (docs/rollout.md, "LoRA")."""
-    target_modules: list[str] = ["all-linear"]
-    """The layers the trainer's adapters target (its --target-modules): the engines' --lora-target-modules."""
     weight_receiver_port_offset: int | None = Field(None, ge=-65535, le=65535)
     """Each engine has a weight receiver beside it (`slipstream receiver`, same host) on the engine's port plus this:
     weight syncs stream through the receivers, one control call per sync, into SGLang's /update_weights_from_ipc
     (docs/rollout.md, "Weight sync"). Unset: each bucket is posted to the engines' /update_weights_from_distributed."""
-    use_rollout_routing_replay: bool = False
-    """MoE: every /generate asks the engine for the experts it routed each token to (SGLang's return_routed_experts;
-    engines launched here get --enable-return-routed-experts), and each sample carries them for the trainer to
-    replay."""
     partial_rollout: bool = False
     """Samples aborted by a pause keep their tokens and continue later with max_new_tokens reduced (slime's
     --partial-rollout); off, they are generated again from the prompt."""
@@ -116,10 +88,6 @@ class RolloutConfig(ServiceConfig):
     """slime's whole-rollout function, fn(args, rollout_id, data_source, evaluation=False) -> groups of samples: it
     leases groups with data_source.get_samples(n) and generates through args.sglang_router_ip/port (the engine pool).
     Replaces the built-in workers (docs/plugins.md)."""
-    rollout_batch_size: int = Field(32, ge=1)
-    """Prompt groups per step; a rollout function reads it as args.rollout_batch_size."""
-    hf_checkpoint: str = ""
-    """HF checkpoint folder: its tokenizer is given to custom generate functions, and launched engines serve it."""
     max_turns: int = Field(8, ge=1)
     """Most assistant turns of a multi-turn rollout (read by generate functions as ctx.config.max_turns)."""
     eval_temperature: float | None = Field(None, ge=0)
@@ -132,9 +100,6 @@ class RolloutConfig(ServiceConfig):
     """Most new tokens of an evaluation response; unset takes --rollout-max-response-len."""
     eval_min_new_tokens: int | None = Field(None, ge=0)
     """Fewest new tokens of an evaluation response (SGLang's min_new_tokens)."""
-    eval_config: Path | None = None
-    """slime's multi-task evaluation file (YAML, as the buffer's): each set's sampling settings override the --eval-*
-    ones for that set, and its custom_generate_function_path the gateway's (services/common/eval_sets.py)."""
     eval_reward_key: str | None = None
     """Evaluation's reward is this number of a reward function's dict (e.g. `acc` of dapo's {score, acc}), as slime's
     --eval-reward-key; a reward that is a plain number stays as it is. Unset: the reward service's --reward-key."""
@@ -149,8 +114,6 @@ class RolloutConfig(ServiceConfig):
     engine_api_key_file: Path | None = None
     """File holding the engines' API key (SGLang's --api-key): sent as `Authorization: Bearer` on every engine call
     and given to the engines the gateway launches. (--sglang-api-key KEY works too, but shows the key in `ps`.)"""
-    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
-    """Name of the run: with --redis-url, its gateways meet under this name in Redis."""
     redis: RedisConfig = RedisConfig()
     """With --redis-url (the buffer's Redis), this gateway is one of the run's replicas (services/rollout/fleet.py):
     the engine registry is shared, each gateway generates on its share of the engines, and one of them (the

@@ -18,6 +18,7 @@ from services.buffer import preflight as buffer_preflight
 from services.buffer.config import BufferConfig
 from services.buffer.datasets import parse_spec
 from services.common.config import ConfigError, ServiceConfig, StrictModel, _add_field_flags, load_config
+from services.common.run_facts import RUN_ID
 from services.reward import preflight as reward_preflight
 from services.reward.config import RewardConfig
 from services.rollout import preflight as rollout_preflight
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class TrainOptions(StrictModel):
     """slime's own options that no single service has; the services' options are accepted too."""
 
-    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
+    run_id: str = Field("default", pattern=RUN_ID)
     """Name of the run: its folder under --output-dir (logs, TensorBoard, plots, embedded Redis)."""
     output_dir: Path = Path("runs")
     """Folder of all runs."""
@@ -215,12 +216,6 @@ def route(argv: list[str]) -> dict[str, list[str]]:
                 routed[name] += chunk
     for item in ignored:
         log.warning("ignored %s", item)
-    if not any(a.split("=")[0] == "--n-samples-per-prompt" for a in argv):  # the buffer's default is 1
-        routed["buffer"] = [
-            "--n-samples-per-prompt",
-            str(TrainerConfig.model_fields["n_samples_per_prompt"].default),
-            *routed["buffer"],
-        ]
     options = load_config(TrainOptions, routed["train"], prog="slipstream train")
     if options.async_buffer_size:
         routed["buffer"] += ["--max-staleness", str(options.async_buffer_size)]

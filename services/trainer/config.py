@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig, StrictModel
 from services.common.redis_connection import RedisConfig
+from services.common.run_facts import RunConfig
 from services.trainer.batching import BatchSizeError, BatchSizes
 
 
@@ -110,10 +111,10 @@ class ParallelSettings(StrictModel):
 class TrainerConfig(ServiceConfig):
     """The trainer: a Megatron-core actor that pulls its batches from the buffer, under torchrun."""
 
+    run: RunConfig = RunConfig()  # the run's facts, as every service has them (services/common/run_facts.py)
+
     port: int = Field(50054, ge=0, le=65535)
     """gRPC port of rank 0's control surface; 0 picks a free one (logged at start)."""
-    buffer_addr: str = "localhost:50051"
-    """The buffer service (host:port) that hands out each step's batch."""
     redis: RedisConfig = RedisConfig()
     """With --redis-url (the buffer's Redis), the trainer reads its batches' token arrays from Redis itself instead
     of through the buffer (the buffer hands out their keys). Unset: the arrays come with GetBatch."""
@@ -139,10 +140,6 @@ class TrainerConfig(ServiceConfig):
     """How the weights travel: `nccl`, over the weight group the gateway sets up (gloo on CPU; CUDA IPC handles with
     --colocate); `disk`, as an HF checkpoint written under --update-weight-disk-dir at each sync, which the engines
     load through /update_weights_from_disk (for engines the trainer's network cannot reach)."""
-    update_weight_disk_dir: str | None = None
-    """With --update-weight-transport disk: the folder, shared with the engines, that each sync's checkpoint is
-    written into (`weight_v000042/`, renamed into place once complete). The gateway's --update-weight-disk-dir names
-    the same folder as the engines see it."""
     update_weight_disk_keep_files: bool = False
     """Keep each sync's checkpoint folder once the engines loaded it (by default it is removed then)."""
     weight_sync_address: str = "127.0.0.1"
@@ -150,12 +147,8 @@ class TrainerConfig(ServiceConfig):
     colocate: bool = False
     """Trainer and engines share the GPUs: the engines free their memory while the trainer trains, and weights go as
     CUDA IPC handles (/update_weights_from_tensor) instead of a broadcast. Needs --rollout-addr and a sync each step."""
-    weight_sync_timeout_s: float = Field(120.0, gt=0)
-    """Deadline of each step of a weight sync (joining the group, each bucket's broadcast, each gateway call)."""
 
     # Model and checkpoints
-    hf_checkpoint: str = ""
-    """HF checkpoint folder (Llama, Qwen2, Qwen3 dense) whose config builds the model and whose weights start it."""
     load: str | None = None
     """A checkpoint folder written by --save to resume from exactly, or an HF folder to start from."""
     save: str | None = None
@@ -178,9 +171,6 @@ class TrainerConfig(ServiceConfig):
     use_routing_replay: bool = False
     """MoE: the training forward routes each token to the experts the old policy chose for it (recorded while
     computing the old log-probs), so an update changes the experts' weights but not which experts answer."""
-    use_rollout_routing_replay: bool = False
-    """MoE: the training forwards (the old policy's log-probs too) route each token to the experts the engine chose
-    when it generated the sample (SGLang's return_routed_experts, carried by the sample)."""
     recompute_activations: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them."""
     bf16: bool = False
@@ -194,10 +184,6 @@ class TrainerConfig(ServiceConfig):
     """Seed of initialisation, dropout and data order."""
 
     # Batches (slime's names and constraint)
-    rollout_batch_size: int = Field(32, ge=1)
-    """Prompts per rollout (as the buffer's)."""
-    n_samples_per_prompt: int = Field(8, ge=1)
-    """Samples per prompt (as the buffer's)."""
     global_batch_size: int = Field(256, ge=1)
     """Samples per optimizer step, across data-parallel ranks."""
     num_steps_per_rollout: int = Field(1, ge=1)
@@ -208,8 +194,6 @@ class TrainerConfig(ServiceConfig):
     """Micro-batches of as many samples as fit in --max-tokens-per-gpu (padded) tokens."""
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     """Token budget of one micro-batch with --use-dynamic-batch-size."""
-    num_rollout: int | None = Field(None, ge=1)
-    """Rollouts (buffer steps) to train; unset trains until the buffer runs out."""
 
     # Algorithm (slime's names)
     disable_grpo_std_normalization: bool = False
@@ -250,23 +234,10 @@ class TrainerConfig(ServiceConfig):
     """Train on the rewards as scored: no group mean (or std) is taken before the estimator."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty in the reward (reinforce++ and PPO)."""
-    lora_rank: int = Field(0, ge=0)
-    """LoRA: train low-rank adapters of this rank on the --target-modules layers, the base weights frozen (0: train
-    every weight). Weight syncs send only the adapters, as a peft folder under --update-weight-disk-dir that the
-    engines load as a LoRA adapter (docs/trainer.md, "LoRA")."""
     lora_alpha: float = Field(16.0, gt=0)
     """The adapters' scale is lora_alpha / lora_rank (peft's)."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapters' input."""
-    target_modules: list[str] = ["all-linear"]
-    """The layers adapted, by HF's names: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all-linear."""
-    use_opd: bool = False
-    """On-policy distillation (slime's): each response token's advantage less --opd-kl-coef * (the policy's log-prob
-    - the teacher's), on top of any estimator; needs --opd-type."""
-    opd_type: Literal["sglang", "megatron"] | None = None
-    """Where the teacher's log-probs come from: `sglang`, teacher engines the gateway asks as it finishes each group
-    (they come with the batch); `megatron`, a teacher model loaded here (--opd-teacher-load) and run forward on each
-    batch, as the reference model is."""
     opd_kl_coef: float = 1.0
     """Weight of the distillation term in the advantages."""
     opd_teacher_load: str | None = None

@@ -32,7 +32,9 @@ class BufferMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.client = async_client(self.redis_url)
-        self.config = self.config.model_copy(update={"run_id": uuid.uuid4().hex[:10]})
+        self.config = self.config.model_copy(
+            update={"run": self.config.run.model_copy(update={"run_id": uuid.uuid4().hex[:10]})}
+        )
         self.buffer = self._new_buffer()
         self.held: dict[str, object] = {}  # lease id -> group, as a worker holds it
         self.issued: list[tuple[str, object]] = []  # every lease ever handed out (late submits use old ones)

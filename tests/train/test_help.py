@@ -95,8 +95,8 @@ def test_every_flag_is_in_a_section():
 
 def test_help_all_says_which_services_take_a_shared_flag():
     text = full_help(width=100)
-    entry = text[text.index("  --lease-seconds") :].split("\n  --")[0]
-    assert "buffer:" in entry and "rollout:" in entry and "(default: buffer 600.0, rollout 120.0)" in entry
+    run_fact = text[text.index("  --n-samples-per-prompt") :].split("\n  --")[0]  # declared once: one default
+    assert "[trainer, reward, buffer, rollout] (default: 8)" in " ".join(run_fact.split())
     redis = text[text.index("  --redis-url") :].split("\n  --")[0]
     assert "[trainer, buffer, rollout]" in " ".join(redis.split())
 
