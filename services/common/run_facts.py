@@ -32,10 +32,11 @@ class RunConfig(StrictModel):
     num_rollout: int | None = Field(None, ge=1)
     """Training steps (rollouts) of the run; no prompts are handed out beyond what they need, and unset trains until
     the buffer runs out."""
-    rm_type: str = "math"
+    rm_type: str = ""
     """Reward type: math, deepscaler, dapo, gsm8k, exact, f1, multiple_choice, random (a boxed_ prefix extracts
-    \\boxed{} first), remote_rm (HTTP, --rm-url) or remote_grpc (--rm-grpc-addr). The gateway asks the reward service
-    for it; an item's rm_type (also metadata.rm_type, as an eval set sets it) overrides it."""
+    \\boxed{} first), remote_rm (HTTP, --rm-url) or remote_grpc (--rm-grpc-addr); unset, the reward service's default,
+    math. The gateway asks the reward service for it (unset: for the service's own); an item's rm_type (also
+    metadata.rm_type, as an eval set sets it) overrides it."""
     group_rm: bool = False
     """Score each group with one ScoreGroup call (a --custom-rm-path that sees the whole group, e.g. a pairwise
     judge), as slime's --group-rm; off, samples are scored one by one (in one Score call per group)."""

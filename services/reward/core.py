@@ -24,7 +24,7 @@ from services.reward.isolation import (
     together,
 )
 from services.reward.remote import GrpcRewardModel, HttpRewardModel
-from services.reward.verifiers import BUILT_IN, NEEDS_LABEL, RM_TYPES, is_known
+from services.reward.verifiers import BUILT_IN, DEFAULT_RM_TYPE, NEEDS_LABEL, RM_TYPES, is_known
 from slipstream.v1 import reward_pb2
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class Scorer:
 
     def _sample(self, index: int, item: reward_pb2.RewardItem, rm_type: str) -> RewardSample:
         metadata = MessageToDict(item.metadata) if item.HasField("metadata") else {}
-        chosen = item.rm_type or metadata.get("rm_type") or rm_type or self.config.rm_type
+        chosen = item.rm_type or metadata.get("rm_type") or rm_type or self.config.rm_type or DEFAULT_RM_TYPE
         if not isinstance(chosen, str):
             raise InvalidArgument(f"items[{index}].metadata.rm_type", f"must be a string, got {chosen!r}")
         if not self.config.custom_rm_path:

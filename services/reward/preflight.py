@@ -8,7 +8,7 @@ import inspect
 from services.common.config import ConfigError
 from services.common.plugins import PluginError, load_callable
 from services.reward.config import RewardConfig
-from services.reward.verifiers import BUILT_IN, RM_TYPES, is_known
+from services.reward.verifiers import BUILT_IN, DEFAULT_RM_TYPE, RM_TYPES, is_known
 
 
 def check(config: RewardConfig) -> None:
@@ -16,7 +16,7 @@ def check(config: RewardConfig) -> None:
     if config.custom_rm_path:
         _check_function(config.custom_rm_path, config.group_rm)
         return
-    check_rm_type("--rm-type", config.rm_type)
+    check_rm_type("--rm-type", config.rm_type or DEFAULT_RM_TYPE)
     for name, rm_type in config.eval_rm_types().items():
         check_rm_type(f"--eval-config set {name!r}: rm_type", rm_type)
 

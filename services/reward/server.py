@@ -10,7 +10,7 @@ from services.reward.core import Scorer
 from services.reward.isolation import WorkerPool
 from services.reward.remote import Backoff, GrpcRewardModel, HttpRewardModel
 from services.reward.servicer import RewardServicer
-from services.reward.verifiers import IMPORTS
+from services.reward.verifiers import DEFAULT_RM_TYPE, IMPORTS
 
 
 async def build(config: RewardConfig) -> Service:
@@ -24,7 +24,8 @@ async def build(config: RewardConfig) -> Service:
     if config.rm_grpc_addr:
         worker = Credentials.of(config, "worker")
         remote = GrpcRewardModel(config.rm_grpc_addr, backoff, config.rm_remote_timeout_s, worker)
-    warm = tuple(IMPORTS[t] for t in {config.rm_type, *config.eval_rm_types().values()} if t in IMPORTS)
+    types = {config.rm_type or DEFAULT_RM_TYPE, *config.eval_rm_types().values()}
+    warm = tuple(IMPORTS[t] for t in types if t in IMPORTS)
     pool = WorkerPool(config.num_workers, config.reward_worker_memory_mb, config.custom_rm_path, warm)
     await pool.warm()
     scorer = Scorer(config, pool, http, remote)

@@ -218,6 +218,7 @@ BUILT_IN: dict[str, Callable] = {
 IMPORTS = {"reasoning_gym": "reasoning_gym"}
 NEEDS_LABEL = set(BUILT_IN) - {"random"}
 REMOTE = ("remote_rm", "remote_grpc")  # reward models elsewhere: --rm-url's (HTTP) and --rm-grpc-addr's
+DEFAULT_RM_TYPE = "math"  # where neither the item, the request nor --rm-type names one
 RM_TYPES = (*BUILT_IN, *REMOTE)  # the valid rm_type values, besides the built-ins' boxed_ forms
 
 

@@ -209,7 +209,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def _next_bucket(self, following: asyncio.Future, context):
         """The trainer's next bucket (None at the end), being read by `following`; a sync the gateway aborts
         meanwhile ends the stream with ABORTED, so that a trainer waiting on it hears at once."""
-        aborted = self.sync.aborted if self.sync.version is not None else None
+        aborted = self.sync.attempt.aborted if self.sync.attempt is not None else None
         if aborted is not None and not following.done():  # a bucket already read goes on at once
             await asyncio.wait({following, aborted}, return_when=asyncio.FIRST_COMPLETED)
             if not following.done():

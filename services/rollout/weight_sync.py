@@ -15,6 +15,7 @@ kept across syncs and rebuilt only when the engines taking part change.
 
 import asyncio
 import dataclasses
+import enum
 import logging
 from dataclasses import dataclass, field
 
@@ -47,6 +48,56 @@ class Group:
         return [name for name, _, _ in self.sources]
 
 
+class Phase(enum.Enum):
+    """Where a sync attempt is (docs/rollout.md, "The protocol in one place")."""
+
+    PREPARED = "prepared"  # the engines paused and joining; none holds any of the sync yet
+    LOADING = "loading"  # an engine loaded part of the sync: its weights are of no version until a sync completes
+    COMMITTING = "committing"  # the trainer's word is in: no deadline but its calls'
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+BACK = None  # a failed commit returns to the phase before it
+MOVES = {  # phase -> {event: the next phase}; any other event in that phase is a bug, raised as one
+    Phase.PREPARED: {"prepare": Phase.PREPARED, "loaded": Phase.LOADING, "commit": Phase.COMMITTING,
+                     "abort": Phase.ABORTED},
+    Phase.LOADING: {"prepare": Phase.LOADING, "loaded": Phase.LOADING, "commit": Phase.COMMITTING,
+                    "abort": Phase.ABORTED},
+    Phase.COMMITTING: {"loaded": Phase.COMMITTING, "committed": Phase.COMMITTED, "failed": BACK,
+                       "abort": Phase.ABORTED},
+}  # fmt: skip
+
+
+@dataclass
+class Attempt:
+    """The gateway's side of one sync (of one version, started over by a Prepare of that version after an engine
+    left). It lives from the first Prepare to the commit or the abort, and everything of the sync with it."""
+
+    version: int
+    aborted: asyncio.Future  # resolves with the reason when the sync is aborted (a trainer on its stream hears it)
+    phase: Phase = Phase.PREPARED
+    before: Phase = Phase.PREPARED  # what a failed commit returns to
+    joining: asyncio.Task | None = None  # the engines joining the groups, awaited by the first bucket or the commit
+    deadline: asyncio.TimerHandle | None = None  # the trainer silent past it is gone: the sync is aborted
+
+    def move(self, event: str) -> None:
+        moves = MOVES.get(self.phase, {})
+        if event not in moves:  # a Prepare while the commit is under way: the trainer prepares again after it
+            raise FailedPrecondition(f"the weight sync of version {self.version} is {self.phase.value}: no {event} now")
+        after = moves[event]
+        if after is Phase.COMMITTING and self.phase is not Phase.COMMITTING:
+            self.before = self.phase
+        elif event == "loaded" and self.phase is Phase.COMMITTING:
+            self.before = Phase.LOADING
+        self.phase = self.before if after is BACK else after
+
+    @property
+    def partial(self) -> bool:
+        """Engines hold part of it: generation waits for a complete sync."""
+        return Phase.LOADING in (self.phase, self.before)
+
+
 @dataclass
 class Result:
     url: str
@@ -60,16 +111,20 @@ class WeightSync:
         self.fleet = fleet  # of gateway replicas: the others learn there that the engines are paused for a sync
         self.group: Group | None = None  # None once a member left: the next Prepare builds a new one
         self.engines: list[Engine] = []  # taking part in the current attempt
-        self.version: int | None = None  # of the open sync
-        self.partial = False  # engines hold part of an unfinished sync: generation waits for a complete one
-        self.committing = False  # the trainer's word is in: no deadline until the commit ends, however long it takes
+        self.attempt: Attempt | None = None  # the open sync
         self.released = False  # colocated: the engines gave their GPU memory to the trainer
-        self._joining: asyncio.Task | None = None
-        self._deadline: asyncio.TimerHandle | None = None
-        self.aborted: asyncio.Future | None = None  # of the open sync: resolves with the reason when it is aborted
         self.delivering = asyncio.Lock()  # buckets reach the engines in turn, whichever sender sent them
         self.deliveries: set[asyncio.Future] = set()  # buckets being loaded: a Prepare waits for them (below)
-        self.transport: Transport = choose("nccl", [], config)  # of the open sync
+        self.transport: Transport = choose(rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED, [], config)  # of the open sync
+
+    @property
+    def version(self) -> int | None:
+        """Of the open sync."""
+        return None if self.attempt is None else self.attempt.version
+
+    @property
+    def committing(self) -> bool:
+        return self.attempt is not None and self.attempt.phase is Phase.COMMITTING
 
     async def prepare(
         self,
@@ -90,63 +145,69 @@ class WeightSync:
         kind = choose(asked, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
         if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
             await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
-        self._watch(0)
-        # A trainer that heard of a failed bucket prepares again at once; buckets posted after it may still be
-        # loading, and the one whose failure took the group down evicts the engine at fault once it ends.
-        if self.deliveries:
-            await asyncio.wait(set(self.deliveries))
-        if self.version == version and self.group is not None:  # the trainer lost the group (it could not join)
-            if self._joining is not None:
-                self._joining.cancel()
-            await self._break("joining", [])
-        await self._mark_syncing(True)
-        # A dead member would stall the group: pausing weeds them out (a failed control call evicts), or a probe.
-        if self.pool.running.is_set() and kind.pauses:
-            await self.pool.pause(self.config.pause_mode)
-        else:
-            await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))
-        engines = self.pool.healthy()
-        if not engines:  # the pool goes on (its health checks pause with it): a restarted engine is re-admitted
-            await self.pool.resume()
-            raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
-        transport = choose(asked, engines, self.config, self.pool.adapters)
-        members = tuple((e.url, transport.member(e)[1]) for e in engines)
-        group = Group(members, tuple(sources), backend, transport.name, tuple(e.admissions for e in engines))
-        offsets = [1 + sum(ranks for _, ranks in members[:i]) for i in range(len(members))]
-        world_size = 1 + sum(ranks for _, ranks in members)
-        created = self.group != group and transport.uses_group  # colocated: tensors travel as handles, no group
-        if not transport.uses_group:
-            self.group = group
-        if created:
-            if self.group is not None:  # its members, by the transport that built it
-                await self._destroy(self._members())
-                hosted = {(address, port) for _, address, port in self.group.sources}
-                if any((address, port) in hosted for _, address, port in group.sources):
-                    await self._rehost(version, group)
-            self.group, self.transport = group, transport
-            # An engine may still hold a group of these names (it joined one whose trainer failed to host it, and
-            # was left out of the teardown): joining again under a held name fails, so each name goes first.
-            await self._destroy(engines)
-            # Each engine's call returns only once the sender has joined too: it runs while Prepare answers.
-            self._joining = asyncio.create_task(self._join(engines, offsets, world_size))
-        transport.open(version, group.names)
-        base = 0
-        if delta and transport.streamed:  # the base is every receiver's copy of the last version all engines took
-            same = not created and all(e.weight_version == str(delta_base) for e in engines)
-            base = delta_base if same else 0
-            transport.delta = {"version": version, "base_version": base}
-        self.engines, self.version, self.transport = engines, version, transport
-        if self.aborted is None or self.aborted.done():
-            self.aborted = asyncio.get_running_loop().create_future()
-        if self.released:  # the weights come back first, to be overwritten in place
-            await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
-        if transport.pauses:
-            await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
-        self._watch()
-        ranks = [(url, offset, n) for (url, n), offset in zip(members, offsets, strict=True)]
-        return world_size, ranks, created, transport.kind, base
+        again = self.attempt is not None  # the same version: an engine left, and the trainer starts over
+        if not again:
+            self.attempt = Attempt(version, asyncio.get_running_loop().create_future())
+        attempt = self.attempt
+        attempt.move("prepare")
+        try:
+            self._watch(0)
+            # A trainer that heard of a failed bucket prepares again at once; buckets posted after it may still be
+            # loading, and the one whose failure took the group down evicts the engine at fault once it ends.
+            if self.deliveries:
+                await asyncio.wait(set(self.deliveries))
+            if again and self.group is not None:  # the trainer lost the group (it could not join)
+                if attempt.joining is not None:
+                    attempt.joining.cancel()
+                await self._break("joining", [])
+            await self._mark_syncing(True)
+            # A dead member would stall the group: pausing weeds them out (a failed control call evicts), or a probe.
+            if self.pool.running.is_set() and kind.pauses:
+                await self.pool.pause(self.config.pause_mode)
+            else:
+                await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))
+            engines = self.pool.healthy()
+            if not engines:  # the pool goes on (its health checks pause with it): a restarted engine is re-admitted
+                self._end(attempt, "abort")
+                await self.pool.resume()
+                raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
+            transport = choose(asked, engines, self.config, self.pool.adapters)
+            members = tuple((e.url, transport.member(e)[1]) for e in engines)
+            group = Group(members, tuple(sources), backend, transport.name, tuple(e.admissions for e in engines))
+            offsets = [1 + sum(ranks for _, ranks in members[:i]) for i in range(len(members))]
+            world_size = 1 + sum(ranks for _, ranks in members)
+            created = self.group != group and transport.uses_group  # colocated: tensors travel as handles, no group
+            if not transport.uses_group:
+                self.group = group
+            if created:
+                if self.group is not None:  # its members, by the transport that built it
+                    await self._destroy(self._members())
+                    hosted = {(address, port) for _, address, port in self.group.sources}
+                    if any((address, port) in hosted for _, address, port in group.sources):
+                        await self._rehost(group)
+                self.group, self.transport = group, transport
+                # An engine may still hold a group of these names (it joined one whose trainer failed to host it, and
+                # was left out of the teardown): joining again under a held name fails, so each name goes first.
+                await self._destroy(engines)
+                # Each engine's call returns only once the sender has joined too: it runs while Prepare answers.
+                attempt.joining = asyncio.create_task(self._join(engines, offsets, world_size))
+            transport.open(version, group.names)
+            base = 0
+            if delta and transport.streamed:  # the base is every receiver's copy of the last version all engines took
+                same = not created and all(e.weight_version == str(delta_base) for e in engines)
+                base = delta_base if same else 0
+                transport.delta = {"version": version, "base_version": base}
+            self.engines, self.transport = engines, transport
+            if self.released:  # the weights come back first, to be overwritten in place
+                await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
+            if transport.pauses:
+                await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
+            ranks = [(url, offset, n) for (url, n), offset in zip(members, offsets, strict=True)]
+            return world_size, ranks, created, transport.kind, base
+        finally:  # armed whatever happened here: a trainer silent past it is gone, and the sync is aborted
+            self._watch()
 
-    async def _rehost(self, version: int, group: Group) -> None:
+    async def _rehost(self, group: Group) -> None:
         """The engines taking part changed, and a sender offers the port of its old group: it must host the new one
         on a new port (the old group's store may still hold that port, or another process may have taken it since
         it was let go, and the engines would join whatever listens there). The senders prepare again, each on a new
@@ -154,7 +215,7 @@ class WeightSync:
         was = {url for url, _ in self.group.members}
         now = {url for url, _ in group.members}
         changes = [f"{url} joined" for url in sorted(now - was)] + [f"{url} left" for url in sorted(was - now)]
-        self.group, self.version = None, version
+        self.group = None
         self._watch()
         raise FailedPrecondition(
             f"the engines taking part changed ({', '.join(changes) or 'an engine was re-admitted'}): each sender "
@@ -187,16 +248,19 @@ class WeightSync:
                 done.set_result([Result(e.url, True, "planned") for e in self.engines])
                 return done
             not_joined = await self._joined()
-            loading = asyncio.ensure_future(self._deliver(bucket.index, self.group, *request, not_joined))
+            loading = asyncio.ensure_future(self._deliver(self.attempt, bucket.index, self.group, *request, not_joined))
             self.deliveries.add(loading)
             loading.add_done_callback(self.deliveries.discard)
             if not self.transport.ordered:
                 await asyncio.wait({loading})
             return loading
 
-    async def _deliver(self, index: int, group: Group, path: str, bodies: dict, not_joined: list) -> list[Result]:
+    async def _deliver(
+        self, attempt: Attempt, index: int, group: Group, path: str, bodies: dict, not_joined: list
+    ) -> list[Result]:
         results, blamed = (not_joined, None) if not_joined else await self._load_everywhere(index, path, bodies, group)
-        self.partial = self.partial or any(r.success for r in results)
+        if any(r.success for r in results) and attempt is self.attempt:
+            attempt.move("loaded")
         if not all(r.success for r in results) and self.group is group and group.broken_by in (None, index):
             group.broken_by = index
             await self._break(f"bucket {index}", results, blamed)
@@ -230,12 +294,13 @@ class WeightSync:
     async def commit(self, version: int) -> list[Result]:
         self._check_open(version)
         self._watch(0)
-        self.committing = True
+        attempt = self.attempt
+        attempt.move("commit")
         try:
             return await self._commit(version)
         finally:  # a commit that failed leaves the sync open: the trainer prepares again, or is waited out
-            if self.committing:
-                self.committing = False
+            if attempt is self.attempt and attempt.phase is Phase.COMMITTING:
+                attempt.move("failed")
                 self._watch()
 
     async def _commit(self, version: int) -> list[Result]:
@@ -273,7 +338,7 @@ class WeightSync:
             engine = self.pool.engines[result.url]
             if engine.state != EVICTED:  # not one whose session failed to end (evicted above: unversioned)
                 self.pool.serves(engine, str(version))
-        self._end()
+        self._end(self.attempt, "committed")
         await self._reclaim()
         if labels:
             await self.pool.resume()
@@ -287,16 +352,17 @@ class WeightSync:
         of it stay paused until a sync completes, so no sample is generated by weights of no version."""
         if self.version is None or version != self.version:
             return
-        log.warning("weight sync of version %d aborted: %s", self.version, reason or "no reason given")
-        if self.aborted is not None and not self.aborted.done():  # a trainer waiting on its bucket stream hears it
-            self.aborted.set_result(reason or "aborted")
-        if self._joining is not None:
-            self._joining.cancel()
+        attempt = self.attempt
+        log.warning("weight sync of version %d aborted: %s", version, reason or "no reason given")
+        if not attempt.aborted.done():  # a trainer waiting on its bucket stream hears it
+            attempt.aborted.set_result(reason or "aborted")
+        if attempt.joining is not None:
+            attempt.joining.cancel()
         if self.group is not None:
             group, self.group = self.group, None
             await self._leave(self.engines, group)
-        partial = self.partial
-        self._end()
+        partial = attempt.partial
+        self._end(attempt, "abort")
         if partial:
             log.warning("engines hold part of version %d: generation waits for the next complete sync", version)
         else:
@@ -336,10 +402,13 @@ class WeightSync:
                 f"an engine left the weight sync of version {self.version}; call PrepareWeightSync again"
             )
 
-    def _end(self) -> None:
-        self._joining, self.version, self.partial, self.committing = None, None, False, False
-        if self._deadline is not None:
-            self._deadline.cancel()
+    def _end(self, attempt: Attempt, event: str) -> None:
+        """The attempt ends (`event`: committed or abort), and everything of it with it."""
+        attempt.move(event)
+        if attempt.deadline is not None:
+            attempt.deadline.cancel()
+        if self.attempt is attempt:
+            self.attempt = None
 
     def stream_ended(self) -> None:
         """The trainer's bucket stream ended: a live trainer commits or prepares again at once (its commit may come
@@ -350,13 +419,16 @@ class WeightSync:
     def _watch(self, timeout: float | None = None) -> None:
         """(Re)arms the sync's deadline after each answer: a trainer silent for that long is gone, and the sync is
         aborted. 0 disarms it."""
-        if self._deadline is not None:
-            self._deadline.cancel()
-        timeout, version = self.config.weight_sync_timeout_s if timeout is None else timeout, self.version
+        attempt = self.attempt
+        if attempt is None:
+            return
+        if attempt.deadline is not None:
+            attempt.deadline.cancel()
+        timeout, version = self.config.weight_sync_timeout_s if timeout is None else timeout, attempt.version
         if not timeout:
             return
         reason = f"no word from the trainer for {timeout:.0f} s"
-        self._deadline = asyncio.get_running_loop().call_later(
+        attempt.deadline = asyncio.get_running_loop().call_later(
             timeout, lambda: asyncio.create_task(self.abort(version, reason))
         )
 
@@ -419,9 +491,10 @@ class WeightSync:
 
     async def _joined(self) -> list[Result]:
         """Waits for the group to be formed; returns the failures of engines that could not join."""
-        if self._joining is None:
+        attempt = self.attempt
+        if attempt is None or attempt.joining is None:
             return []
-        results, self._joining = await self._joining, None
+        results, attempt.joining = await attempt.joining, None
         return [r for r in results if not r.success]
 
     async def _each(self, engines: list[Engine], path: str, body: dict, per_engine: dict | None = None) -> list[Result]:

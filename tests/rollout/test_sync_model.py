@@ -1,0 +1,192 @@
+"""A model-based test of the gateway's side of weight sync (services/rollout/weight_sync.py): hypothesis drives a real
+`WeightSync` over two fake engines that speak SGLang's HTTP API in this process, through random orders of a trainer's
+Prepare (of a new version, or of the same one again), buckets, Commit and Abort, the trainer's stream ending, and an
+engine refusing a bucket. After every step it checks what the fault tests check after theirs: no engine serves a
+version of which it did not load every bucket, every engine a commit answered for serves that version, an open sync
+waits for the trainer only with a deadline, and generation runs once no sync is open, or holds when engines keep part
+of an aborted one.
+
+`make test` runs a bounded number of examples; `make test-slow` runs the machine for 10 minutes."""
+
+import asyncio
+import contextlib
+import time
+
+import hypothesis.strategies as st
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from services.common.errors import FailedPrecondition, Unavailable
+from services.rollout.config import RolloutConfig
+from services.rollout.engines import EVICTED, EnginePool
+from services.rollout.transports import Bucket
+from services.rollout.weight_sync import Phase, WeightSync
+
+BUCKETS = 2  # of every version: "v3.b0", "v3.b1"
+SOURCES = [("weights-0", "127.0.0.1", 29500)]
+
+
+def names(version: int) -> set[str]:
+    return {f"v{version}.b{index}" for index in range(BUCKETS)}
+
+
+class FakeEngine:
+    """As much of an SGLang server as a weight sync uses: it loads the buckets it is sent (their names), takes a
+    version when told, and records it as a violation when that version's buckets are not all loaded."""
+
+    def __init__(self):
+        self.version, self.loaded, self.violations, self.refuse = "0", set(), [], False
+        self.paused = False
+        self.server: TestServer | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self.handle)
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+        return str(self.server.make_url("")).rstrip("/")
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        path = request.path
+        if path in ("/health", "/health_generate"):
+            return web.Response()
+        if path == "/server_info":
+            return web.json_response({"tp_size": 1, "base_gpu_id": 0, "gpu_id_step": 1, "version": "0.5.23"})
+        if path == "/model_info":
+            return web.json_response({"model_path": "stand-in", "weight_version": self.version})
+        if path == "/update_weights_from_distributed":
+            if self.refuse:
+                self.refuse = False
+                return web.json_response({"success": False, "message": "refused (the test's fault)"})
+            self.loaded |= set(body["names"])
+        elif path == "/update_weight_version":
+            version = body["new_version"]
+            if not names(int(version)) <= self.loaded:
+                self.violations.append(f"serves version {version} holding {sorted(self.loaded)}")
+            self.version, self.loaded = version, set()
+        elif path == "/pause_generation":
+            self.paused = True
+        elif path == "/continue_generation":
+            self.paused = False
+        return web.json_response({"success": True, "message": "done"})
+
+
+class Buffer:
+    async def SetPolicyVersion(self, request, timeout=None, wait_for_ready=None):
+        return None
+
+
+class WeightSyncMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.engines = [FakeEngine(), FakeEngine()]
+        urls = [self.run(engine.start()) for engine in self.engines]
+        self.pool = EnginePool(RolloutConfig(weight_sync_timeout_s=30))
+        self.by_url = dict(zip(urls, self.engines, strict=True))
+        for url in urls:
+            self.run(self.pool.register(url))
+        self.pool.running.set()
+        self.sync = WeightSync(self.pool.config, self.pool, Buffer())
+        self.version = 0  # the trainer's latest
+        self.sent: set[int] = set()  # the buckets the trainer sent since its last Prepare, each answered
+        self.ended = "committed"  # how the last sync ended: committed, aborted (partial or not)
+
+    def run(self, coroutine):
+        return self.loop.run_until_complete(coroutine)
+
+    def teardown(self):
+        if self.sync.attempt is not None and self.sync.attempt.deadline is not None:
+            self.sync.attempt.deadline.cancel()
+        self.run(self.pool.close())
+        for engine in self.engines:
+            self.run(engine.server.close())
+        self.loop.close()
+
+    @rule(again=st.booleans())
+    def prepare(self, again):
+        if not (again and self.sync.attempt is not None):
+            self.version += 1
+        self.sent = set()  # a Prepare starts the sending over
+        with contextlib.suppress(FailedPrecondition, Unavailable):  # the engines changed, or none is left
+            self.run(self.sync.prepare(self.version, SOURCES, "gloo"))
+
+    @precondition(lambda self: self.sync.attempt is not None)
+    @rule(index=st.integers(0, BUCKETS - 1))
+    def bucket(self, index):
+        name = f"v{self.version}.b{index}"
+        with contextlib.suppress(FailedPrecondition):  # an engine left: the trainer prepares again
+            loading = self.run(self.sync.bucket(Bucket(index, [name], ["bfloat16"], [[2]], group_name="weights-0")))
+            if all(result.success for result in self.run(asyncio.wait_for(loading, 30))):
+                self.sent.add(index)
+
+    @precondition(lambda self: self.sync.attempt is not None and len(self.sent) == BUCKETS)
+    @rule()
+    def commit(self):  # as the trainer does: once every bucket since its Prepare was answered
+        attempt = self.sync.attempt
+        try:
+            results = self.run(self.sync.commit(self.version))
+        except FailedPrecondition:
+            return
+        self.ended = "committed"
+        for result in results:
+            engine = self.by_url[result.url]
+            assert not result.success or engine.version == str(attempt.version), (result, engine.version)
+
+    @precondition(lambda self: self.sync.attempt is not None)
+    @rule()
+    def abort(self):
+        partial = self.sync.attempt.partial
+        self.run(self.sync.abort(self.version, "the trainer went away"))
+        self.ended = "aborted partial" if partial else "aborted"
+
+    @precondition(lambda self: self.sync.attempt is not None)
+    @rule()
+    def stream_ends(self):
+        async def ended():
+            self.sync.stream_ended()
+
+        self.run(ended())
+
+    @rule(which=st.integers(0, 1))
+    def engine_refuses_its_next_bucket(self, which):
+        self.engines[which].refuse = True
+
+    @invariant()
+    def no_engine_serves_a_version_it_does_not_hold(self):
+        assert [v for engine in self.engines for v in engine.violations] == []
+
+    @invariant()
+    def an_open_sync_waits_for_the_trainer_with_a_deadline(self):
+        attempt = self.sync.attempt
+        if attempt is not None and attempt.phase is not Phase.COMMITTING:
+            assert attempt.deadline is not None and not attempt.deadline.cancelled()
+
+    @invariant()
+    def generation_runs_once_no_sync_is_open_unless_engines_hold_part_of_one(self):
+        if self.sync.attempt is None and any(e.state != EVICTED for e in self.pool.engines.values()):
+            assert self.pool.running.is_set() == (self.ended != "aborted partial"), self.ended
+
+
+def test_weight_sync_holds_its_invariants_in_any_order_of_events():
+    run_state_machine_as_test(
+        WeightSyncMachine,
+        settings=settings(max_examples=25, stateful_step_count=15, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow]),
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_weight_sync_holds_its_invariants_for_ten_minutes():
+    end = time.monotonic() + 600
+    while time.monotonic() < end:
+        run_state_machine_as_test(
+            WeightSyncMachine,
+            settings=settings(max_examples=100, stateful_step_count=30, deadline=None, database=None,
+                              suppress_health_check=[HealthCheck.too_slow]),
+        )  # fmt: skip
