@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.common.config import HostPort, StrictModel
+from services.common.config import StrictModel
 
 RUN_ID = r"^[A-Za-z0-9_.-]+$"  # a run's name: its Redis namespace and folder
 
@@ -18,7 +18,7 @@ class RunConfig(StrictModel):
     run_id: str = Field("default", pattern=RUN_ID)
     """Name of the run: its Redis namespace, its folder under the buffer's --output-dir, and the name under which its
     gateways meet in Redis."""
-    buffer_addr: HostPort = "localhost:50051"
+    buffer_addr: str = "localhost:50051"
     """The run's buffer service (host:port): the gateway leases prompt groups there and hands in finished ones, the
     trainer takes each step's batch."""
     hf_checkpoint: str = ""
