@@ -178,7 +178,8 @@ def measure(args, engines: int, buffers: int, rewards: int, gateways: int, folde
         procs[kind].append(proc)
 
     try:
-        common = ["--run-id", RUN, "--redis-url", server.url, *(["--redis-cluster"] if server.cluster else [])]
+        common = ["--run-id", RUN, "--redis-url", server.url, *(["--redis-cluster"] if server.cluster else []),
+                  "--n-samples-per-prompt", "1"]  # fmt: skip  # the instant engines answer one sample a request
         for _ in range(buffers):
             add("buffer", *common, "--prompt-data", str(data), "--hf-checkpoint", str(model), "--num-data-workers",
                 str(args.data_workers), "--max-staleness", "1000000", "--rollout-batch-size", "64")  # fmt: skip
