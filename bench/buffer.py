@@ -145,7 +145,7 @@ def buffer_service(
     data = folder / f"prompts-{tokens}.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?"}) + "\n" for i in range(groups)))
     port = 50200 + tokens % 97
-    args = [sys.executable, "-m", "slipstream", "buffer", "--host", "127.0.0.1", "--port", str(port)]
+    args = [sys.executable, "-m", "services", "buffer", "--host", "127.0.0.1", "--port", str(port)]
     args += ["--redis-url", url, "--run-id", run, "--prompt-data", str(data)]
     args += ["--hf-checkpoint", str(folder / "tokenizer"), "--num-data-workers", "0", "--metrics-port", "null"]
     args += ["--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(samples), "--max-staleness", "1000"]

@@ -36,7 +36,7 @@ def run(folder: Path, steps: int, async_size: int, extra: list[str], batch: int)
     extra = ["--rollout-batch-size", str(batch), "--global-batch-size", str(samples), "--micro-batch-size",
              str(samples), *extra]  # fmt: skip
     args = [*train_args(folder, steps, async_size, run_id), "--eval-interval", str(10 * steps), *extra]
-    result = subprocess.run([sys.executable, "-m", "slipstream", "train", *args], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "services", "train", *args], capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"slipstream train failed:\n{result.stderr[-3000:]}")
     path = folder / run_id / "steps.jsonl"

@@ -31,7 +31,7 @@ SIZES = {
 
 def start_engine(model: Path, device: str, max_batch: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "slipstream", "engine", "--model-path", str(model), "--port", str(port)]
+    cmd = [sys.executable, "-m", "services", "engine", "--model-path", str(model), "--port", str(port)]
     cmd += ["--device", device, "--max-running-requests", str(max_batch)]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

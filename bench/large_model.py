@@ -260,7 +260,7 @@ def main() -> None:
     if shutil.which("nvidia-smi"):
         memory.start()
     started = time.monotonic()
-    command = [sys.executable, "-m", "slipstream", "train", *train_flags(args, model, folder)]
+    command = [sys.executable, "-m", "services", "train", *train_flags(args, model, folder)]
     result = subprocess.run(command, capture_output=True, text=True)
     memory.done.set()
     if result.returncode:

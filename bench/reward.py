@@ -54,7 +54,7 @@ def in_process(pairs: list[tuple[str, str]]) -> tuple[float, list[float]]:
 
 def through_service(pairs: list[tuple[str, str]], batch: int) -> tuple[float, list[float]]:
     port = free_port()
-    cmd = [sys.executable, "-m", "slipstream", "reward", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "services", "reward", "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen([*cmd, "--metrics-port", "null", "--rm-type", "math"], stderr=subprocess.DEVNULL)
     try:
         address = f"127.0.0.1:{port}"

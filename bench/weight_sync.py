@@ -51,7 +51,7 @@ TIMEOUT = timedelta(seconds=120)
 
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     out = log.open("wb")
-    return subprocess.Popen([sys.executable, "-m", "slipstream", *args], stdout=out, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-m", "services", *args], stdout=out, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})})  # fmt: skip
 
 
