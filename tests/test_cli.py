@@ -335,9 +335,11 @@ def test_print_config_shows_no_password(tmp_path):
     pw = "pw-0123456789abcdef"
     at = f"user:{pw}@"
     commands = {
-        "buffer": ["--redis-url", f"redis://{at}redis:6379/0", "--output-dir", str(tmp_path / "runs")],
+        "buffer": ["--redis-url", f"redis://{at}redis:6379/0", "--output-dir", str(tmp_path / "runs"),
+                   "--buffer-addr", f"{at}buffer:50051"],  # a run fact: every service takes it
         "reward": ["--rm-url", f"https://{at}rm.example/score?api_key={pw}", "--rm-grpc-addr", f"{at}rm:50053",
-                   "--custom-rm-args", json.dumps({"judge": f"http://{at}judge:8000", "password": pw})],
+                   "--custom-rm-args", json.dumps({"judge": f"http://{at}judge:8000", "password": pw}),
+                   "--buffer-addr", f"{at}buffer:50051"],
         "rollout": ["--engine-urls", f"http://{at}engine-0:30000", f"http://:{pw}@engine-1:30000",
                     "--redis-url", f"unix:///run/redis.sock?db=0&password={pw}", "--port", "50052",
                     "--advertise-addr", f"{at}10.0.0.7:50052", "--sglang-api-key", pw,

@@ -145,8 +145,8 @@ async def run(rollout, function) -> None:
     """The rollout loop with a user's rollout function: one call after another until the rollout stops."""
     endpoint = GenerateEndpoint(rollout.pool)
     port = await endpoint.start()
-    # n_samples_per_prompt is the buffer's: known from the first group leased
-    args = args_of(rollout.config, sglang_router_ip="127.0.0.1", sglang_router_port=port, n_samples_per_prompt=None)
+    # n_samples_per_prompt is the run's (a run fact), and each leased group's own from the first one on
+    args = args_of(rollout.config, sglang_router_ip="127.0.0.1", sglang_router_port=port)
     rollout_id = 0
     try:
         while True:

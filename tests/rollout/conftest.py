@@ -135,15 +135,15 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, s
         data = tmp_path / "prompts.jsonl"
         rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(num_prompts)]
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        # The run's facts, the same for every service (as a run file gives them): services/common/run_facts.py
+        facts = {"rollout_batch_size": 4, "n_samples_per_prompt": 2, "rm_type": "random"}
+        facts |= {k: v for k, v in {**(buffer or {}), **(reward or {})}.items() if k in facts}
         buffer_service = grpc_service(build_buffer, BufferConfig(**{
             "prompt_data": str(data), "label_key": "label", "hf_checkpoint": str(model), "num_data_workers": 0,
-            "num_epoch": 1, "rollout_batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": 100,
-            "redis": {"url": redis_url, "prefix": f"roll{uuid.uuid4().hex[:8]}"},
-            "eval_prompt_data": ["arith", f"{data}@[0:6]"], **(buffer or {}),
+            "num_epoch": 1, "max_staleness": 100, "redis": {"url": redis_url, "prefix": f"roll{uuid.uuid4().hex[:8]}"},
+            "eval_prompt_data": ["arith", f"{data}@[0:6]"], **facts, **(buffer or {}),
         }))  # fmt: skip
-        reward_service = grpc_service(
-            build_reward, RewardConfig(**{"rm_type": "random", "num_workers": 1, **(reward or {})})
-        )
+        reward_service = grpc_service(build_reward, RewardConfig(**{"num_workers": 1, **facts, **(reward or {})}))
         # Engine i on "GPU" i: colocated, it reads the tensor handles of trainer rank i.
         ports = [free_port_pair() if receivers else None for _ in range(num_engines)]
         loads = ("--weight-disk-dir", str(disk)) if disk else ()
@@ -159,7 +159,8 @@ def make_system(grpc_service, channel_to, redis_url, tiny_model, start_engine, s
             gateway["weight_receiver_port_offset"] = 1
         thread = grpc_service(build_rollout, RolloutConfig(**{
             "engine_urls": engines, "buffer_addr": buffer_service.address, "reward_addr": reward_service.address,
-            "rollout_max_response_len": 8, "rollout_concurrency": 8, "rollout_health_check_interval": 0.5, **gateway,
+            "rollout_max_response_len": 8, "rollout_concurrency": 8, "rollout_health_check_interval": 0.5, **facts,
+            **gateway,
         }))  # fmt: skip
         return System(
             buffer_pb2_grpc.BufferServiceStub(channel_to(buffer_service.address)),
