@@ -6,6 +6,8 @@ the same number of new tokens), in this process on the same device.
 
 Run (CPU, a tiny model built on the fly):   .venv/bin/python bench/engine.py
 Run (GPU, a ~0.5B Qwen3-shaped random model): python bench/engine.py --device cuda --size 0.5b
+Run (GPU, a real model sampled as in RL): python bench/engine.py --device cuda --model runs/real_model/model \
+    --temperature 1 --max-new-tokens 48 --concurrency 64
 """
 
 import argparse
@@ -50,9 +52,10 @@ def prompts(count: int) -> list[str]:
     return [f"Question {i}: what is {i} + {2 * i}? Think step by step." for i in range(count)]
 
 
-async def engine_run(url: str, texts: list[str], new_tokens: int) -> float:
+async def engine_run(url: str, texts: list[str], new_tokens: int, temperature: float) -> float:
     def body(text: str) -> dict:
-        return {"text": text, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+        sampling = {"max_new_tokens": new_tokens, "temperature": temperature, "ignore_eos": True}
+        return {"text": text, "sampling_params": sampling}
 
     async with httpx.AsyncClient(timeout=600) as client:
         start = time.perf_counter()
@@ -62,13 +65,14 @@ async def engine_run(url: str, texts: list[str], new_tokens: int) -> float:
     return elapsed
 
 
-def hf_run(model, tokenizer, texts: list[str], new_tokens: int, device: str) -> float:
+def hf_run(model, tokenizer, texts: list[str], new_tokens: int, device: str, temperature: float) -> float:
     tokenizer.padding_side = "left"
     batch = tokenizer(texts, return_tensors="pt", padding=True).to(device)
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {"do_sample": False}
+        model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling,
+                       pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)  # fmt: skip
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -78,13 +82,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--model", type=Path, help="an HF checkpoint folder to run instead of a random --size model")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled at this temperature")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = write_tiny_model(Path(tmp) / "model", **SIZES[args.size])
+        model_path = args.model or write_tiny_model(Path(tmp) / "model", **SIZES[args.size])
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -92,25 +98,27 @@ def main() -> None:
         proc, url = start_engine(model_path, args.device, max(args.concurrency))
         rows = []
         try:
-            asyncio.run(engine_run(url, prompts(2), 4))  # warm-up
-            hf_run(model, tokenizer, prompts(2), 4, args.device)
+            asyncio.run(engine_run(url, prompts(2), 4, args.temperature))  # warm-up
+            hf_run(model, tokenizer, prompts(2), 4, args.device, args.temperature)
             for c in args.concurrency:
                 tokens = c * args.max_new_tokens
-                t_engine = asyncio.run(engine_run(url, prompts(c), args.max_new_tokens))
-                t_hf = hf_run(model, tokenizer, prompts(c), args.max_new_tokens, args.device)
+                t_engine = asyncio.run(engine_run(url, prompts(c), args.max_new_tokens, args.temperature))
+                t_hf = hf_run(model, tokenizer, prompts(c), args.max_new_tokens, args.device, args.temperature)
                 rows.append((c, tokens / t_engine, tokens / t_hf))
         finally:
             proc.terminate()
             proc.wait(30)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{args.size} Qwen3-shaped random model ({params:.1f} M parameters), {args.max_new_tokens} new tokens per "
-          f"request, greedy; {device}")  # fmt: skip
+    what = args.model.name if args.model else f"{args.size} Qwen3-shaped random model"
+    decoding = f"sampled at temperature {args.temperature}" if args.temperature else "greedy"
+    print(f"{what} ({params:.1f} M parameters), {args.max_new_tokens} new tokens per request, {decoding}; {device}")
     print("concurrency | engine tokens/s | transformers generate tokens/s | engine / generate")
     print("--- | --- | --- | ---")
     for c, engine, hf in rows:
         print(f"{c} | {engine:.0f} | {hf:.0f} | {engine / hf:.2f}")
     concurrency = " ".join(map(str, args.concurrency))
-    print(f"\nReproduce: python bench/engine.py --device {args.device} --size {args.size} "
+    model = f"--model {args.model}" if args.model else f"--size {args.size}"
+    print(f"\nReproduce: python bench/engine.py --device {args.device} {model} --temperature {args.temperature} "
           f"--max-new-tokens {args.max_new_tokens} --concurrency {concurrency}")  # fmt: skip
 
 

@@ -60,11 +60,12 @@ class EngineAPI:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         start = time.monotonic()
+        stream = bool(body.get("stream"))
         for index, seq in enumerate(requests):
-            self.engine.submit(seq, _listener(loop, queue, index))
+            self.engine.submit(seq, _listener(loop, queue, index, stream))
         return_logprob = bool(body.get("return_logprob"))
         version = self.engine.weight_version
-        if body.get("stream"):
+        if stream:
             return StreamingResponse(
                 self._stream(requests, queue, single, return_logprob, start), media_type="text/event-stream"
             )
@@ -320,12 +321,14 @@ class EngineAPI:
         return Starlette(routes=self.routes(), lifespan=lifespan)
 
 
-def _listener(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+def _listener(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, stream: bool):
     """Forwards the engine thread's notifications to the request's queue, with how many tokens the sequence had
-    then (it may have advanced by the time a streamed chunk is built)."""
+    then (it may have advanced by the time a streamed chunk is built); a request that is not streamed hears only of
+    the end, so the server's thread is not woken for every token."""
 
     def notify(seq: Sequence, finished: bool) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (index, finished, len(seq.output_ids)))
+        if finished or stream:
+            loop.call_soon_threadsafe(queue.put_nowait, (index, finished, len(seq.output_ids)))
 
     return notify
 

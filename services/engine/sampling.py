@@ -107,38 +107,53 @@ def _verify(p: SamplingParams) -> None:
 
 
 def choose_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[tuple[int, float]]:
-    """`choose` for a batch of rows [rows, vocab]; greedy rows are decided together, in one pass."""
-    greedy = [i for i, p in enumerate(params) if p.greedy]
+    """The next token of each row of `logits` [rows, vocab] and its log-prob. Greedy rows are decided in one pass and
+    sampled rows in another; a row with its own generator (a `sampling_seed`) draws alone, from that generator."""
     picked: list[tuple[int, float] | None] = [None] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         rows = logits[greedy].float()
         tokens = rows.argmax(-1)
         logprobs = torch.log_softmax(rows, -1).gather(1, tokens[:, None])[:, 0]
         for i, token, logprob in zip(greedy, tokens.tolist(), logprobs.tolist(), strict=True):
             picked[i] = (token, logprob)
-    for i, p in enumerate(params):
-        if picked[i] is None:
-            picked[i] = choose(logits[i], p, generators[i])
+    shared = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
+    groups = [(shared, None)] if shared else []
+    groups += [([i], generators[i]) for i, p in enumerate(params) if not p.greedy and generators[i] is not None]
+    for rows, generator in groups:
+        for i, choice in zip(rows, sample(logits[rows], [params[i] for i in rows], generator), strict=True):
+            picked[i] = choice
     return picked
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
-    """The next token for one sequence, from its last-position logits [vocab], and its log-prob."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None = None):
+    """Draws a token for each row [rows, vocab] from softmax(logits / temperature), cut by each row's top-k, top-p and
+    min-p, in one pass for all rows; returns (token, log-prob) pairs."""
     logits = logits.float()
-    temperature = 1.0 if params.greedy else params.temperature
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    if params.greedy:
-        token = int(torch.argmax(logits))
-        return token, float(logprobs[token])
-    probs = logprobs.exp()
-    if params.top_k > 0:
-        kth = torch.topk(probs, min(params.top_k, probs.numel())).values[-1]
-        probs = torch.where(probs < kth, 0.0, probs)
-    if params.top_p < 1.0:
-        ordered, index = torch.sort(probs, descending=True)
-        outside = torch.cumsum(ordered, 0) - ordered > params.top_p * ordered.sum()
-        probs = probs.scatter(0, index, torch.where(outside, 0.0, ordered))
-    if params.min_p > 0:
-        probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
-    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-    return token, float(logprobs[token])
+    probs = truncate(logprobs.exp(), params)
+    tokens = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)
+    chosen = logprobs.gather(1, tokens)[:, 0]
+    return list(zip(tokens[:, 0].tolist(), chosen.tolist(), strict=True))
+
+
+def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's probabilities [rows, vocab] with what its top-k, top-p and min-p leave out set to zero."""
+
+    def column(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=probs.device)[:, None]
+
+    vocab = probs.shape[-1]
+    if any(p.top_k > 0 for p in params):
+        k = column([min(p.top_k, vocab) if p.top_k > 0 else 1 for p in params], torch.long)
+        kth = torch.topk(probs, int(k.max()), dim=-1).values.gather(1, k - 1)
+        probs = torch.where((probs < kth) & column([p.top_k > 0 for p in params], torch.bool), 0.0, probs)
+    if any(p.top_p < 1.0 for p in params):
+        ordered, index = torch.sort(probs, dim=-1, descending=True)
+        outside = torch.cumsum(ordered, -1) - ordered > column([p.top_p for p in params]) * ordered.sum(-1, True)
+        outside &= column([p.top_p < 1.0 for p in params], torch.bool)
+        probs = probs.scatter(-1, index, torch.where(outside, 0.0, ordered))
+    if any(p.min_p > 0 for p in params):
+        probs = torch.where(probs < column([p.min_p for p in params]) * probs.amax(-1, True), 0.0, probs)
+    return probs
