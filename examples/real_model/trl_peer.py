@@ -73,9 +73,13 @@ def run_trl(args, settings, model_dir: Path, train: Path, held_out: Path) -> dic
     class Measure(TrainerCallback):
         started = 0.0
 
+        def evaluate(self, step: int) -> None:
+            found, train_s = accuracy(model, tokenizer, evaluation, settings.max_new_tokens), sum(log["step_s"])
+            log["evals"].append({"step": step, "accuracy": found, "num_samples": len(evaluation), "train_s": train_s})
+            print(f"{args.name} step {step}: held-out accuracy {found:.3f} after {train_s:.0f} s", flush=True)
+
         def on_train_begin(self, *_, **__):
-            found = accuracy(model, tokenizer, evaluation, settings.max_new_tokens)
-            log["evals"].append({"step": 0, "accuracy": found, "num_samples": len(evaluation), "train_s": 0.0})
+            self.evaluate(0)
 
         def on_step_begin(self, *_, **__):
             self.started = time.perf_counter()
@@ -83,9 +87,7 @@ def run_trl(args, settings, model_dir: Path, train: Path, held_out: Path) -> dic
         def on_step_end(self, _, state, *__, **___):
             log["step_s"].append(time.perf_counter() - self.started)
             if state.global_step % settings.eval_every == 0 or state.global_step == settings.steps:
-                found = accuracy(model, tokenizer, evaluation, settings.max_new_tokens)
-                log["evals"].append({"step": state.global_step, "accuracy": found, "num_samples": len(evaluation),
-                                     "train_s": sum(log["step_s"])})  # fmt: skip
+                self.evaluate(state.global_step)
 
         def on_log(self, _, state, __, logs=None, **___):
             if logs and "completions/mean_length" in logs:
