@@ -67,12 +67,13 @@ async def engine_run(url: str, texts: list[str], new_tokens: int, temperature: f
 
 def hf_run(model, tokenizer, texts: list[str], new_tokens: int, device: str, temperature: float) -> float:
     tokenizer.padding_side = "left"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # a chat model may name none
     batch = tokenizer(texts, return_tensors="pt", padding=True).to(device)
     start = time.perf_counter()
     with torch.no_grad():
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {"do_sample": False}
         model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling,
-                       pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)  # fmt: skip
+                       pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start

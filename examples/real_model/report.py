@@ -40,6 +40,7 @@ def table(results: list[dict]) -> str:
         to_target = reached(r, target) if target is not None else None
         memory = " + ".join(f"{mib / 1024:.1f}" for _, mib in sorted(r["peak_gpu_mib"].items())) or "—"
         partial = f" ({r['partial_evals']} partial evaluation left out)" if r["partial_evals"] else ""
+        partial += f" (stopped: {r['error']})" if r.get("error") else ""
         lines.append(
             f"| {r['name']}{partial} | {r['settings']['task']} | {evals[-1]['step']} | {evals[0]['accuracy']:.1%} → "
             f"{best['accuracy']:.1%} ({best['step']}) → {evals[-1]['accuracy']:.1%} | {r['s_per_step']:.2f} | "

@@ -102,9 +102,14 @@ def run_trl(args, settings, model_dir: Path, train: Path, held_out: Path) -> dic
         processing_class=tokenizer,
         callbacks=[Measure()],
     )
-    trainer.train()
+    try:
+        trainer.train()
+    except Exception as e:  # TRL's own failure (at lr 1e-5 its sampling met non-finite probabilities): what it measured
+        log["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"  # until then is still the run's result
+        print(f"{args.name}: TRL stopped after {len(log['step_s'])} steps: {log['error']}", flush=True)
     seconds = sorted(log["step_s"])
     return {
+        **({"error": log["error"]} if "error" in log else {}),
         "evals": log["evals"],
         "s_per_step": seconds[len(seconds) // 2],
         "tokens_per_s": sum(log["tokens"]) / sum(log["step_s"]),
