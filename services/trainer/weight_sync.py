@@ -7,6 +7,7 @@ No sync can hang the trainer: broadcasts are asynchronous, every wait has a dead
 ends its kernels) rather than destroyed, and a watchdog ends a sync that stops making progress."""
 
 import contextlib
+import enum
 import logging
 import os
 import queue
@@ -38,6 +39,55 @@ GRACE_S = 30.0  # after the watchdog aborted a stalled sync, the sync must retur
 STALLED_EXIT_CODE = 75
 
 
+class Phase(enum.Enum):
+    """Where one attempt at sending a version is (docs/rollout.md, 'The protocol in one place')."""
+
+    PREPARING = "preparing"  # Prepare asked; the weight group joined where the gateway built a new one
+    SENDING = "sending"  # buckets going out: broadcasts may be in flight, colocated peers wait in a hand-over
+    SENT = "sent"  # the engines loaded every bucket: nothing in flight, no peer waiting
+    COMMITTING = "committing"  # the coordinator asked the gateway to commit
+    COMMITTED = "committed"  # every sender's outcome is success: the engines serve the version
+    FAILED = "failed"  # any failure, here or at another sender: the next attempt starts from a new one
+
+
+MOVES = {
+    Phase.PREPARING: {Phase.SENDING, Phase.FAILED},
+    Phase.SENDING: {Phase.SENT, Phase.FAILED},
+    Phase.SENT: {Phase.COMMITTING, Phase.COMMITTED, Phase.FAILED},  # a sender other than the coordinator commits none
+    Phase.COMMITTING: {Phase.COMMITTED, Phase.FAILED},
+    Phase.COMMITTED: set(),
+    Phase.FAILED: set(),
+}
+
+
+class SendAttempt:
+    """One attempt at sending `version`, with everything that lives only as long as it: its phase, the bucket stream
+    (the watchdog cancels it), the gateway's choice of transport, whether broadcasts are in flight (the group is then
+    aborted, not destroyed), whether colocated peers wait in the next hand-over, and its timings."""
+
+    def __init__(self, version: int, peers_waiting: bool):
+        self.version, self.phase = version, Phase.PREPARING
+        self.stream = None
+        self.transport: transports.Transport | None = None
+        self.in_flight = False  # broadcasts were started on the group and not all have completed
+        self.peers_waiting = peers_waiting  # the sender's: the colocated peers wait in the next bucket's hand-over
+        # prepare_s, send_s, commit_s; streamed, within send_s: waited_s (for broadcasts to complete) and answers_s
+        # (after the last broadcast, for the engines to load)
+        self.timings: dict[str, float] = {}
+
+    def move(self, to: Phase) -> None:
+        if to not in MOVES[self.phase]:
+            raise RuntimeError(f"weight sync of version {self.version}: no move from {self.phase.value} to {to.value}")
+        self.phase = to
+        if to is Phase.SENT:  # every broadcast completed, and the peers are past the last bucket
+            self.in_flight = self.peers_waiting = False
+
+    def end(self, failure: Exception | None) -> None:
+        self.stream = None
+        if self.phase not in (Phase.COMMITTED, Phase.FAILED):
+            self.move(Phase.FAILED if failure is not None else Phase.COMMITTED)
+
+
 class WeightSender:
     """Every rank of data-parallel replica 0 iterates the weights (the TP gather is collective); a sender talks to
     the gateway and broadcasts. `weights()` yields this rank's (HF name, full tensor) pairs in order; `peers` is the
@@ -64,21 +114,16 @@ class WeightSender:
         self.coordinator = sender and (senders is None or dist.get_rank(senders) == 0)
         # Colocated on several GPUs, every rank hands the engines on its GPU its own copy of each bucket.
         self.handing_over = config.colocate and peers is not None
-        self.peers_waiting = False  # the sender's: the colocated peers wait in the next bucket's hand-over
         self.group_name = _group_name(dist.get_rank(senders) if senders is not None else None)
         self.address = config.weight_sync_address if self.coordinator else _own_address(config.weight_sync_address)
-        self.group, self.port, self.stream = None, 0, None
-        self.in_flight = False  # broadcasts were started on the group and not all have completed
+        self.group, self.port = None, 0
         self.listener: socket.socket | None = None  # the weight group's store port, held from Prepare to the join
-        # Of the last attempt: prepare_s, send_s, commit_s; streamed, within send_s: waited_s (for broadcasts to
-        # complete) and answers_s (after the last broadcast, for the engines to load)
-        self.timings: dict[str, float] = {}
+        self.attempt: SendAttempt | None = None  # the current or last one
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         # --update-weight-mode delta: each bucket as last sent (the receivers keep the same), and its version once
         # a planned sync of it committed: the base of the next sync's deltas
         self.copies: list[torch.Tensor] = []
         self.copies_version = 0
-        self.transport: transports.Transport | None = None  # of the last attempt (services/trainer/transports)
         self.timeout = timedelta(seconds=config.weight_sync_timeout_s)
         # torch's own deadline on the group's collectives comes last: it ends the process
         self.collective_timeout = self.timeout * STALL_FACTOR * 2
@@ -92,6 +137,16 @@ class WeightSender:
         self.gateway = rollout_pb2_grpc.RolloutServiceStub(self.channel) if sender else None
         if sender and not config.colocate:
             _check_reachable(self.address)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """The last attempt's."""
+        return self.attempt.timings if self.attempt is not None else {}
+
+    @property
+    def transport(self) -> "transports.Transport | None":
+        """The last attempt's half of the gateway's choice (services/trainer/transports)."""
+        return self.attempt.transport if self.attempt is not None else None
 
     def sync(self, version: int) -> bool:
         """Sends the weights as `version`; returns whether the engines serve it. An engine that fails is left out
@@ -124,20 +179,21 @@ class WeightSender:
 
     def _attempt(self, version: int, buckets) -> Exception | None:
         planned = self.layout is not None
+        self.attempt = attempt = SendAttempt(version, peers_waiting=self.handing_over)
         watchdog = Watchdog(self.timeout.total_seconds() * STALL_FACTOR, self._stalled)
         with watchdog:
-            self.peers_waiting = self.handing_over
             try:
-                failure = _failure(watchdog, self._send, version, buckets, watchdog)
+                failure = _failure(watchdog, self._send, attempt, buckets, watchdog)
             finally:
-                if self.peers_waiting:  # they learn that this attempt ended
+                if attempt.peers_waiting:  # they learn that this attempt ended
                     self._gather_handles([], [])
                     self._share_loaded(False)
                 _drain(buckets)  # the peers take part in every gather, whatever happened here
             failure = self._settled(failure)
             if failure is None and self.coordinator:
-                failure = _failure(watchdog, self._commit, version)
+                failure = _failure(watchdog, self._commit, attempt)
             failure = self._settled(failure)  # the coordinator's commit, to every sender
+        attempt.end(failure)
         if failure is None and planned and self.config.update_weight_mode == "delta":
             self.copies_version = version
         if isinstance(failure, (EnginesLeft, GatewayLeft, Unreachable)):
@@ -161,33 +217,36 @@ class WeightSender:
         stream)."""
         if self.group is not None:
             abort_group(self.group, self.collective_timeout.total_seconds())
-        if self.stream is not None:
-            self.stream.cancel()
+        stream = self.attempt.stream if self.attempt is not None else None
+        if stream is not None:
+            stream.cancel()
 
-    def _send(self, version: int, buckets, watchdog: "Watchdog") -> None:
+    def _send(self, attempt: SendAttempt, buckets, watchdog: "Watchdog") -> None:
         grouped = transports.asked(self.config) == rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED
         started = time.perf_counter()
-        prepared = self._prepare(version, grouped)
+        prepared = self._prepare(attempt.version, grouped)
         if grouped and (prepared.group_created or self.group is None):
             watchdog.progress("joining the weight group")  # its own deadline, the timeout, ends first
             self._drop_group()
             self._join(prepared)
         watchdog.progress("after joining the weight group")
-        self.timings = {"prepare_s": time.perf_counter() - started}
+        attempt.timings["prepare_s"] = time.perf_counter() - started
+        attempt.move(Phase.SENDING)
         requests: queue.Queue = queue.Queue()
-        responses = self.stream = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
+        responses = attempt.stream = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
         try:
-            self.transport = transport = transports.choose(self, prepared, version, requests, responses, watchdog)
+            attempt.transport = transport = transports.choose(
+                self, prepared, attempt.version, requests, responses, watchdog
+            )
             for index, (specs, tensors) in enumerate(buckets):
                 transport.send(index, specs, tensors)
                 watchdog.progress(f"after bucket {index}")
             transport.finish()
-            self.in_flight = False  # every broadcast of the attempt has completed
-            self.peers_waiting = False  # past the last bucket, as the colocated peers are
+            attempt.move(Phase.SENT)
         finally:
             requests.put(None)
-            self.stream = None
-        self.timings["send_s"] = time.perf_counter() - started - self.timings["prepare_s"]
+            attempt.stream = None
+        attempt.timings["send_s"] = time.perf_counter() - started - attempt.timings["prepare_s"]
 
     def _prepare(self, version: int, grouped: bool) -> rollout_pb2.PrepareWeightSyncResponse:
         """The coordinator prepares the sync for every sender's group (`grouped`: the weights go over one); a sender
@@ -228,21 +287,23 @@ class WeightSender:
         self.listener = socket.create_server(("", 0), backlog=128)
         self.port = self.listener.getsockname()[1]
 
-    def _commit(self, version: int) -> None:
-        started = time.perf_counter()
-        self.transport.publish()
+    def _commit(self, attempt: SendAttempt) -> None:
+        started, version = time.perf_counter(), attempt.version
+        attempt.move(Phase.COMMITTING)
+        attempt.transport.publish()
         committed = self.gateway.CommitWeightSync(
             rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.rpc_timeout_s
         )
-        self.timings["commit_s"] = time.perf_counter() - started
+        attempt.timings["commit_s"] = time.perf_counter() - started
         live = sum(e.success for e in committed.engines)
         if not live:  # every engine failed its commit (and was evicted): none serves this version
             raise EnginesLeft(
                 f"no engine committed version {version}: "
                 + "; ".join(f"{e.url}: {e.message}" for e in committed.engines)
             )
-        self.transport.committed()
-        name = type(self.transport).__name__.lower()
+        attempt.transport.committed()
+        attempt.move(Phase.COMMITTED)
+        name = type(attempt.transport).__name__.lower()
         log.info("weights of version %d sent to %d engine(s) (%s)", version, live, name)
 
     def _join(self, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
@@ -334,7 +395,8 @@ class WeightSender:
             return bool(loaded)
         flag = [loaded]
         dist.broadcast_object_list(flag, src=dist.get_global_rank(self.peers, 0), group=self.peers)
-        self.peers_waiting = self.sender and bool(flag[0])
+        if self.sender:
+            self.attempt.peers_waiting = bool(flag[0])
         return bool(flag[0])
 
     def group_names(self) -> list[str]:
@@ -417,8 +479,11 @@ class WeightSender:
         """With broadcasts in flight the group is aborted, not destroyed: destroying waits for them, and they may
         never finish."""
         if self.group is not None:
-            end_group(self.group, self.in_flight, self.collective_timeout.total_seconds())
-            self.group, self.in_flight = None, False
+            in_flight = self.attempt is not None and self.attempt.in_flight
+            end_group(self.group, in_flight, self.collective_timeout.total_seconds())
+            self.group = None
+            if self.attempt is not None:
+                self.attempt.in_flight = False
 
     def close(self) -> None:
         """A group that is still here has no broadcast pending (a failed sync dropped it), so it is destroyed, which

@@ -1,19 +1,39 @@
-"""The trainer's weight-sync watchdog and the weight group's NCCL settings (the sync itself, with real engines, is
-tested in tests/rollout/test_weight_sync.py)."""
+"""The trainer's weight-sync watchdog, its attempts' phases and the weight group's NCCL settings (the sync itself, with
+real engines, is tested in tests/rollout/test_weight_sync.py)."""
 
 import subprocess
 import sys
 import threading
 import time
 
+import pytest
+
 from services.common.weight_group import NCCL_SETTINGS, apply_nccl_settings
-from services.trainer.weight_sync import STALLED_EXIT_CODE, Watchdog
+from services.trainer.weight_sync import MOVES, STALLED_EXIT_CODE, Phase, SendAttempt, Watchdog
 
 
 def test_every_member_gets_sglangs_nccl_settings_unless_its_environment_says_otherwise(caplog):
     assert apply_nccl_settings({}) == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"} == NCCL_SETTINGS
     assert apply_nccl_settings({"NCCL_CUMEM_ENABLE": "1"})["NCCL_CUMEM_ENABLE"] == "1"  # as SGLang: the user's wins
     assert "NCCL_CUMEM_ENABLE=1 is set" in caplog.text  # and every member must share it: said
+
+
+def test_an_attempt_moves_only_as_its_table_allows_and_ends_once():
+    attempt = SendAttempt(3, peers_waiting=True)
+    attempt.in_flight = True
+    attempt.move(Phase.SENDING)
+    with pytest.raises(RuntimeError, match="version 3: no move from sending to committing"):
+        attempt.move(Phase.COMMITTING)  # not before the engines loaded every bucket
+    attempt.move(Phase.SENT)
+    assert not attempt.in_flight and not attempt.peers_waiting  # nothing of the transfer is left
+    attempt.end(None)  # a sender other than the coordinator: its senders' shared outcome commits it
+    assert attempt.phase is Phase.COMMITTED and attempt.stream is None
+    attempt.end(None)  # ended once: the second call changes nothing
+    failed = SendAttempt(4, peers_waiting=False)
+    failed.end(RuntimeError("the gateway left"))  # a failure in any phase ends it failed
+    assert failed.phase is Phase.FAILED
+    assert all(not MOVES[end] for end in (Phase.COMMITTED, Phase.FAILED))  # no way out of an end
+    assert all(Phase.FAILED in MOVES[phase] for phase in MOVES if phase not in (Phase.COMMITTED, Phase.FAILED))
 
 
 def test_the_watchdog_calls_its_remedy_once_a_sync_makes_no_progress():

@@ -27,7 +27,7 @@ class Broadcast(Transport):
                 group_name=sender.group_name,
             )
         )
-        sender.in_flight = True
+        sender.attempt.in_flight = True
         try:
             works = [
                 dist.broadcast(t, src=0, group=sender.group, async_op=True)

@@ -70,7 +70,7 @@ class Streamed(Transport):
             if self.staging[staging].numel() < size:
                 self.staging[staging] = torch.empty(size, dtype=torch.uint8, device=self.device)
         flat = flatten_aligned(tensors, dtypes, shapes, self.staging[staging])
-        self.sender.in_flight = True
+        self.sender.attempt.in_flight = True
         if self.delta:
             pending, self.pending = self.pending, self._compare(index, flat, dtypes, shapes)
             if pending is not None:
