@@ -151,8 +151,10 @@ IGNORED = {
         "--rotary-percent", "--rotary-interleaved", "--post-self-attn-layernorm", "--post-mlp-layernorm",
         "--rope-type", "--original-max-position-embeddings", "--beta-fast", "--beta-slow",
     )},
-    **{flag: "the trainer picks megatron's MoE kernels (all-to-all dispatch, per-expert GEMMs on CPU and GPU)"
-       for flag in ("--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-permute-fusion",
+    "--moe-grouped-gemm": "the experts run as grouped GEMMs (torch's own op) wherever Transformer Engine and "
+                          "grouped_gemm are absent (services/trainer/grouped_experts.py)",
+    **{flag: "the trainer picks megatron's MoE kernels (all-to-all dispatch)"
+       for flag in ("--moe-token-dispatcher-type", "--moe-permute-fusion",
                     "--moe-shared-expert-overlap", "--moe-router-fusion", "--no-rope-fusion")},
     "--optimizer": "the optimizer is AdamW (Megatron's)",
     "--megatron-to-hf-mode": "weights are converted to HF names by the trainer itself",

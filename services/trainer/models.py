@@ -20,11 +20,13 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from services.trainer.cpu_shims import apply_cpu_shims, apply_missing_te_shims, cuda_available
 from services.trainer.families import FAMILIES, Family
+from services.trainer.grouped_experts import GroupedExperts
 from services.trainer.hf_names import (
     ModelShape,
     gather_tp_param,
@@ -45,6 +47,12 @@ try:  # Transformer Engine cannot be installed on the machines measured so far; 
     HAVE_TE = True
 except ImportError:
     HAVE_TE = False
+try:  # megatron's GroupedMLP needs it; where it is missing, the experts are GroupedExperts, torch's grouped GEMMs
+    import grouped_gemm  # noqa: F401
+
+    HAVE_GROUPED_GEMM = True
+except ImportError:
+    HAVE_GROUPED_GEMM = False
 
 
 @dataclass(frozen=True)
@@ -284,6 +292,9 @@ def layer_spec(config: GPTConfig) -> TransformerBlockSubmodules:
     block = get_gpt_decoder_block_spec(config.transformer, use_transformer_engine=HAVE_TE, normalization="RMSNorm")
     for spec in {id(s): s for s in block.layer_specs}.values():  # the dense and the MoE layer's spec, each once
         config.family.adapt_spec(spec, config.transformer)
+        experts = getattr(spec.submodules.mlp.submodules, "experts", None)
+        if experts is not None and experts.module is SequentialMLP and not (HAVE_TE or HAVE_GROUPED_GEMM):
+            experts.module = GroupedExperts  # two grouped GEMMs for all local experts (grouped_experts.py)
         if HAVE_TE:
             continue
         layer, attention = spec.submodules, spec.submodules.self_attention.submodules

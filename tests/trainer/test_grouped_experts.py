@@ -1,0 +1,50 @@
+"""GroupedExperts (services/trainer/grouped_experts.py), the experts of every MoE model here (no Transformer Engine,
+no grouped_gemm), against megatron's SequentialMLP on a Qwen3-MoE-shaped model: the same log-probs, gradients and
+optimizer step, to float32's rounding and within bf16's. Expert parallelism runs it too: tests/trainer/test_models.py
+(EP=2 over two processes equals HF) and tests/trainer/test_parallel_training.py (EP=2 trains as one rank)."""
+
+import pytest
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from services.train.tiny_checkpoint import write_tiny_model
+from services.trainer import grouped_experts, models
+from services.trainer.grouped_experts import GroupedExperts
+
+
+@pytest.fixture
+def megatron_tp1():
+    from services.trainer.parallel import destroy_parallel, init_parallel
+
+    yield init_parallel(tp_size=1)
+    destroy_parallel()
+
+
+def one_step(path, grouped: bool, dtype: torch.dtype, monkeypatch) -> tuple:
+    """Log-probs, gradients and the weights after one AdamW step, with the grouped experts or megatron's own."""
+    monkeypatch.setattr(models, "HAVE_GROUPED_GEMM", not grouped)  # where grouped_gemm is, megatron's module stays
+    calls = []
+    monkeypatch.setattr(grouped_experts, "grouped_mm", lambda *a, **k: calls.append(1) or torch._grouped_mm(*a, **k))
+    model, config = models.load_gpt_model(path, dtype=dtype)
+    experts = [m for m in model.modules() if isinstance(m, SequentialMLP)]
+    assert experts and all(isinstance(m, GroupedExperts) == grouped for m in experts)
+    ids = torch.randint(0, config.shape.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+    logprobs = models.token_logprobs(logits[:, :-1], ids[:, 1:], config.shape.vocab_size)
+    logprobs.mean().backward()
+    grads = {name: p.grad.float().clone() for name, p in model.named_parameters()}
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    assert len(calls) == (2 * len(experts) if grouped else 0)  # two grouped GEMMs a layer, none of megatron's
+    return logprobs.detach().float(), grads, {name: p.detach().float() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_grouped_experts_train_as_megatrons_sequential_mlp(dtype, tolerance, megatron_tp1, monkeypatch, tmp_path):
+    path = write_tiny_model(tmp_path / "model", arch="qwen3_moe")
+    sequential, grouped = (one_step(path, flag, dtype, monkeypatch) for flag in (False, True))
+    torch.testing.assert_close(grouped[0], sequential[0], atol=tolerance, rtol=0)
+    assert any(".local_experts.7." in name for name in grouped[1])  # every expert has its parameters, by its name
+    for before, after in zip(sequential[1:], grouped[1:], strict=True):
+        assert before.keys() == after.keys()
+        for name in before:
+            torch.testing.assert_close(after[name], before[name], atol=tolerance, rtol=tolerance, msg=name)
