@@ -7,7 +7,10 @@ carved out of DP) inside megatron's DDP, as the trainer runs it; bf16 with float
 data-parallel ranks with `--use-distributed-optimizer`). Tokens/s counts all tokens of the step over all GPUs; MFU
 uses the active parameters (attention, router, 8 experts' MLPs, embeddings) in the PaLM count 6·N + 12·L·H·Q·S.
 
-Run (GPUs):  python bench/moe_step.py --ep 2 --layers 3
+The experts are the trainer's (`--experts grouped`: two grouped GEMMs a layer, services/trainer/grouped_experts.py);
+`--experts sequential` runs megatron's SequentialMLP instead (one GEMM per expert and projection), for comparison.
+
+Run (GPUs):  python bench/moe_step.py --ep 2 --layers 3 [--experts sequential]
 Run (CPU, a tiny model, to check the script): .venv/bin/python bench/moe_step.py --ep 2 --tiny --seq-len 64
 """
 
@@ -54,6 +57,10 @@ def worker(path: Path, args) -> dict:
     from services.trainer.models import load_gpt_model
     from services.trainer.parallel import init_parallel
 
+    if args.experts == "sequential":  # benchmark-only: SequentialMLP's own forward, for the comparison
+        from services.trainer.grouped_experts import GroupedExperts
+
+        GroupedExperts.grouped = lambda self, hidden: False
     init_parallel(1, 1, ep_size=args.ep)
     cuda = torch.cuda.is_available()
     model, gpt = load_gpt_model(path, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -122,6 +129,8 @@ def main() -> None:
         action="store_true",
         help="shard AdamW's state over the data-parallel ranks (megatron's DistributedOptimizer)",
     )
+    parser.add_argument("--experts", choices=("grouped", "sequential"), default="grouped",
+                        help="the trainer's grouped experts, or megatron's SequentialMLP to compare")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
@@ -154,7 +163,7 @@ def report(figures: dict, args, shape: dict) -> None:
     mfu = f"{rate / args.ep * flops / (peak * 1e12):.1%}" if peak else "n/a"
     print(f"\nQwen3-30B-A3B-shaped, {layers} layers ({total_params(shape, layers) / 1e9:.2f} B params over {args.ep} "
           f"rank(s), {active_params(shape, layers) / 1e9:.2f} B active), EP={args.ep}, {args.micro_batches} x "
-          f"{args.seq_len} tokens per rank per step, bf16 + fp32 AdamW"
+          f"{args.seq_len} tokens per rank per step, bf16 + fp32 AdamW, {args.experts} experts"
           f"{' (distributed optimizer)' if args.use_distributed_optimizer else ''}; {args.ep} x {name}")  # fmt: skip
     print("EP | step s | tokens/s | tokens/s per GPU | MFU | peak memory per GPU | load-balancing loss")
     print("--- | --- | --- | --- | --- | --- | ---")
@@ -162,7 +171,8 @@ def report(figures: dict, args, shape: dict) -> None:
           f"{figures['memory_gib']:.1f} GiB | {figures['load_balancing_loss']:.4f}")  # fmt: skip
     print(
         f"\nReproduce: python bench/moe_step.py --ep {args.ep} --layers {layers} --seq-len {args.seq_len} "
-        f"--micro-batches {args.micro_batches}{' --use-distributed-optimizer' * args.use_distributed_optimizer}"
+        f"--micro-batches {args.micro_batches} --experts {args.experts}"
+        f"{' --use-distributed-optimizer' * args.use_distributed_optimizer}"
     )
 
 
