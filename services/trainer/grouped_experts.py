@@ -6,9 +6,10 @@ Transformer Engine (`TEGroupedMLP`) or the `grouped_gemm` package (`GroupedMLP`)
 The parameters are `SequentialMLP`'s (`local_experts.<i>.linear_fc1.weight`, `linear_fc2.weight`, the same shapes), so
 every boundary that names them is unchanged: the HF names, the weight sync, `--save`/`--load`, the distributed
 optimizer, expert parallelism. A forward stacks them (autograd splits the gradients back) and runs all experts' fc1
-at once, the activation scaled by the router's probabilities, then all experts' fc2. Where the op does not apply
-(biases on the experts, experts split over tensor-parallel ranks, fp8, rows not 16-byte aligned, a dtype the device's
-op lacks), `SequentialMLP`'s own forward runs.
+at once, the activation scaled by the router's probabilities, then all experts' fc2. Experts split over
+tensor-parallel ranks compute their shards alike (megatron's expert linears do no communication: the dispatcher
+gathers and reduces). Where the op does not apply (biases on the experts, fp8, rows not 16-byte aligned, a dtype the
+device's op lacks), `SequentialMLP`'s own forward runs.
 """
 
 import torch
@@ -50,7 +51,6 @@ class GroupedExperts(SequentialMLP):
             grouped_mm is not None
             and self.num_local_experts > 1
             and not (c.add_bias_linear or c.fp8 or c.fp4 or c.moe_apply_probs_on_input)
-            and (c.expert_tensor_parallel_size or 1) == 1
             and aligned
             and (hidden.device.type == "cpu" or hidden.dtype == torch.bfloat16)
         )
