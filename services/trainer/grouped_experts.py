@@ -5,11 +5,13 @@ Transformer Engine (`TEGroupedMLP`) or the `grouped_gemm` package (`GroupedMLP`)
 
 The parameters are `SequentialMLP`'s (`local_experts.<i>.linear_fc1.weight`, `linear_fc2.weight`, the same shapes), so
 every boundary that names them is unchanged: the HF names, the weight sync, `--save`/`--load`, the distributed
-optimizer, expert parallelism. A forward stacks them (autograd splits the gradients back) and runs all experts' fc1
-at once, the activation scaled by the router's probabilities, then all experts' fc2. Experts split over
-tensor-parallel ranks compute their shards alike (megatron's expert linears do no communication: the dispatcher
-gathers and reduces). Where the op does not apply (biases on the experts, fp8, rows not 16-byte aligned, a dtype the
-device's op lacks), `SequentialMLP`'s own forward runs.
+optimizer, expert parallelism. They are built as views of one [experts, ...] tensor per projection, which a forward
+hands the grouped op as it is, with no copy (`Stacked`: autograd splits the gradient back to each expert); where
+something moved a weight out of it (a distributed optimizer's buffer, a cast), the forward stacks a copy instead. It
+runs all experts' fc1 at once, the activation scaled by the router's probabilities, then all experts' fc2.
+Experts split over tensor-parallel ranks compute their shards alike (megatron's expert linears do no communication:
+the dispatcher gathers and reduces). Where the op does not apply (biases on the experts, fp8, rows not 16-byte
+aligned, a dtype the device's op lacks), `SequentialMLP`'s own forward runs.
 """
 
 import torch
@@ -19,13 +21,44 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+class Stacked(torch.autograd.Function):
+    """The experts' weights as the one tensor whose views they are; the gradient goes back to each as a view of it."""
+
+    @staticmethod
+    def forward(ctx, stacked: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        return stacked.view_as(stacked)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, *grad.unbind(0)
+
+
 class GroupedExperts(SequentialMLP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stacked: dict[str, torch.Tensor] = {}  # per projection: the tensor every expert's weight is a view of
+        for name in ("linear_fc1", "linear_fc2"):
+            weights = [getattr(expert, name).weight for expert in self.local_experts]
+            stacked = torch.stack([w.detach() for w in weights])
+            for weight, view in zip(weights, stacked, strict=True):
+                weight.data = view  # the same Parameter (megatron's marks on it stay), its storage the stacked one
+            self.stacked[name] = stacked
+
+    def weights(self, name: str) -> torch.Tensor:
+        """Every local expert's weight of projection `name`, [experts, out, in]: the stacked tensor they are views of,
+        else a stacked copy."""
+        weights = [getattr(expert, name).weight for expert in self.local_experts]
+        stacked = self.stacked.get(name)
+        if stacked is not None and all(w.data_ptr() == v.data_ptr() for w, v in zip(weights, stacked, strict=True)):
+            return Stacked.apply(stacked, *weights)
+        return torch.stack(weights)
+
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         if not self.grouped(hidden):
             return super().forward(hidden, tokens_per_expert, probs)
         ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0, dtype=torch.int32)
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [experts, (2 x) ffn, hidden]
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [experts, hidden, ffn]
+        fc1 = self.weights("linear_fc1")  # [experts, (2 x) ffn, hidden]
+        fc2 = self.weights("linear_fc2")  # [experts, hidden, ffn]
         intermediate = self.activation(grouped_mm(hidden, fc1.transpose(1, 2), offs=ends))
         scaled = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
         return grouped_mm(scaled, fc2.transpose(1, 2), offs=ends), None

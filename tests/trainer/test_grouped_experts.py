@@ -20,14 +20,21 @@ def megatron_tp1():
     destroy_parallel()
 
 
-def one_step(path, grouped: bool, dtype: torch.dtype, monkeypatch) -> tuple:
-    """Log-probs, gradients and the weights after one AdamW step, with the grouped experts or megatron's own."""
+def one_step(path, grouped: bool, dtype: torch.dtype, monkeypatch, moved: bool = False) -> tuple:
+    """Log-probs, gradients and the weights after one AdamW step, with the grouped experts or megatron's own; `moved`:
+    one expert's weight moved out of the stacked tensor, so that the forward stacks copies."""
     monkeypatch.setattr(models, "HAVE_GROUPED_GEMM", not grouped)  # where grouped_gemm is, megatron's module stays
     calls = []
     monkeypatch.setattr(grouped_experts, "grouped_mm", lambda *a, **k: calls.append(1) or torch._grouped_mm(*a, **k))
     model, config = models.load_gpt_model(path, dtype=dtype)
     experts = [m for m in model.modules() if isinstance(m, SequentialMLP)]
     assert experts and all(isinstance(m, GroupedExperts) == grouped for m in experts)
+    for layer in experts if grouped else []:
+        weight = layer.local_experts[3].linear_fc2.weight
+        if moved:
+            weight.data = weight.data.clone()
+        stacked = type(layer.weights("linear_fc2").grad_fn).__name__
+        assert stacked == ("StackBackward0" if moved else "StackedBackward"), stacked  # a copy only when moved
     ids = torch.randint(0, config.shape.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
     logprobs = models.token_logprobs(logits[:, :-1], ids[:, 1:], config.shape.vocab_size)
@@ -35,13 +42,19 @@ def one_step(path, grouped: bool, dtype: torch.dtype, monkeypatch) -> tuple:
     grads = {name: p.grad.float().clone() for name, p in model.named_parameters()}
     torch.optim.AdamW(model.parameters(), lr=1e-3).step()
     assert len(calls) == (2 * len(experts) if grouped else 0)  # two grouped GEMMs a layer, none of megatron's
+    for layer in experts if grouped and not moved else []:  # the step moved the weights inside the stacked tensors
+        assert all(
+            torch.equal(layer.stacked["linear_fc1"][i], e.linear_fc1.weight) for i, e in enumerate(layer.local_experts)
+        )
     return logprobs.detach().float(), grads, {name: p.detach().float() for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("moved", [False, True], ids=["views", "copies"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_grouped_experts_train_as_megatrons_sequential_mlp(dtype, tolerance, megatron_tp1, monkeypatch, tmp_path):
+def test_grouped_experts_train_as_megatrons_sequential_mlp(dtype, tolerance, moved, megatron_tp1, monkeypatch,
+                                                           tmp_path):  # fmt: skip
     path = write_tiny_model(tmp_path / "model", arch="qwen3_moe")
-    sequential, grouped = (one_step(path, flag, dtype, monkeypatch) for flag in (False, True))
+    sequential, grouped = (one_step(path, flag, dtype, monkeypatch, moved) for flag in (False, True))
     torch.testing.assert_close(grouped[0], sequential[0], atol=tolerance, rtol=0)
     assert any(".local_experts.7." in name for name in grouped[1])  # every expert has its parameters, by its name
     for before, after in zip(sequential[1:], grouped[1:], strict=True):
