@@ -83,7 +83,6 @@ class SendAttempt:
             self.in_flight = self.peers_waiting = False
 
     def end(self, failure: Exception | None) -> None:
-        self.stream = None
         if self.phase not in (Phase.COMMITTED, Phase.FAILED):
             self.move(Phase.FAILED if failure is not None else Phase.COMMITTED)
 
