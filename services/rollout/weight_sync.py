@@ -418,14 +418,15 @@ class WeightSync:
 
     def _watch(self, timeout: float | None = None) -> None:
         """(Re)arms the sync's deadline after each answer: a trainer silent for that long is gone, and the sync is
-        aborted. 0 disarms it."""
+        aborted. 0 disarms it. A trainer waiting for a bucket's answer is silent by right: while one is delivered
+        the deadline waits, and the last delivery to end arms it."""
         attempt = self.attempt
         if attempt is None:
             return
         if attempt.deadline is not None:
             attempt.deadline.cancel()
         timeout, version = self.config.weight_sync_timeout_s if timeout is None else timeout, attempt.version
-        if not timeout:
+        if not timeout or self.deliveries - {asyncio.current_task()}:
             return
         reason = f"no word from the trainer for {timeout:.0f} s"
         attempt.deadline = asyncio.get_running_loop().call_later(

@@ -190,3 +190,52 @@ def test_weight_sync_holds_its_invariants_for_ten_minutes():
             settings=settings(max_examples=100, stateful_step_count=30, deadline=None, database=None,
                               suppress_health_check=[HealthCheck.too_slow]),
         )  # fmt: skip
+
+
+class HangingEngine(FakeEngine):
+    """Answers bucket 0 only once bucket 1 has come (the gateway posts an ordered engine the next bucket at once),
+    then hangs on bucket 1 until the gateway's deadline, and its /model_info for a while after (as a stopped engine
+    answers the gateway's probe only by its deadline)."""
+
+    def __init__(self):
+        super().__init__()
+        self.second = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if request.path == "/server_info":
+            info = {"tp_size": 1, "version": "0.5.23", "ordered_weight_buckets": True}
+            return web.json_response(info)
+        if request.path == "/model_info" and self.second.is_set():
+            await asyncio.sleep(1.5)
+        if request.path == "/update_weights_from_distributed":
+            body = await request.json()
+            if body["names"] == ["v1.b1"]:
+                self.second.set()
+                await asyncio.sleep(3600)
+            await self.second.wait()
+            return web.json_response({"success": True, "message": "done"})
+        return await super().handle(request)
+
+
+async def test_a_trainer_waiting_for_a_buckets_answer_is_not_taken_for_gone():
+    """Bucket 0 is answered while bucket 1 still loads; bucket 1's answer comes only after the engine's deadline and
+    the probe that finds it hung, later than a deadline counted from bucket 0's answer. The trainer, silent while it
+    waits for that answer, hears the failure (and prepares again), not an abort for its silence."""
+    engine = HangingEngine()
+    pool = EnginePool(RolloutConfig(weight_sync_timeout_s=2))
+    await pool.register(await engine.start())
+    pool.running.set()
+    sync = WeightSync(pool.config, pool, Buffer())
+    try:
+        await sync.prepare(1, SOURCES, "gloo")
+        loads = [await sync.bucket(Bucket(i, [f"v1.b{i}"], ["bfloat16"], [[2]], group_name="weights-0")) for i in (0, 1)]
+        first, second = await asyncio.wait_for(asyncio.gather(*loads), 30)
+        assert first[0].success and not second[0].success
+        assert "/update_weights_from_distributed" in second[0].message
+        assert sync.attempt is not None and not sync.attempt.aborted.done()
+        assert sync.attempt.deadline is not None and not sync.attempt.deadline.cancelled()
+    finally:
+        if sync.attempt is not None:
+            sync.attempt.deadline.cancel()
+        await pool.close()
+        await engine.server.close()
