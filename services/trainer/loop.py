@@ -16,6 +16,7 @@ from services.buffer import dataplane
 from services.trainer import assembly, checkpoint, data_parallel, reward_failures
 from services.trainer.actor import Actor
 from services.trainer.config import TrainerConfig
+from services.trainer.megatron_import import import_megatron
 from services.trainer.metrics import StepLog, mfu, rollout_times
 from services.trainer.parallel import control_group
 from slipstream import samples
@@ -48,6 +49,7 @@ class Trainer:
     """The training loop on this rank, assembled from its parts (`assembly.py`) in the order they depend on."""
 
     def __init__(self, config: TrainerConfig, control: Control | None = None):
+        import_megatron()  # before any part of the trainer imports it
         self.config, self.control = config, control or Control()
         self.info = assembly.parallel_layout(config)
         self.model, self.gpt = assembly.load_policy(config)

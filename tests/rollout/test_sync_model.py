@@ -228,7 +228,8 @@ async def test_a_trainer_waiting_for_a_buckets_answer_is_not_taken_for_gone():
     sync = WeightSync(pool.config, pool, Buffer())
     try:
         await sync.prepare(1, SOURCES, "gloo")
-        loads = [await sync.bucket(Bucket(i, [f"v1.b{i}"], ["bfloat16"], [[2]], group_name="weights-0")) for i in (0, 1)]
+        buckets = [Bucket(i, [f"v1.b{i}"], ["bfloat16"], [[2]], group_name="weights-0") for i in (0, 1)]
+        loads = [await sync.bucket(bucket) for bucket in buckets]
         first, second = await asyncio.wait_for(asyncio.gather(*loads), 30)
         assert first[0].success and not second[0].success
         assert "/update_weights_from_distributed" in second[0].message
