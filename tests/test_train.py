@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from services.train.demo import train_args
 from tests import wandb_files
@@ -60,7 +61,9 @@ def test_train_learns_evaluates_saves_and_leaves_nothing_behind(service_process,
     assert {e["step"] for e in evals} >= {0, 24} and all("held_out" in e["results"] for e in evals)
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "24"
     assert (run_dir / "reward.png").stat().st_size > 0
-    assert list((run_dir / "tensorboard").iterdir())
+    board = EventAccumulator(str(run_dir / "tensorboard")).Reload()  # the launcher's evaluations beside the trainer's
+    held_out = {e.step: e.value for e in board.Scalars("eval/held_out/mean_reward")}
+    assert held_out == pytest.approx({e["step"]: e["results"]["held_out"]["mean_reward"] for e in evals})
     assert "step   23  reward" in run.log and "reward curve:" in run.log
     assert wait_gone(run_dir) == []
     wandb_run = wandb_files.run_file(run_dir)  # the reward curve under slime's name, the evaluations, the settings

@@ -379,13 +379,20 @@ class Run:
         return results
 
     def _tensorboard(self, result: dict) -> None:
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+        """Each evaluation's scalars, as TensorBoard's own writer writes them (torch's, which the trainer uses,
+        would cost the launcher an import of torch)."""
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-        for name, metrics in result["results"].items():
-            for key, value in metrics.items():
-                self._writer.add_scalar(f"eval/{name}/{key}", value, result["step"])
+        if self._writer is None:
+            self._writer = EventFileWriter(str(self.run_dir / "tensorboard"))
+        values = [
+            Summary.Value(tag=f"eval/{name}/{key}", simple_value=value)
+            for name, metrics in result["results"].items()
+            for key, value in metrics.items()
+        ]
+        self._writer.add_event(Event(wall_time=time.time(), step=result["step"], summary=Summary(value=values)))
         self._writer.flush()
 
     # Stopping
