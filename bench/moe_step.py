@@ -1,6 +1,8 @@
 """The trainer's RL step on an MoE model with expert parallelism: a Qwen3-30B-A3B-shaped model (its attention, its
 128 experts with 8 per token, its vocabulary) with fewer layers, trained by `services.trainer.actor` under torchrun,
-each rank holding 128 / EP of every layer's experts (tokens reach them by megatron's all-to-all dispatcher).
+each rank holding 1 / EP of every layer's experts (tokens reach them by megatron's all-to-all dispatcher).
+`--shape moonlight-16b-a3b`: DeepSeek-V3's architecture at that width (Moonlight-16B-A3B: multi-latent attention, a
+dense first layer, then 64 routed experts with 6 per token and 2 shared ones behind a sigmoid router).
 
 Each step trains `--micro-batches` sequences of `--seq-len` tokens per data-parallel rank (here every rank: EP is
 carved out of DP) inside megatron's DDP, as the trainer runs it; bf16 with float32 AdamW masters (sharded over the
@@ -10,7 +12,7 @@ uses the active parameters (attention, router, 8 experts' MLPs, embeddings) in t
 The experts are the trainer's (`--experts grouped`: two grouped GEMMs a layer, services/trainer/grouped_experts.py);
 `--experts sequential` runs megatron's SequentialMLP instead (one GEMM per expert and projection), for comparison.
 
-Run (GPUs):  python bench/moe_step.py --ep 2 --layers 3 [--experts sequential]
+Run (GPUs):  python bench/moe_step.py --ep 2 --layers 3 [--experts sequential] [--shape moonlight-16b-a3b]
 Run (CPU, a tiny model, to check the script): .venv/bin/python bench/moe_step.py --ep 2 --tiny --seq-len 64
 """
 
@@ -28,19 +30,41 @@ import torch
 QWEN3_30B_A3B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                      intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                      vocab_size=151936, norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960)  # fmt: skip
+MOONLIGHT_16B_A3B = dict(hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, num_attention_heads=16,
+                         num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.446,
+                         norm_topk_prob=True, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                         qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, rope_theta=50000.0,
+                         max_position_embeddings=8192)  # fmt: skip
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, vocab_size=512,
             norm_topk_prob=True)  # fmt: skip
+TINY_MLA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                vocab_size=512, max_position_embeddings=1024)  # fmt: skip
+SHAPES = {  # name: (the HF architecture, its shape, a tiny one of the same architecture)
+    "qwen3-30b-a3b": ("Qwen3Moe", QWEN3_30B_A3B, TINY),
+    "moonlight-16b-a3b": ("DeepseekV3", MOONLIGHT_16B_A3B, TINY_MLA),
+}
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4}
 
 
-def write_model(path: Path, shape: dict) -> None:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def hf_config(architecture: str, shape: dict):
+    import transformers
 
-    config = Qwen3MoeConfig(**shape, tie_word_embeddings=False, torch_dtype="bfloat16")
+    config = getattr(transformers, f"{architecture}Config")
+    return config(**shape, tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
+def write_model(path: Path, architecture: str, shape: dict) -> None:
+    import transformers
+
+    config = hf_config(architecture, shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+        model = getattr(transformers, f"{architecture}ForCausalLM")(config).to(torch.bfloat16)
     model.save_pretrained(path)
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None  # the GPU's memory is the trainer's
@@ -99,26 +123,36 @@ def worker(path: Path, args) -> dict:
     return {"step_s": seconds, "memory_gib": memory, "load_balancing_loss": metrics.get("load_balancing_loss")}
 
 
-def total_params(shape: dict, layers: int) -> float:
-    h, e = shape["hidden_size"], shape["num_experts"]
-    return (
-        active_params(shape, layers)
-        + layers * (e - shape["num_experts_per_tok"]) * 3 * h * shape["moe_intermediate_size"]
+def params(architecture: str, shape: dict) -> tuple[float, float]:
+    """The model's parameters, all and active (a token's: the routed experts it does not reach left out), counted on
+    transformers' model of the architecture, built without memory."""
+    import transformers
+
+    config = hf_config(architecture, shape)
+    with torch.device("meta"):
+        model = getattr(transformers, f"{architecture}ForCausalLM")(config)
+    total = sum(p.numel() for p in model.parameters())
+    routed = shape.get("num_experts") or shape["n_routed_experts"]
+    moe_layers = shape["num_hidden_layers"] - shape.get("first_k_dense_replace", 0)
+    idle = (
+        moe_layers * (routed - shape["num_experts_per_tok"]) * 3 * shape["hidden_size"] * shape["moe_intermediate_size"]
     )
+    return total, total - idle
 
 
-def active_params(shape: dict, layers: int) -> float:
-    h, q, v = shape["hidden_size"], shape["head_dim"], shape["vocab_size"]
-    attention = h * q * (2 * shape["num_attention_heads"] + 2 * shape["num_key_value_heads"])
-    experts = shape["num_experts_per_tok"] * 3 * h * shape["moe_intermediate_size"] + shape["num_experts"] * h
-    return 2 * v * h + layers * (attention + experts)
+def attention_dims(shape: dict) -> tuple[int, int]:
+    """A head's query-key and value widths (multi-latent attention's differ)."""
+    if "kv_lora_rank" in shape:
+        return shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"], shape["v_head_dim"]
+    return shape["head_dim"], shape["head_dim"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size = GPUs (torchrun processes)")
     parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true", help="a tiny model, to check the script on a CPU")
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model of the shape's architecture, for a CPU")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--micro-batches", type=int, default=2, help="sequences per rank per step")
@@ -134,7 +168,8 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
-    shape = {**(TINY if args.tiny else QWEN3_30B_A3B), "num_hidden_layers": args.layers}
+    architecture, full, tiny = SHAPES[args.shape]
+    shape = {**(tiny if args.tiny else full), "num_hidden_layers": args.layers}
     if args.worker:  # a torchrun rank: the model folder and where to write the figures
         path, out = args.worker.split(",")
         figures = worker(Path(path), args)
@@ -142,36 +177,39 @@ def main() -> None:
             Path(out).write_text(json.dumps(figures))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        write_model(Path(tmp) / "model", shape)
+        write_model(Path(tmp) / "model", architecture, shape)
         out = Path(tmp) / "figures.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ep), __file__,
                    *sys.argv[1:], "--worker", f"{Path(tmp) / 'model'},{out}"]  # fmt: skip
         path = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
         subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": path})
         figures = json.loads(out.read_text())
-    report(figures, args, shape)
+    report(figures, args, architecture, shape)
 
 
-def report(figures: dict, args, shape: dict) -> None:
+def report(figures: dict, args, architecture: str, shape: dict) -> None:
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name() if cuda else "CPU"
     peak = next((p for key, p in PEAK_TFLOPS.items() if key in name), None)
     tokens = args.ep * args.micro_batches * args.seq_len
     rate = tokens / figures["step_s"]
-    q, layers = shape["head_dim"], shape["num_hidden_layers"]
-    flops = 6 * active_params(shape, layers) + 12 * layers * shape["num_attention_heads"] * q * args.seq_len
+    (qk, v), layers = attention_dims(shape), shape["num_hidden_layers"]
+    total, active = params(architecture, shape)
+    flops = 6 * active + 6 * layers * shape["num_attention_heads"] * (qk + v) * args.seq_len
     mfu = f"{rate / args.ep * flops / (peak * 1e12):.1%}" if peak else "n/a"
-    print(f"\nQwen3-30B-A3B-shaped, {layers} layers ({total_params(shape, layers) / 1e9:.2f} B params over {args.ep} "
-          f"rank(s), {active_params(shape, layers) / 1e9:.2f} B active), EP={args.ep}, {args.micro_batches} x "
+    loss = figures["load_balancing_loss"]  # none where the router balances by its score correction (DeepSeek-V3)
+    balance = "n/a" if loss is None else f"{loss:.4f}"
+    print(f"\n{args.shape}-shaped{' (tiny)' * args.tiny}, {layers} layers ({total / 1e9:.2f} B params over {args.ep} "
+          f"rank(s), {active / 1e9:.2f} B active), EP={args.ep}, {args.micro_batches} x "
           f"{args.seq_len} tokens per rank per step, bf16 + fp32 AdamW, {args.experts} experts"
           f"{' (distributed optimizer)' if args.use_distributed_optimizer else ''}; {args.ep} x {name}")  # fmt: skip
     print("EP | step s | tokens/s | tokens/s per GPU | MFU | peak memory per GPU | load-balancing loss")
     print("--- | --- | --- | --- | --- | --- | ---")
     print(f"{args.ep} | {figures['step_s']:.3f} | {rate:,.0f} | {rate / args.ep:,.0f} | {mfu} | "
-          f"{figures['memory_gib']:.1f} GiB | {figures['load_balancing_loss']:.4f}")  # fmt: skip
+          f"{figures['memory_gib']:.1f} GiB | {balance}")  # fmt: skip
     print(
         f"\nReproduce: python bench/moe_step.py --ep {args.ep} --layers {layers} --seq-len {args.seq_len} "
-        f"--micro-batches {args.micro_batches} --experts {args.experts}"
+        f"--micro-batches {args.micro_batches} --experts {args.experts} --shape {args.shape}{' --tiny' * args.tiny}"
         f"{' --use-distributed-optimizer' * args.use_distributed_optimizer}"
     )
 
