@@ -49,7 +49,7 @@ CONTAINERS_SETUP ?= $(wildcard ../shared/containers/setup.sh)
 WITH_CONTAINERS = $(if $(CONTAINERS_SETUP),$(CONTAINERS_SETUP) >/dev/null && eval "$$($(CONTAINERS_SETUP) --env)" &&,)
 
 # Two test processes by default (pytest-xdist), as many as CI's cores: most tests wait on processes they started, so
-# two of them on two cores take about 15 minutes where one took 23 (docs/development.md).
+# one process left a core idle; a third does not help, the two cores being busy (docs/development.md).
 TEST_WORKERS ?= 2
 
 test: install
