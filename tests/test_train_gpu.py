@@ -53,22 +53,41 @@ LAYOUTS = {  # name: (GPUs needed, flags)
     "colocated": (1, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--colocate"]),
     "colocated-2gpu": (2, ["--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "2", "--colocate",
                            "--use-distributed-optimizer"]),
+    # a Qwen3-MoE-shaped model (moe_model below), its experts split over the trainer's two ranks
+    "moe-ep2-colocated": (2, ["--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "2", "--colocate",
+                              "--expert-model-parallel-size", "2"]),
 }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> Path:
+    """Qwen3-30B-A3B's attention and router (renormalised top-8) with 64 of its experts, in 4 layers: 1.3 B
+    parameters."""
+    from services.train.tiny_checkpoint import write_tiny_model
+
+    folder = tmp_path_factory.mktemp("qwen3-moe")
+    shape = dict(num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
+                 moe_intermediate_size=768, rope_theta=1000000.0, rms_norm_eps=1e-6)  # fmt: skip
+    return write_tiny_model(folder / "model", num_layers=4, hidden_size=2048, dtype="bfloat16", lm_head_scale=1.0,
+                            arch="qwen3_moe", **shape)  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, model_and_data, layout):
+def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, model_and_data, layout, request):
     """sync and async1: the engine on GPU 0, the trainer on GPU 1, weights over NCCL; colocated: both on GPU 0, the
     engine freeing its memory while the trainer trains, weights as CUDA IPC handles; colocated-2gpu: two trainer ranks
     (data-parallel, the distributed optimizer) and two engines on GPUs 0 and 1, each engine reading the handles of
-    the rank on its GPU."""
+    the rank on its GPU; moe-ep2-colocated: the same with a Qwen3-MoE-shaped model, each rank holding half of every
+    layer's experts (all of them reach each engine)."""
     gpus, flags = LAYOUTS[layout]
     flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     model, train = model_and_data
+    if layout.startswith("moe"):
+        model = request.getfixturevalue("moe_model")
     where = ["--output-dir", str(tmp_path), "--run-id", layout, *flags]
     run = service_process("train", "--hf-checkpoint", str(model), "--prompt-data", str(train), *where, *SETTINGS)
     code = run.wait(840)
