@@ -107,7 +107,20 @@ def test_a_bucket_the_engine_cannot_load_fails_the_sync_naming_it_and_the_next_s
     torch.distributed.destroy_process_group(group)
 
 
-def test_a_sync_that_ends_before_the_engine_connected_ends_the_engines_update_too(start_engine, tiny_model):
+@pytest.fixture
+def buffers_by_file_name():
+    """As in the receiver's process (services/receiver/server.py), CPU buffers reach the engine by file name; torch's
+    default, a descriptor passed through this process's resource sharer, is refused by an engine that this process
+    did not start (it fails the sharer's handshake). A test of this process that colocates may have set it already."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    yield
+    torch.multiprocessing.set_sharing_strategy(before)
+
+
+def test_a_sync_that_ends_before_the_engine_connected_ends_the_engines_update_too(
+    start_engine, tiny_model, buffers_by_file_name
+):
     """The group is destroyed (the gateway gave up) before the engine took the sync's first message, or while its
     answer is due: the engine is told, and its update ends now rather than at its own deadline (minutes), in which
     it would keep every later sync out (found by a delta sync under load, whose retries each timed out)."""
