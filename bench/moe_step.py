@@ -51,20 +51,18 @@ SHAPES = {  # name: (the HF architecture, its shape, a tiny one of the same arch
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4}
 
 
-def hf_config(architecture: str, shape: dict):
+def hf_model(architecture: str, shape: dict):
+    """transformers' model of `architecture` (Qwen3Moe, DeepseekV3) with `shape`, on the current default device."""
     import transformers
 
-    config = getattr(transformers, f"{architecture}Config")
-    return config(**shape, tie_word_embeddings=False, torch_dtype="bfloat16")
+    config = getattr(transformers, f"{architecture}Config")(**shape, tie_word_embeddings=False, torch_dtype="bfloat16")
+    return getattr(transformers, f"{architecture}ForCausalLM")(config)
 
 
 def write_model(path: Path, architecture: str, shape: dict) -> None:
-    import transformers
-
-    config = hf_config(architecture, shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = getattr(transformers, f"{architecture}ForCausalLM")(config).to(torch.bfloat16)
+        model = hf_model(architecture, shape).to(torch.bfloat16)
     model.save_pretrained(path)
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None  # the GPU's memory is the trainer's
@@ -126,11 +124,8 @@ def worker(path: Path, args) -> dict:
 def params(architecture: str, shape: dict) -> tuple[float, float]:
     """The model's parameters, all and active (a token's: the routed experts it does not reach left out), counted on
     transformers' model of the architecture, built without memory."""
-    import transformers
-
-    config = hf_config(architecture, shape)
     with torch.device("meta"):
-        model = getattr(transformers, f"{architecture}ForCausalLM")(config)
+        model = hf_model(architecture, shape)
     total = sum(p.numel() for p in model.parameters())
     routed = shape.get("num_experts") or shape["n_routed_experts"]
     moe_layers = shape["num_hidden_layers"] - shape.get("first_k_dense_replace", 0)
