@@ -273,6 +273,7 @@ class EngineAPI:
             return error("release_memory_occupation needs an idle engine; pause or abort generation first")
 
         def release() -> None:
+            self.engine.batcher.release()
             self.host_copy.release()
             self.weights.tensors = None  # looked up again after the move
             if self.engine.device.type == "cuda":

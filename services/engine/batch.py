@@ -1,16 +1,20 @@
-"""Continuous batching over one HF model: every running sequence is a row of one batched KV cache.
+"""Continuous batching over one HF model: every running sequence is a row of the engine's KV cache.
 
-A new sequence is prefilled on its own and joins the batch between decode steps; each decode step runs one forward
-pass for all rows. Rows are right-aligned in the cache (shorter ones padded on the left) and the attention mask hides
-the padding, so each row computes exactly what it would alone; finished rows leave the batch.
+New sequences are prefilled together (left-padded, with the model's own cache) and join the batch between decode
+steps; their keys and values move into rows of `SlotCache`, where each row holds its sequence's positions from column
+0 on. A decode step runs one forward pass for all rows, each writing its new position at its own column, and the
+attention mask hides what lies beyond each row's length, so each row computes exactly what it would alone. Finished
+rows leave, and the last rows move into their places, so that the batch stays rows 0…n-1. The decode step's shapes
+change only with the batch's row count and the cache's size, which lets a CUDA graph replay it
+(services/engine/graphs.py).
 """
 
 import contextlib
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from services.engine.graphs import DecodeGraphs
 from services.engine.routing import RoutingCapture
 from services.engine.sampling import SamplingParams
 
@@ -45,11 +49,11 @@ class Sequence:
 
 class Batcher:
     def __init__(self, model: torch.nn.Module, device: torch.device, routing: RoutingCapture | None = None,
-                 adapters=None):  # fmt: skip
-        self.model, self.device, self.routing, self.adapters = model, device, routing, adapters
-        self.rows: list[Sequence] = []
-        self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None  # [rows, cache length], 1 where a row has a real position
+                 adapters=None, graphs: DecodeGraphs | None = None):  # fmt: skip
+        self.model, self.device, self.routing, self.adapters, self.graphs = model, device, routing, adapters, graphs
+        self.rows: list[Sequence] = []  # row i is row i of the cache
+        self.cache = SlotCache(model.config, device, graphs is not None)
+        self.inputs: torch.Tensor | None = None  # [rows, 2]: each row's next token and its position
 
     @torch.no_grad()
     def prefill(self, sequences: list[Sequence]) -> list[torch.Tensor]:
@@ -70,78 +74,146 @@ class Batcher:
             seq.cached = len(tokens)
             if routed and seq.return_routed_experts:  # replaces any rows from before a retraction
                 seq.routed_experts = [routed[0][row, width - len(tokens) :].clone()]
-        self._join(sequences, out.past_key_values, mask)
+        if self.cache.fit(len(self.rows) + len(sequences), width, out.past_key_values):
+            self._drop_graphs()
+        self.cache.join(len(self.rows), [len(tokens) for tokens in ids], out.past_key_values)
+        self.rows.extend(sequences)
         return [out.logits[row, width - len(tokens) :] for row, tokens in enumerate(ids)]
 
     @torch.no_grad()
     def step(self) -> torch.Tensor:
         """One decode step for every row: feeds each row's last token; returns the next-token logits [rows, vocab]."""
-        inputs = torch.tensor([[seq.next_input] for seq in self.rows], device=self.device)
-        positions = torch.tensor([[seq.cached] for seq in self.rows], device=self.device)
-        self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=self.device)], 1)
-        self._adapt(self.rows)
-        with self._routing(self.rows, inputs.shape) as routed:
-            out = self.model(
-                input_ids=inputs,
-                position_ids=positions,
-                attention_mask=self.mask,
-                past_key_values=self.cache,
-                use_cache=True,
-            )
-        self.cache = out.past_key_values
+        count = len(self.rows)
+        if self.cache.fit(count, max(seq.cached for seq in self.rows) + 1):
+            self._drop_graphs()
+        rows = self.cache.rows_for(count)  # with CUDA graphs, a bucket of rows; those past `count` are idle
+        feed = torch.zeros(rows, 2, dtype=torch.long)
+        feed[:count] = torch.tensor([[seq.next_input, seq.cached] for seq in self.rows])
+        if self.inputs is None or self.inputs.shape[0] < self.cache.slots:
+            self.inputs = torch.zeros(self.cache.slots, 2, dtype=torch.long, device=self.device)
+        self.inputs[:rows].copy_(feed, non_blocking=True)
+        self._adapt(self.rows + [None] * (rows - count))
+        with self._routing(self.rows, (rows, 1)) as routed:
+            if self.graphs is not None and not self.adapters and not self.routing:
+                logits = self.graphs.run(rows, lambda: self._decode(rows))
+            else:
+                logits = self._decode(rows)
         for row, seq in enumerate(self.rows):
             seq.cached += 1
             if routed and seq.return_routed_experts:
                 seq.routed_experts.append(routed[0][row].clone())
+        return logits[:count]
+
+    def _decode(self, rows: int) -> torch.Tensor:
+        """The decode forward over the first `rows` rows, from `self.inputs` (what a CUDA graph captures)."""
+        tokens, positions = self.inputs[:rows, :1], self.inputs[:rows, 1:]
+        self.cache.positions = positions[:, 0]
+        mask = self.cache.columns <= positions  # [rows, columns]: each row's positions up to the new one
+        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask[:, None, None, :],
+                         past_key_values=self.cache, use_cache=True)  # fmt: skip
         return out.logits[:, -1]
 
-    def _adapt(self, sequences: list[Sequence]) -> None:
+    def _drop_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    def _adapt(self, sequences: list[Sequence | None]) -> None:
         """The forward's rows' LoRA adapters (services/engine/lora.py)."""
         if self.adapters is not None:
-            self.adapters.rows = [seq.lora for seq in sequences]
+            self.adapters.rows = [seq.lora if seq else None for seq in sequences]
 
-    def _routing(self, sequences: list[Sequence], shape: torch.Size):
+    def _routing(self, sequences: list[Sequence], shape: tuple):
         """Captures the forward's routing only when a sequence in it asked for it (SGLang's return_routed_experts)."""
         if self.routing is None:
             return contextlib.nullcontext([])
         return self.routing.forward(tuple(shape), any(seq.return_routed_experts for seq in sequences))
 
-    def _join(self, sequences: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:
-        width = max(mask.shape[1], self.mask.shape[1] if self.rows else 0)
-        joined = DynamicCache()
-        for index, layer in enumerate(cache.layers):
-            keys, values = _left_pad(layer.keys, width), _left_pad(layer.values, width)
-            if self.rows:
-                old = self.cache.layers[index]
-                keys = torch.cat([_left_pad(old.keys, width), keys])
-                values = torch.cat([_left_pad(old.values, width), values])
-            joined.update(keys, values, index)
-        new_mask = _left_pad(mask, width, dim=1)
-        old_mask = _left_pad(self.mask, width, dim=1) if self.rows else new_mask[:0]
-        self.cache, self.mask = joined, torch.cat([old_mask, new_mask])
-        self.rows.extend(sequences)
-
     def drop(self, leaving: list[Sequence]) -> None:
-        """Removes finished (or retracted) rows from the batch."""
-        keep = [i for i, seq in enumerate(self.rows) if seq not in leaving]
-        if len(keep) == len(self.rows):
+        """Removes finished (or retracted) rows from the batch: the last rows move into their places."""
+        gone = {id(seq) for seq in leaving}
+        count = sum(id(seq) not in gone for seq in self.rows)
+        if count == len(self.rows):
             return
-        self.rows = [self.rows[i] for i in keep]
-        if not self.rows:
-            self.cache, self.mask = None, None
-            return
-        index = torch.tensor(keep, device=self.device)
-        trimmed = DynamicCache()
-        start = int((self.mask[index].sum(0) > 0).nonzero()[0])  # columns no remaining row uses are dropped
-        for i, layer in enumerate(self.cache.layers):
-            trimmed.update(layer.keys[index, :, start:], layer.values[index, :, start:], i)
-        self.cache, self.mask = trimmed, self.mask[index, start:]
+        holes = [row for row in range(count) if id(self.rows[row]) in gone]
+        movers = [row for row in range(count, len(self.rows)) if id(self.rows[row]) not in gone]
+        self.cache.move(movers, holes)
+        for hole, mover in zip(holes, movers, strict=True):
+            self.rows[hole] = self.rows[mover]
+        del self.rows[count:]
+
+    def release(self) -> None:
+        """Frees the cache and the graphs (an idle engine releasing its GPU memory); both come back when needed."""
+        self._drop_graphs()
+        self.cache = SlotCache(self.model.config, self.device, self.graphs is not None)
+        self.inputs = None
 
 
-def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
-    missing = width - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)
+class SlotCache:
+    """The running sequences' keys and values: per layer one tensor [rows, kv heads, columns, head dim] for each,
+    each row a sequence's positions from column 0 on. Both sizes grow by doubling (the rows up to what a step needs,
+    or with CUDA graphs to the next power of two); the model's attention reads it as an HF cache (`update`)."""
+
+    def __init__(self, config, device: torch.device, buckets: bool):
+        self.config, self.device, self.buckets = config, device, buckets
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots = self.width = 0
+        self.columns = self.index = torch.arange(0, device=device)  # [width] for the mask, [slots] for the rows
+        self.positions: torch.Tensor | None = None  # [rows]: the column each row writes in this decode step
+
+    def rows_for(self, count: int) -> int:
+        """The row count a decode step of `count` sequences runs with."""
+        return min(_bucket(count), self.slots) if self.buckets else count
+
+    def fit(self, rows: int, width: int, like=None) -> bool:
+        """Makes room for `rows` rows of `width` columns, the first time shaped and typed as the layers of `like` (an
+        HF cache); says whether the tensors were replaced."""
+        if rows <= self.slots and width <= self.width:
+            return False
+        slots, width = max(self.slots, _bucket(rows)), max(self.width, _bucket(width))
+        held = list(zip(self.keys, self.values, strict=True)) or [(layer.keys, layer.values) for layer in like.layers]
+        self.keys, self.values = [], []
+        for keys, values in held:
+            for grown, old in ((self.keys, keys), (self.values, values)):
+                tensor = old.new_zeros(slots, old.shape[1], width, old.shape[3])
+                if self.slots:
+                    tensor[: old.shape[0], :, : old.shape[2]] = old
+                grown.append(tensor)
+        self.slots, self.width = slots, width
+        self.columns = torch.arange(width, device=self.device)
+        self.index = torch.arange(slots, device=self.device)
+        return True
+
+    def join(self, first: int, lengths: list[int], cache) -> None:
+        """Copies a prefill's rows (left-padded in `cache`, an HF cache) into rows first, first + 1, …; columns past
+        a row's length get copies of its last position, which the mask hides until decode steps overwrite them."""
+        width = cache.layers[0].keys.shape[2]
+        shift = torch.tensor([width - length for length in lengths], device=self.device)
+        index = (torch.arange(width, device=self.device) + shift[:, None]).clamp(max=width - 1)[:, None, :, None]
+        rows = slice(first, first + len(lengths))
+        for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
+            keys[rows, :, :width] = layer.keys.gather(2, index.expand_as(layer.keys))
+            values[rows, :, :width] = layer.values.gather(2, index.expand_as(layer.values))
+
+    def move(self, sources: list[int], targets: list[int]) -> None:
+        if not sources:
+            return
+        sources_t = torch.tensor(sources, device=self.device)
+        targets_t = torch.tensor(targets, device=self.device)
+        for tensor in [*self.keys, *self.values]:
+            tensor[targets_t] = tensor[sources_t]
+
+    # The HF cache interface a model's attention uses in a decode step
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        rows = keys.shape[0]
+        for target, new in ((self.keys[layer_idx], keys), (self.values[layer_idx], values)):
+            target[self.index[:rows], :, self.positions] = new[:, :, 0]
+        return self.keys[layer_idx][:rows], self.values[layer_idx][:rows]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+
+def _bucket(count: int) -> int:
+    return 1 << max(count - 1, 0).bit_length()

@@ -29,6 +29,7 @@ class Engine:
         weight_version: str,
         routing: RoutingCapture | None = None,
         adapters=None,
+        graphs=None,
     ):
         self.model, self.tokenizer, self.device, self.routing = model, tokenizer, device, routing
         self.adapters = adapters  # LoRA adapters (services/engine/lora.py) under --enable-lora
@@ -36,7 +37,7 @@ class Engine:
         self.weight_version = weight_version
         self.max_context = int(getattr(model.config, "max_position_embeddings", 32768))
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.batcher = Batcher(model, device, routing, adapters)
+        self.batcher = Batcher(model, device, routing, adapters, graphs)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.listeners: dict[int, Listener] = {}
         self.paused: str | None = None

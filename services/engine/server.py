@@ -37,7 +37,14 @@ def load(config: EngineConfig):
         from services.engine.lora import Adapters
 
         adapters = Adapters(model, config.max_lora_rank, config.lora_target_modules)
-    return Engine(model, tokenizer, device, config.max_running_requests, config.weight_version, routing, adapters)
+    graphs = None
+    if device.type == "cuda" and not config.disable_cuda_graph:
+        from services.engine.graphs import DecodeGraphs
+
+        most = config.cuda_graph_max_bs or 1 << (config.max_running_requests - 1).bit_length()  # the rows' bucket
+        graphs = DecodeGraphs(model, device, most)
+    return Engine(model, tokenizer, device, config.max_running_requests, config.weight_version, routing, adapters,
+                  graphs)  # fmt: skip
 
 
 def require_api_key(app, key: str):

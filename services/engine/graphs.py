@@ -1,0 +1,64 @@
+"""CUDA graphs of the decode step, as SGLang runs its decode by default (`--disable-cuda-graph` turns them off).
+
+A small model's decode step is bound by the host: a thousand kernel launches and the Python around them, for a few
+milliseconds of GPU work. A graph captured once per batch row count replays all of them in one launch. The step reads
+its inputs from tensors at fixed addresses (services/engine/batch.py), so a replay computes exactly what the eager step
+would. A graph holds the addresses of the weights and the KV cache: it is captured again when either moved (a colocated
+engine's weights come back elsewhere after a memory release; the cache grows). A model whose step cannot be captured
+(one that reads a device value on the host, such as transformers' MoE layers choosing experts) runs eagerly.
+"""
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_rows: int):
+        self.model, self.device, self.max_rows = model, device, max_rows
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None  # one memory pool for all graphs: they replay one at a time, their outputs read at once
+        self.addresses: tuple[int, ...] = ()
+        self.failed = False
+        self.captures = 0
+
+    def run(self, rows: int, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`step()`'s result, from the graph of `rows` rows (captured at its first use)."""
+        if self.device.type != "cuda" or self.failed or rows > self.max_rows:
+            return step()
+        addresses = tuple(t.data_ptr() for t in [*self.model.parameters(), *self.model.buffers()])
+        if addresses != self.addresses:
+            self.clear()
+            self.addresses = addresses
+        if rows not in self.graphs:
+            try:
+                self.graphs[rows] = self._capture(step)
+            except Exception as e:  # noqa: BLE001 - any failure to capture leaves the eager step, which is exact
+                log.warning("decode runs without CUDA graphs: capturing it failed (%s: %s)", type(e).__name__, e)
+                self.failed = True
+                self.clear()
+                return step()
+        graph, logits = self.graphs[rows]
+        graph.replay()
+        return logits
+
+    def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            step()  # warm-up, outside the capture: lazy initialisations (cuBLAS's workspace, …) happen here
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = step()
+        self.captures += 1
+        return graph, logits
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.pool = None
