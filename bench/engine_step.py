@@ -47,11 +47,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly (the engine's option)")
     parser.add_argument("--top", type=int, default=15, help="how many ops to list")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or write_tiny_model(Path(tmp) / "model")
-        engine = load(EngineConfig(model_path=str(path), device=args.device, max_running_requests=args.concurrency))
+        engine = load(EngineConfig(model_path=str(path), device=args.device, max_running_requests=args.concurrency,
+                                   disable_cuda_graph=args.disable_cuda_graph))
         generate(engine, 2, 4, args.temperature)  # warm-up
         steps_before = sum(engine.batch_sizes.values())
         seconds = generate(engine, args.concurrency, args.max_new_tokens, args.temperature)
@@ -70,11 +72,14 @@ def main() -> None:
           f"{args.temperature}, {args.device}: {tokens / seconds:.0f} tokens/s, {steps} decode steps, "
           f"{1000 * seconds / max(steps, 1):.1f} ms a step; under the profiler {syncs} syncs and scalar "
           "reads")  # fmt: skip
+    graphs = engine.batcher.graphs
+    print("decode: " + (f"CUDA graphs, {graphs.captures} captured" if graphs and not graphs.failed else "eager"))
     sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     print(events.table(sort_by=sort, row_limit=args.top))
     model = f" --model {args.model}" if args.model else ""
     print(f"Reproduce: python bench/engine_step.py --device {args.device}{model} --concurrency {args.concurrency} "
-          f"--max-new-tokens {args.max_new_tokens} --temperature {args.temperature}")  # fmt: skip
+          f"--max-new-tokens {args.max_new_tokens} --temperature {args.temperature}"
+          + (" --disable-cuda-graph" if args.disable_cuda_graph else ""))  # fmt: skip
 
 
 if __name__ == "__main__":
