@@ -38,13 +38,14 @@ def table(results: list[dict]) -> str:
         peer = peers.get(r["settings"]["task"])
         target = max(e["accuracy"] for e in peer["evals"]) if peer else None
         to_target = reached(r, target) if target is not None else None
-        memory = " + ".join(f"{mib / 1024:.1f}" for _, mib in sorted(r["peak_gpu_mib"].items())) or "—"
+        memory = " + ".join(f"{mib / 1024:.1f}" for _, mib in sorted(r["peak_gpu_mib"].items()))
+        memory = f"{memory} GiB" if memory else "not recorded"
         partial = f" ({r['partial_evals']} partial evaluation left out)" if r["partial_evals"] else ""
         partial += f" (stopped: {r['error']})" if r.get("error") else ""
         lines.append(
             f"| {r['name']}{partial} | {r['settings']['task']} | {evals[-1]['step']} | {evals[0]['accuracy']:.1%} → "
             f"{best['accuracy']:.1%} ({best['step']}) → {evals[-1]['accuracy']:.1%} | {r['s_per_step']:.2f} | "
-            f"{r['tokens_per_s']:.0f} | {memory} GiB | "
+            f"{r['tokens_per_s']:.0f} | {memory} | "
             + (f"{to_target:.0f} s (to {target:.1%})" if to_target is not None else "not reached" if peer else "—")
             + " |"
         )

@@ -138,13 +138,17 @@ def run_slipstream(args, settings: Settings, model: Path, train: Path, held_out:
     code = train_main(flags + args.extra)
     if code != 0:  # what it trained and evaluated is still reported
         print(f"slipstream train failed (exit {code}); its logs: {run_dir / 'logs'}", file=sys.stderr)
+    return {"exit_code": code, **slipstream_result(run_dir, settings)}
+
+
+def slipstream_result(run_dir: Path, settings: Settings) -> dict:
+    """A run's evaluations and speed, from its steps.jsonl and eval.jsonl."""
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     evals = {e["step"]: e for e in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}.values()
     seconds = [s["metrics"]["step_s"] for s in steps]
     done = [0.0, *itertools.accumulate(seconds)]  # training seconds when step k starts
     tokens = [s["metrics"]["response_length"] * settings.prompts_per_step * settings.samples_per_prompt for s in steps]
     return {
-        "exit_code": code,
         "evals": [
             {
                 "step": e["step"],
