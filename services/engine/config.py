@@ -28,10 +28,7 @@ class EngineConfig(StrictModel):
     """Most sequences decoded together (SGLang's name); more wait for a free row."""
     disable_cuda_graph: bool = False
     """Run each decode step eagerly (SGLang's option). By default a CUDA engine replays its decode step from CUDA
-    graphs, one per batch row count (rounded up to a power of two)."""
-    cuda_graph_max_bs: int | None = Field(None, ge=1)
-    """The most rows a decode step replays from a graph (SGLang's option); larger steps run eagerly. Unset:
-    --max-running-requests, rounded up to a power of two."""
+    graphs, one per batch row count (rounded up to a power of two, up to --max-running-requests)."""
     weight_update_timeout_s: float = Field(300.0, gt=0)
     """Deadline of one bucket's receive in a weight update: a broadcast that has not arrived by then (its sender
     stalled or died) is aborted and the update fails, so the engine never waits on a dead weight group."""

@@ -36,7 +36,7 @@ class DecodeGraphs:
         if rows not in self.graphs:
             try:
                 self.graphs[rows] = self._capture(step)
-            except Exception as e:  # noqa: BLE001 - any failure to capture leaves the eager step, which is exact
+            except Exception as e:  # any failure to capture leaves the eager step, which is exact
                 log.warning("decode runs without CUDA graphs: capturing it failed (%s: %s)", type(e).__name__, e)
                 self.failed = True
                 self.clear()

@@ -41,8 +41,7 @@ def load(config: EngineConfig):
     if device.type == "cuda" and not config.disable_cuda_graph:
         from services.engine.graphs import DecodeGraphs
 
-        most = config.cuda_graph_max_bs or 1 << (config.max_running_requests - 1).bit_length()  # the rows' bucket
-        graphs = DecodeGraphs(model, device, most)
+        graphs = DecodeGraphs(model, device, 1 << (config.max_running_requests - 1).bit_length())  # the rows' bucket
     return Engine(model, tokenizer, device, config.max_running_requests, config.weight_version, routing, adapters,
                   graphs)  # fmt: skip
 
