@@ -52,8 +52,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or write_tiny_model(Path(tmp) / "model")
-        engine = load(EngineConfig(model_path=str(path), device=args.device, max_running_requests=args.concurrency,
-                                   disable_cuda_graph=args.disable_cuda_graph))
+        config = EngineConfig(model_path=str(path), device=args.device, max_running_requests=args.concurrency)
+        engine = load(config.model_copy(update={"disable_cuda_graph": args.disable_cuda_graph}))
         generate(engine, 2, 4, args.temperature)  # warm-up
         steps_before = sum(engine.batch_sizes.values())
         seconds = generate(engine, args.concurrency, args.max_new_tokens, args.temperature)
