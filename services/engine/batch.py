@@ -94,7 +94,7 @@ class Batcher:
         self.inputs[:rows].copy_(feed, non_blocking=True)
         self._adapt(self.rows + [None] * (rows - count))
         with self._routing(self.rows, (rows, 1)) as routed:
-            if self.graphs is not None and not self.adapters and not self.routing:
+            if self.graphs is not None and self.adapters is None and self.routing is None:  # hooks run eagerly
                 logits = self.graphs.run(rows, lambda: self._decode(rows))
             else:
                 logits = self._decode(rows)
