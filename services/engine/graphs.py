@@ -3,9 +3,10 @@
 A small model's decode step is bound by the host: a thousand kernel launches and the Python around them, for a few
 milliseconds of GPU work. A graph captured once per batch row count replays all of them in one launch. The step reads
 its inputs from tensors at fixed addresses (services/engine/batch.py), so a replay computes exactly what the eager step
-would. A graph holds the addresses of the weights and the KV cache: it is captured again when either moved (a colocated
-engine's weights come back elsewhere after a memory release; the cache grows). A model whose step cannot be captured
-(one that reads a device value on the host, such as transformers' MoE layers choosing experts) runs eagerly.
+would. A graph holds the addresses of the weights and the KV cache, so the batcher drops the graphs where either
+moves: a memory release (a colocated engine's weights come back elsewhere) and a cache that grows; weight updates
+copy into the weights in place. A model whose step cannot be captured (one that reads a device value on the host,
+such as transformers' MoE layers choosing experts) runs eagerly.
 """
 
 import logging
@@ -17,11 +18,10 @@ log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, device: torch.device, max_rows: int):
-        self.model, self.device, self.max_rows = model, device, max_rows
+    def __init__(self, device: torch.device, max_rows: int):
+        self.device, self.max_rows = device, max_rows
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool for all graphs: they replay one at a time, their outputs read at once
-        self.addresses: tuple[int, ...] = ()
         self.failed = False
         self.captures = 0
 
@@ -29,10 +29,6 @@ class DecodeGraphs:
         """`step()`'s result, from the graph of `rows` rows (captured at its first use)."""
         if self.device.type != "cuda" or self.failed or rows > self.max_rows:
             return step()
-        addresses = tuple(t.data_ptr() for t in [*self.model.parameters(), *self.model.buffers()])
-        if addresses != self.addresses:
-            self.clear()
-            self.addresses = addresses
         if rows not in self.graphs:
             try:
                 self.graphs[rows] = self._capture(step)
