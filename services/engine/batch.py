@@ -52,8 +52,7 @@ class Batcher:
                  adapters=None, graphs: DecodeGraphs | None = None):  # fmt: skip
         self.model, self.device, self.routing, self.adapters, self.graphs = model, device, routing, adapters, graphs
         self.rows: list[Sequence] = []  # row i is row i of the cache
-        self.cache = SlotCache(model.config, device, graphs is not None)
-        self.inputs: torch.Tensor | None = None  # [rows, 2]: each row's next token and its position
+        self.cache = SlotCache(device, graphs is not None)
 
     @torch.no_grad()
     def prefill(self, sequences: list[Sequence]) -> list[torch.Tensor]:
@@ -89,9 +88,7 @@ class Batcher:
         rows = self.cache.rows_for(count)  # with CUDA graphs, a bucket of rows; those past `count` are idle
         feed = torch.zeros(rows, 2, dtype=torch.long)
         feed[:count] = torch.tensor([[seq.next_input, seq.cached] for seq in self.rows])
-        if self.inputs is None or self.inputs.shape[0] < self.cache.slots:
-            self.inputs = torch.zeros(self.cache.slots, 2, dtype=torch.long, device=self.device)
-        self.inputs[:rows].copy_(feed, non_blocking=True)
+        self.cache.inputs[:rows].copy_(feed, non_blocking=True)
         self._adapt(self.rows + [None] * (rows - count))
         with self._routing(self.rows, (rows, 1)) as routed:
             if self.graphs is not None and self.adapters is None and self.routing is None:  # hooks run eagerly
@@ -105,8 +102,8 @@ class Batcher:
         return logits[:count]
 
     def _decode(self, rows: int) -> torch.Tensor:
-        """The decode forward over the first `rows` rows, from `self.inputs` (what a CUDA graph captures)."""
-        tokens, positions = self.inputs[:rows, :1], self.inputs[:rows, 1:]
+        """The decode forward over the first `rows` rows, from the cache's `inputs` (what a CUDA graph captures)."""
+        tokens, positions = self.cache.inputs[:rows, :1], self.cache.inputs[:rows, 1:]
         self.cache.positions = positions[:, 0]
         mask = self.cache.columns <= positions  # [rows, columns]: each row's positions up to the new one
         out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask[:, None, None, :],
@@ -144,8 +141,7 @@ class Batcher:
     def release(self) -> None:
         """Frees the cache and the graphs (an idle engine releasing its GPU memory); both come back when needed."""
         self._drop_graphs()
-        self.cache = SlotCache(self.model.config, self.device, self.graphs is not None)
-        self.inputs = None
+        self.cache = SlotCache(self.device, self.graphs is not None)
 
 
 class SlotCache:
@@ -153,12 +149,13 @@ class SlotCache:
     each row a sequence's positions from column 0 on. Both sizes grow by doubling (the rows up to what a step needs,
     or with CUDA graphs to the next power of two); the model's attention reads it as an HF cache (`update`)."""
 
-    def __init__(self, config, device: torch.device, buckets: bool):
-        self.config, self.device, self.buckets = config, device, buckets
+    def __init__(self, device: torch.device, buckets: bool):
+        self.device, self.buckets = device, buckets
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.slots = self.width = 0
         self.columns = self.index = torch.arange(0, device=device)  # [width] for the mask, [slots] for the rows
+        self.inputs = torch.zeros(0, 2, dtype=torch.long, device=device)  # [slots, 2]: each row's next token, position
         self.positions: torch.Tensor | None = None  # [rows]: the column each row writes in this decode step
 
     def rows_for(self, count: int) -> int:
@@ -182,6 +179,7 @@ class SlotCache:
         self.slots, self.width = slots, width
         self.columns = torch.arange(width, device=self.device)
         self.index = torch.arange(slots, device=self.device)
+        self.inputs = torch.zeros(slots, 2, dtype=torch.long, device=self.device)
         return True
 
     def join(self, first: int, lengths: list[int], cache) -> None:

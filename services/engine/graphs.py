@@ -3,11 +3,12 @@
 A small model's decode step is bound by the host: a thousand kernel launches and the Python around them, for a few
 milliseconds of GPU work. A graph captured once per batch row count replays all of them in one launch. The step reads
 its inputs from tensors at fixed addresses (services/engine/batch.py), so a replay computes exactly what the eager step
-would. A graph holds the addresses of the weights and the KV cache: it is captured again when either moved (a colocated
-engine's weights come back elsewhere after a memory release; the cache grows). The first step of a row count runs
-eagerly, which warms it up (lazy initialisations happen outside the capture) and spares a capture to a row count that
-comes once; the second captures it. A model whose step cannot be captured
-(one that reads a device value on the host, such as transformers' MoE layers choosing experts) runs eagerly.
+would. A graph holds the addresses of the weights and the KV cache, so the batcher drops the graphs where either
+moves: a memory release (a colocated engine's weights come back elsewhere) and a cache that grows; weight updates
+copy into the weights in place. The first step of a row count runs eagerly, which warms it up (lazy initialisations
+happen outside the capture) and spares a capture to a row count that comes once; the second captures it. A model
+whose step cannot be captured (one that reads a device value on the host, such as transformers' MoE layers choosing
+experts) runs eagerly.
 """
 
 import logging
@@ -19,12 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, device: torch.device, max_rows: int):
-        self.model, self.device, self.max_rows = model, device, max_rows
+    def __init__(self, device: torch.device, max_rows: int):
+        self.device, self.max_rows = device, max_rows
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool for all graphs: they replay one at a time, their outputs read at once
-        self.addresses: tuple[int, ...] = ()
-        self.seen: set[int] = set()  # row counts run since the weights and the cache were last where they are
+        self.seen: set[int] = set()  # row counts run since the graphs were last dropped
         self.failed = False
         self.captures = 0
 
@@ -32,10 +32,6 @@ class DecodeGraphs:
         """`step()`'s result, from the graph of `rows` rows (captured at its second use)."""
         if self.device.type != "cuda" or self.failed or rows > self.max_rows:
             return step()
-        addresses = tuple(t.data_ptr() for t in [*self.model.parameters(), *self.model.buffers()])
-        if addresses != self.addresses:
-            self.clear()
-            self.addresses = addresses
         if rows not in self.graphs:
             if rows not in self.seen:  # a first step of this many rows runs eagerly: its warm-up, and no capture
                 self.seen.add(rows)  # for a row count that comes once (a colocated engine's every step starts anew)

@@ -41,7 +41,7 @@ def load(config: EngineConfig):
     if device.type == "cuda" and not config.disable_cuda_graph:
         from services.engine.graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(model, device, 1 << (config.max_running_requests - 1).bit_length())  # the rows' bucket
+        graphs = DecodeGraphs(device, 1 << (config.max_running_requests - 1).bit_length())  # the rows' bucket
     return Engine(model, tokenizer, device, config.max_running_requests, config.weight_version, routing, adapters,
                   graphs)  # fmt: skip
 

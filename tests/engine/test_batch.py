@@ -21,7 +21,7 @@ MODES = [
 @pytest.mark.parametrize(("device", "graphs"), MODES)
 def test_every_row_of_every_step_equals_its_sequence_alone(hf_model, device, graphs):
     model = copy.deepcopy(hf_model[0]).to(device)
-    graphs = DecodeGraphs(model, torch.device(device), max_rows=8) if graphs else None
+    graphs = DecodeGraphs(torch.device(device), max_rows=8) if graphs else None
     batcher = Batcher(model, torch.device(device), graphs=graphs)
     prompts = [list(range(5, 5 + length)) for length in (3, 20, 7, 12, 5)]
     sequences = [Sequence(rid=str(i), prompt_ids=p, params=SamplingParams()) for i, p in enumerate(prompts)]
