@@ -5,8 +5,10 @@ milliseconds of GPU work. A graph captured once per batch row count replays all 
 its inputs from tensors at fixed addresses (services/engine/batch.py), so a replay computes exactly what the eager step
 would. A graph holds the addresses of the weights and the KV cache, so the batcher drops the graphs where either
 moves: a memory release (a colocated engine's weights come back elsewhere) and a cache that grows; weight updates
-copy into the weights in place. A model whose step cannot be captured (one that reads a device value on the host,
-such as transformers' MoE layers choosing experts) runs eagerly.
+copy into the weights in place. The first step of a row count runs eagerly, which warms it up (lazy initialisations
+happen outside the capture) and spares a capture to a row count that comes once; the second captures it. A model
+whose step cannot be captured (one that reads a device value on the host, such as transformers' MoE layers choosing
+experts) runs eagerly.
 """
 
 import logging
@@ -22,14 +24,18 @@ class DecodeGraphs:
         self.device, self.max_rows = device, max_rows
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool for all graphs: they replay one at a time, their outputs read at once
+        self.seen: set[int] = set()  # row counts run since the graphs were last dropped
         self.failed = False
         self.captures = 0
 
     def run(self, rows: int, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """`step()`'s result, from the graph of `rows` rows (captured at its first use)."""
+        """`step()`'s result, from the graph of `rows` rows (captured at its second use)."""
         if self.device.type != "cuda" or self.failed or rows > self.max_rows:
             return step()
         if rows not in self.graphs:
+            if rows not in self.seen:  # a first step of this many rows runs eagerly: its warm-up, and no capture
+                self.seen.add(rows)  # for a row count that comes once (a colocated engine's every step starts anew)
+                return step()
             try:
                 self.graphs[rows] = self._capture(step)
             except Exception as e:  # any failure to capture leaves the eager step, which is exact
@@ -42,11 +48,7 @@ class DecodeGraphs:
         return logits
 
     def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            step()  # warm-up, outside the capture: lazy initialisations (cuBLAS's workspace, …) happen here
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        """The step's graph; the step ran eagerly once before with these shapes (lazy initialisations are done)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -57,4 +59,5 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         self.graphs.clear()
+        self.seen.clear()
         self.pool = None
