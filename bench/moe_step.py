@@ -118,7 +118,22 @@ def worker(path: Path, args) -> dict:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - started) / args.steps
     memory = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    if args.profile and int(os.environ.get("RANK", 0)) == 0:
+        profile(lambda: actor._step(rollout, list(range(n)), tensors), args.profile, cuda)
     return {"step_s": seconds, "memory_gib": memory, "load_balancing_loss": metrics.get("load_balancing_loss")}
+
+
+def profile(step, top: int, cuda: bool) -> None:
+    """One more step under the torch profiler: its `top` operators by their own device time (CPU time on a CPU)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    with profiler(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize() if cuda else None
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)
 
 
 def params(architecture: str, shape: dict) -> tuple[float, float]:
@@ -160,6 +175,8 @@ def main() -> None:
     )
     parser.add_argument("--experts", choices=("grouped", "sequential"), default="grouped",
                         help="the trainer's grouped experts, or megatron's SequentialMLP to compare")  # fmt: skip
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile one more step and print its N most costly operators")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
