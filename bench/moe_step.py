@@ -89,8 +89,9 @@ def worker(path: Path, args) -> dict:
     n, dp = args.micro_batches, parallel_state.get_data_parallel_world_size()
     config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=n * dp, global_batch_size=n * dp,
                            micro_batch_size=1, lr=1e-6, clip_grad=1.0, expert_model_parallel_size=args.ep,
-                           adam_beta2=0.999, bf16=cuda,
-                           use_distributed_optimizer=args.use_distributed_optimizer)  # fmt: skip
+                           adam_beta2=0.999, bf16=cuda, use_distributed_optimizer=args.use_distributed_optimizer,
+                           compile_model=args.compile, use_dynamic_batch_size=args.max_tokens_per_gpu is not None,
+                           max_tokens_per_gpu=args.max_tokens_per_gpu)  # fmt: skip
     ddp, optimizer, scheduler = data_parallel.build(model, config, config.optimizer)
     groups = Groups(dp=parallel_state.get_data_parallel_group(), vocab_size=gpt.shape.vocab_size,
                     expert_model_parallel=parallel_state.get_expert_tensor_model_pipeline_parallel_group())  # fmt: skip
@@ -119,12 +120,13 @@ def worker(path: Path, args) -> dict:
     seconds = (time.perf_counter() - started) / args.steps
     memory = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     if args.profile and int(os.environ.get("RANK", 0)) == 0:
-        profile(lambda: actor._step(rollout, list(range(n)), tensors), args.profile, cuda)
+        profile(lambda: actor._step(rollout, list(range(n)), tensors), args.profile, cuda, args.trace)
     return {"step_s": seconds, "memory_gib": memory, "load_balancing_loss": metrics.get("load_balancing_loss")}
 
 
-def profile(step, top: int, cuda: bool) -> None:
-    """One more step under the torch profiler: its `top` operators by their own device time (CPU time on a CPU)."""
+def profile(step, top: int, cuda: bool, trace: str | None) -> None:
+    """One more step under the torch profiler: its `top` operators by their own device time (CPU time on a CPU), and
+    its timeline in `trace` (Chrome's trace format) where given."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -134,6 +136,8 @@ def profile(step, top: int, cuda: bool) -> None:
         torch.cuda.synchronize() if cuda else None
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)
+    if trace:
+        prof.export_chrome_trace(trace)
 
 
 def params(architecture: str, shape: dict) -> tuple[float, float]:
@@ -173,10 +177,14 @@ def main() -> None:
         action="store_true",
         help="shard AdamW's state over the data-parallel ranks (megatron's DistributedOptimizer)",
     )
+    parser.add_argument("--compile", action="store_true", help="the trainer's --compile-model (torch.compile'd layers)")
+    parser.add_argument("--max-tokens-per-gpu", type=int,
+                        help="the trainer's dynamic micro-batches (--use-dynamic-batch-size) of up to this many tokens")
     parser.add_argument("--experts", choices=("grouped", "sequential"), default="grouped",
                         help="the trainer's grouped experts, or megatron's SequentialMLP to compare")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one more step and print its N most costly operators")  # fmt: skip
+    parser.add_argument("--trace", help="with --profile: write the profiled step's timeline here (Chrome's format)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
@@ -214,6 +222,8 @@ def report(figures: dict, args, architecture: str, shape: dict) -> None:
     print(f"\n{args.shape}-shaped{' (tiny)' * args.tiny}, {layers} layers ({total / 1e9:.2f} B params over {args.ep} "
           f"rank(s), {active / 1e9:.2f} B active), EP={args.ep}, {args.micro_batches} x "
           f"{args.seq_len} tokens per rank per step, bf16 + fp32 AdamW, {args.experts} experts"
+          f"{', compiled layers' * args.compile}"
+          f"{f', micro-batches of up to {args.max_tokens_per_gpu} tokens' if args.max_tokens_per_gpu else ''}"
           f"{' (distributed optimizer)' if args.use_distributed_optimizer else ''}; {args.ep} x {name}")  # fmt: skip
     print("EP | step s | tokens/s | tokens/s per GPU | MFU | peak memory per GPU | load-balancing loss")
     print("--- | --- | --- | --- | --- | --- | ---")
@@ -222,7 +232,8 @@ def report(figures: dict, args, architecture: str, shape: dict) -> None:
     print(
         f"\nReproduce: python bench/moe_step.py --ep {args.ep} --layers {layers} --seq-len {args.seq_len} "
         f"--micro-batches {args.micro_batches} --experts {args.experts} --shape {args.shape}{' --tiny' * args.tiny}"
-        f"{' --use-distributed-optimizer' * args.use_distributed_optimizer}"
+        f"{' --use-distributed-optimizer' * args.use_distributed_optimizer}{' --compile' * args.compile}"
+        f"{f' --max-tokens-per-gpu {args.max_tokens_per_gpu}' if args.max_tokens_per_gpu else ''}"
     )
 
 

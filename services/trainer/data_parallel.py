@@ -36,6 +36,7 @@ def wrap(model: torch.nn.Module, config: TrainerConfig):
         overlap_param_gather=config.overlap_param_gather,
         use_distributed_optimizer=config.use_distributed_optimizer,
         bucket_size=config.ddp_bucket_size,
+        grad_reduce_in_fp32=config.bf16,  # as megatron's training does for bf16: gradients add up in float32
     )
     ddp = DistributedDataParallel(model.config, settings, model)
     # Each micro-batch's loss is already scaled by its share of the whole step over all data-parallel ranks, so the

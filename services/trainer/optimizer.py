@@ -45,10 +45,10 @@ class MasterAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         for param, master in zip(self.model_params, self.masters, strict=True):
-            master.grad = None if param.grad is None else param.grad.float()
+            grad = param.grad  # float32 already where megatron's DDP accumulates it so: then the step reads it in place
+            master.grad = None if grad is None else grad if grad.dtype == torch.float32 else grad.float()
         super().step()
-        for param, master in zip(self.model_params, self.masters, strict=True):
-            param.copy_(master)
+        torch._foreach_copy_(self.model_params, self.masters)  # a few kernels for all, not one a parameter
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -102,8 +102,7 @@ def clip_gradients(
     tied embedding's copy on the last pipeline stage (megatron marks it `shared`) counts once, on the first."""
     from services.trainer.hf_names import is_expert
 
-    squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
-    grads = []
+    counted, grads = {False: [], True: []}, []
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
@@ -111,14 +110,20 @@ def clip_gradients(
         if getattr(param, "shared", False):
             continue
         if getattr(param, "tensor_model_parallel", False) or tp_rank == 0 or is_expert(name):
-            squares[is_expert(name)] += param.grad.detach().float().pow(2).sum().cpu()
+            counted[is_expert(name)].append(param.grad)
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = {experts: _sum_of_squares(tensors, device) for experts, tensors in counted.items()}
     for experts, group in ((False, tp_group), (True, expert_group)):
         if group is not None and dist.get_world_size(group) > 1:
-            summed = squares[experts].to(grads[0].device) if grads else squares[experts]
-            dist.all_reduce(summed, group=group)
-            squares[experts] = summed.cpu()
-    norm = float((squares[False] + squares[True]).sqrt())
+            dist.all_reduce(squares[experts], group=group)
+    norm = float((squares[False] + squares[True]).sqrt())  # the step's one wait for the device
     if max_norm > 0 and norm > max_norm:
-        for grad in grads:
-            grad.mul_(max_norm / (norm + 1e-6))
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
     return norm
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of every element's square over `tensors`, in float32 on `device`: a few kernels for all of them."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum().to(device)
