@@ -460,8 +460,8 @@ class Actor:
             partial = partial or (self.config.parallel.sequence_parallel and getattr(param, "sequence_parallel", False))
             if partial and tp is not None:
                 dist.all_reduce(grad, group=tp)
-            if self.ddp is not None and not isinstance(self.optimizer, DistributedAdamW):
-                param.grad = grad  # torch's AdamW and the clipping read .grad (megatron's optimizer .main_grad)
+            if self.ddp is not None and not isinstance(self.optimizer, DistributedAdamW) and grad.dtype == param.dtype:
+                param.grad = grad  # torch's AdamW reads .grad; MasterAdamW and the clipping read a bf16 one's main_grad
 
     def _gather_weights(self) -> None:
         """With `--overlap-param-gather` the weights other ranks updated arrive during the next forward; the weight

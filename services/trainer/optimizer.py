@@ -45,7 +45,7 @@ class MasterAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         for param, master in zip(self.model_params, self.masters, strict=True):
-            grad = param.grad  # float32 already where megatron's DDP accumulates it so: then the step reads it in place
+            grad = gradient(param)  # float32 already where megatron's DDP adds it up so: then the step reads it as is
             master.grad = None if grad is None else grad if grad.dtype == torch.float32 else grad.float()
         super().step()
         torch._foreach_copy_(self.model_params, self.masters)  # a few kernels for all, not one a parameter
@@ -93,6 +93,12 @@ def build_scheduler(optimizer, warmup: int, decay_steps: int | None, style: str,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, decay_steps, style, ratio))
 
 
+def gradient(param: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient for the step: `.grad`, else the float32 `main_grad` megatron's DDP adds a bf16
+    parameter's gradients up in (torch allows no float32 `.grad` on a bf16 tensor)."""
+    return param.grad if param.grad is not None else getattr(param, "main_grad", None)
+
+
 def clip_gradients(
     model: torch.nn.Module, max_norm: float, tp_group=None, tp_rank: int = 0, expert_group=None
 ) -> float:
@@ -104,13 +110,14 @@ def clip_gradients(
 
     counted, grads = {False: [], True: []}, []
     for name, param in model.named_parameters():
-        if param.grad is None:
+        grad = gradient(param)
+        if grad is None:
             continue
-        grads.append(param.grad)
+        grads.append(grad)
         if getattr(param, "shared", False):
             continue
         if getattr(param, "tensor_model_parallel", False) or tp_rank == 0 or is_expert(name):
-            counted[is_expert(name)].append(param.grad)
+            counted[is_expert(name)].append(grad)
     device = grads[0].device if grads else torch.device("cpu")
     squares = {experts: _sum_of_squares(tensors, device) for experts, tensors in counted.items()}
     for experts, group in ((False, tp_group), (True, expert_group)):

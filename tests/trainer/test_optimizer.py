@@ -107,3 +107,38 @@ def test_bf16_weights_from_a_float32_checkpoint_move_as_the_float32_weights_cast
     assert not hasattr(model.weight, "checkpoint_value")  # taken by the optimizer, not kept beside it
     assert torch.equal(model.weight, reference.weight.detach().to(torch.bfloat16))
     assert (model.weight != start).float().mean() > 0.01  # some weights cross a grid point already
+
+
+def test_bf16_in_megatrons_ddp_adds_gradients_up_in_float32_and_steps_the_masters_on_them(tmp_path):
+    """The trainer's bf16 path on one rank: megatron's DDP holds float32 gradients (a bf16 parameter cannot hold them
+    as `.grad`), the clipping's norm and MasterAdamW's step read them."""
+    from services.train.tiny_checkpoint import write_tiny_model
+    from services.trainer import data_parallel
+    from services.trainer.actor import Actor, Groups
+    from services.trainer.data import RolloutBatch
+    from services.trainer.models import load_gpt_model
+    from services.trainer.parallel import destroy_parallel, init_parallel
+
+    init_parallel(1, 1)
+    try:
+        model, gpt = load_gpt_model(write_tiny_model(tmp_path / "model"), dtype=torch.bfloat16)
+        config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=2, global_batch_size=2, micro_batch_size=1,
+                               lr=1e-3, clip_grad=1e-3, bf16=True)  # fmt: skip
+        ddp, optimizer, scheduler = data_parallel.build(model, config, config.optimizer)
+        actor = Actor(config, model, optimizer, scheduler, Groups(vocab_size=gpt.shape.vocab_size), ddp=ddp)
+        tokens = torch.randint(0, gpt.shape.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+        old, adv = -torch.rand(2, 16), torch.tensor([[1.0] * 16, [-1.0] * 16])
+        batch = RolloutBatch(tokens=list(tokens.numpy()), prompt_lengths=[8, 8], loss_masks=[torch.ones(16).numpy()] * 2,
+                             rollout_logprobs=list(old.numpy()), rewards_B=torch.zeros(2), group_size=2,
+                             sample_ids=["0", "1"])  # fmt: skip
+        before = [p.detach().clone() for p in model.parameters()]
+        metrics = actor._step(batch, [0, 1], {"old": old, "ref": None, "adv": adv, "mask": torch.ones(2, 16),
+                                              "rollout": old})  # fmt: skip
+        grads = [p.main_grad for p in model.parameters()]
+        assert all(g.dtype == torch.float32 for g in grads)
+        norm = torch.stack([g.norm() for g in grads]).norm().item()  # one rank: every parameter counts
+        assert metrics["grad_norm"] > 0.01 and norm == pytest.approx(1e-3, rel=1e-3)  # clipped to 1e-3 in place
+        assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(optimizer.model_params, optimizer.masters))
+        assert sum(not torch.equal(a, p) for a, p in zip(before, model.parameters())) > len(before) // 2
+    finally:
+        destroy_parallel()
