@@ -65,9 +65,9 @@ class Actor:
 
             self.routing = RoutingReplay()
         self.device = next(model.parameters()).device
-        if config.compile_model:
+        if config.compile_model:  # an MoE layer's attention only: its token dispatcher reads counts on the host
             for layer in getattr(getattr(model, "decoder", None), "layers", []):
-                layer.compile()
+                (layer.self_attention if hasattr(getattr(layer, "mlp", None), "router") else layer).compile()
 
     # Log-probs
 

@@ -176,8 +176,8 @@ class TrainerConfig(ServiceConfig):
     bf16: bool = False
     """Train in bfloat16 (on GPU)."""
     compile_model: bool = False
-    """torch.compile the decoder layers and the log-prob chunks (fuses norms, rotary embeddings, activations and the
-    log-softmax; worth it on GPU: see docs/BENCHMARKS.md)."""
+    """torch.compile the decoder layers (an MoE layer's attention) and the log-prob chunks (fuses norms, rotary
+    embeddings, activations and the log-softmax; worth it on GPU: see docs/BENCHMARKS.md)."""
     log_probs_chunk_size: int = Field(4096, ge=1)
     """Response tokens whose full-vocabulary log-softmax is formed at once."""
     seed: int = 1234
