@@ -65,9 +65,18 @@ class Actor:
 
             self.routing = RoutingReplay()
         self.device = next(model.parameters()).device
-        if config.compile_model:  # an MoE layer's attention only: its token dispatcher reads counts on the host
-            for layer in getattr(getattr(model, "decoder", None), "layers", []):
-                (layer.self_attention if hasattr(getattr(layer, "mlp", None), "router") else layer).compile()
+        if config.compile_model:
+            self._compile_layers(model)
+
+    @staticmethod
+    def _compile_layers(model) -> None:
+        """torch.compile of each decoder layer; of an MoE layer its attention only (its token dispatcher reads token
+        counts on the host). Multi-latent attention stays eager: torch.compile fails on its rotary embedding."""
+        if getattr(getattr(model, "config", None), "multi_latent_attention", False):
+            log.warning("--compile-model: multi-latent attention does not compile; only the log-prob chunks are")
+            return
+        for layer in getattr(getattr(model, "decoder", None), "layers", []):
+            (layer.self_attention if hasattr(getattr(layer, "mlp", None), "router") else layer).compile()
 
     # Log-probs
 
