@@ -178,8 +178,11 @@ def main() -> None:
         help="shard AdamW's state over the data-parallel ranks (megatron's DistributedOptimizer)",
     )
     parser.add_argument("--compile", action="store_true", help="the trainer's --compile-model (torch.compile'd layers)")
-    parser.add_argument("--max-tokens-per-gpu", type=int,
-                        help="the trainer's dynamic micro-batches (--use-dynamic-batch-size) of up to this many tokens")
+    parser.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        help="the trainer's dynamic micro-batches (--use-dynamic-batch-size) of up to this many tokens",
+    )
     parser.add_argument("--experts", choices=("grouped", "sequential"), default="grouped",
                         help="the trainer's grouped experts, or megatron's SequentialMLP to compare")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, metavar="N",

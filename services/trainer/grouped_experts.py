@@ -86,5 +86,5 @@ class GroupedExperts(SequentialMLP):
             and not (c.add_bias_linear or c.fp8 or c.fp4 or c.moe_apply_probs_on_input)
             and aligned
             # the CPU's op takes float32 too, but not under torch.compile (whose shape check wants bf16)
-            and (hidden.dtype == torch.bfloat16 or hidden.device.type == "cpu" and not torch.compiler.is_compiling())
+            and (hidden.dtype == torch.bfloat16 or (hidden.device.type == "cpu" and not torch.compiler.is_compiling()))
         )

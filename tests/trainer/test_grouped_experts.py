@@ -61,3 +61,16 @@ def test_grouped_experts_train_as_megatrons_sequential_mlp(dtype, tolerance, mov
         assert before.keys() == after.keys()
         for name in before:
             torch.testing.assert_close(after[name], before[name], atol=tolerance, rtol=tolerance, msg=name)
+
+
+@pytest.mark.parametrize("arch, compiled", [("qwen3", "layer"), ("qwen3_moe", "attention"), ("deepseek_v3", "none")])
+def test_compile_model_compiles_what_torch_compile_can_trace(arch, compiled, megatron_tp1, tmp_path):
+    """--compile-model: a dense layer whole; an MoE layer's attention (its token dispatcher reads counts on the host);
+    nothing of multi-latent attention (torch.compile fails on its rotary embedding)."""
+    from services.trainer.actor import Actor
+
+    model, _ = models.load_gpt_model(write_tiny_model(tmp_path / "model", arch=arch), dtype=torch.float32)
+    Actor._compile_layers(model)
+    for layer in model.decoder.layers:
+        assert (layer._compiled_call_impl is not None) == (compiled == "layer")
+        assert (layer.self_attention._compiled_call_impl is not None) == (compiled == "attention")

@@ -128,9 +128,9 @@ def test_bf16_in_megatrons_ddp_adds_gradients_up_in_float32_and_steps_the_master
         actor = Actor(config, model, optimizer, scheduler, Groups(vocab_size=gpt.shape.vocab_size), ddp=ddp)
         tokens = torch.randint(0, gpt.shape.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
         old, adv = -torch.rand(2, 16), torch.tensor([[1.0] * 16, [-1.0] * 16])
-        batch = RolloutBatch(tokens=list(tokens.numpy()), prompt_lengths=[8, 8], loss_masks=[torch.ones(16).numpy()] * 2,
-                             rollout_logprobs=list(old.numpy()), rewards_B=torch.zeros(2), group_size=2,
-                             sample_ids=["0", "1"])  # fmt: skip
+        batch = RolloutBatch(tokens=list(tokens.numpy()), prompt_lengths=[8, 8], rewards_B=torch.zeros(2),
+                             loss_masks=[torch.ones(16).numpy()] * 2, rollout_logprobs=list(old.numpy()),
+                             group_size=2, sample_ids=["0", "1"])  # fmt: skip
         before = [p.detach().clone() for p in model.parameters()]
         metrics = actor._step(batch, [0, 1], {"old": old, "ref": None, "adv": adv, "mask": torch.ones(2, 16),
                                               "rollout": old})  # fmt: skip
@@ -138,7 +138,8 @@ def test_bf16_in_megatrons_ddp_adds_gradients_up_in_float32_and_steps_the_master
         assert all(g.dtype == torch.float32 for g in grads)
         norm = torch.stack([g.norm() for g in grads]).norm().item()  # one rank: every parameter counts
         assert metrics["grad_norm"] > 0.01 and norm == pytest.approx(1e-3, rel=1e-3)  # clipped to 1e-3 in place
-        assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(optimizer.model_params, optimizer.masters))
-        assert sum(not torch.equal(a, p) for a, p in zip(before, model.parameters())) > len(before) // 2
+        pairs = zip(optimizer.model_params, optimizer.masters, strict=True)
+        assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in pairs)
+        assert sum(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)) > len(before) // 2
     finally:
         destroy_parallel()
