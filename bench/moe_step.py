@@ -119,12 +119,13 @@ def worker(path: Path, args) -> dict:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - started) / args.steps
     memory = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    if args.profile and int(os.environ.get("RANK", 0)) == 0:
-        profile(lambda: actor._step(rollout, list(range(n)), tensors), args.profile, cuda, args.trace)
+    if args.profile:  # every rank steps (the step's collectives need them all); rank 0 reports
+        profile(lambda: actor._step(rollout, list(range(n)), tensors), args.profile, cuda, args.trace,
+                report=int(os.environ.get("RANK", 0)) == 0)  # fmt: skip
     return {"step_s": seconds, "memory_gib": memory, "load_balancing_loss": metrics.get("load_balancing_loss")}
 
 
-def profile(step, top: int, cuda: bool, trace: str | None) -> None:
+def profile(step, top: int, cuda: bool, trace: str | None, report: bool) -> None:
     """One more step under the torch profiler: its `top` operators by their own device time (CPU time on a CPU), and
     its timeline in `trace` (Chrome's trace format) where given."""
     from torch.profiler import ProfilerActivity
@@ -134,6 +135,8 @@ def profile(step, top: int, cuda: bool, trace: str | None) -> None:
     with profiler(activities=activities) as prof:
         step()
         torch.cuda.synchronize() if cuda else None
+    if not report:
+        return
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)
     if trace:
