@@ -45,8 +45,8 @@ class MasterAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         for param, master in zip(self.model_params, self.masters, strict=True):
-            grad = gradient(param)  # float32 already where megatron's DDP adds it up so: then the step reads it as is
-            master.grad = None if grad is None else grad if grad.dtype == torch.float32 else grad.float()
+            grad = gradient(param)  # float32 already where megatron's DDP adds it up so: `.float()` is then itself
+            master.grad = None if grad is None else grad.float()
         super().step()
         torch._foreach_copy_(self.model_params, self.masters)  # a few kernels for all, not one a parameter
 
@@ -133,4 +133,4 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
     """The sum of every element's square over `tensors`, in float32 on `device`: a few kernels for all of them."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum().to(device)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
