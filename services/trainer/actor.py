@@ -71,12 +71,13 @@ class Actor:
     @staticmethod
     def _compile_layers(model) -> None:
         """torch.compile of each decoder layer; of an MoE layer its attention only (its token dispatcher reads token
-        counts on the host). Multi-latent attention stays eager: torch.compile fails on its rotary embedding."""
-        if getattr(getattr(model, "config", None), "multi_latent_attention", False):
-            log.warning("--compile-model: multi-latent attention does not compile; only the log-prob chunks are")
-            return
+        counts on the host). Of multi-latent attention all but its core attention, which inductor fails to partition
+        for backward (its keys and values differ in head size): that part runs eagerly between two compiled ones."""
         for layer in getattr(getattr(model, "decoder", None), "layers", []):
-            (layer.self_attention if hasattr(getattr(layer, "mlp", None), "router") else layer).compile()
+            attention = layer.self_attention
+            if getattr(model.config, "multi_latent_attention", False):
+                attention.core_attention.forward = torch.compiler.disable(attention.core_attention.forward)
+            (attention if hasattr(getattr(layer, "mlp", None), "router") else layer).compile()
 
     # Log-probs
 
