@@ -51,6 +51,9 @@ LAYOUTS = {  # name: (GPUs needed, flags)
     "disk": (2, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--update-weight-transport", "disk",
                  "--update-weight-disk-dir", "{tmp}/weights"]),
     "colocated": (1, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--colocate"]),
+    # the engine keeps its memory (and its decode graphs) while the trainer trains
+    "colocated-resident": (1, ["--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--colocate",
+                               "--no-offload-rollout"]),
     "colocated-2gpu": (2, ["--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "2", "--colocate",
                            "--use-distributed-optimizer"]),
     # a Qwen3-MoE-shaped model (moe_model below), its experts split over the trainer's two ranks
@@ -77,10 +80,10 @@ def moe_model(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, model_and_data, layout, request):
     """sync and async1: the engine on GPU 0, the trainer on GPU 1, weights over NCCL; colocated: both on GPU 0, the
-    engine freeing its memory while the trainer trains, weights as CUDA IPC handles; colocated-2gpu: two trainer ranks
-    (data-parallel, the distributed optimizer) and two engines on GPUs 0 and 1, each engine reading the handles of
-    the rank on its GPU; moe-ep2-colocated: the same with a Qwen3-MoE-shaped model, each rank holding half of every
-    layer's experts (all of them reach each engine)."""
+    engine freeing its memory while the trainer trains (colocated-resident: keeping it), weights as CUDA IPC handles;
+    colocated-2gpu: two trainer ranks (data-parallel, the distributed optimizer) and two engines on GPUs 0 and 1, each
+    engine reading the handles of the rank on its GPU; moe-ep2-colocated: the same with a Qwen3-MoE-shaped model, each
+    rank holding half of every layer's experts (all of them reach each engine)."""
     gpus, flags = LAYOUTS[layout]
     flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
     if torch.cuda.device_count() < gpus:
@@ -104,6 +107,9 @@ def test_a_qwen3_0_6b_shaped_model_trains_and_syncs(service_process, tmp_path, m
         assert (f"sent to {engines} engine(s) (disk)" in logs["trainer"]) == (layout == "disk")
         assert f"weights of version {version} are live on {engines} engine(s)" in logs["rollout"]
     assert "starting over" not in logs["trainer"]  # no engine failed a sync
+    if "--colocate" in flags:
+        resident = "--no-offload-rollout" in flags
+        assert ("engines keep (--no-offload-rollout) their GPU memory" in logs["trainer"]) == resident
     print(f"\n{layout}: {STEPS} steps of 8 prompts x 8 samples, 128-token responses; {torch.cuda.get_device_name(0)}")
     print(split_table(steps[2:]))
 

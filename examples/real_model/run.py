@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
     layout = "colocated" if args.colocate else f"async{args.async_buffer_size}" if args.async_buffer_size else "sync"
+    if args.colocate and "--no-offload-rollout" in args.extra:  # passed on to `slipstream train`
+        layout = "colocated-resident"
     args.name = args.name or (f"trl-{args.task}" if args.runner == "trl" else f"slipstream-{layout}-{args.task}")
     args.out.mkdir(parents=True, exist_ok=True)
     model, train, held_out = prepare(args.out, settings, args.model)

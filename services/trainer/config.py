@@ -147,6 +147,11 @@ class TrainerConfig(ServiceConfig):
     colocate: bool = False
     """Trainer and engines share the GPUs: the engines free their memory while the trainer trains, and weights go as
     CUDA IPC handles (/update_weights_from_tensor) instead of a broadcast. Needs --rollout-addr and a sync each step."""
+    offload_rollout: bool = True
+    """With --colocate, the engines free their GPU memory while the trainer trains and take it back at the sync
+    (slime's --offload-rollout, on by default with --colocate). `--no-offload-rollout` keeps them resident, where the
+    GPU holds both: a small model's engine then keeps its decode graphs from step to step instead of capturing them
+    again after each release."""
 
     # Model and checkpoints
     load: str | None = None

@@ -68,6 +68,9 @@ class Trainer:
         if config.load:
             self._resume(Path(config.load))
         self.weights = assembly.weight_sender(config, self.info, self.model, self.gpt)
+        if config.colocate:
+            keep = "free" if config.offload_rollout else "keep (--no-offload-rollout)"
+            log.info("colocated: the engines %s their GPU memory while this trainer trains", keep)
         self.metrics = StepLog(config, self.info)
         self.last_step_end, self.last_step_unix = time.perf_counter(), time.time()
         self.control.world_size = self.info.world_size
@@ -187,7 +190,7 @@ class Trainer:
         if failures.over(self.config.max_reward_failures):
             raise failures.stop(self.step, self.config.max_reward_failures, self._give_back())
         self.control.phase = "train"
-        if self.config.colocate and self.weights is not None:
+        if self.config.colocate and self.config.offload_rollout and self.weights is not None:
             self.weights.release()  # the engines' GPU memory is the trainer's until the sync after this step
         started = time.perf_counter()
         steps = self.actor.train_rollout(batch, rollout=self.step)
