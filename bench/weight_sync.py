@@ -214,7 +214,7 @@ def main() -> None:
     model_dir = folder / "model"
     shape = SHAPES[args.shape]
     if "num_experts" in shape:
-        moe_step.write_model(model_dir, shape)
+        moe_step.write_model(model_dir, "Qwen3Moe", shape)
     else:
         write_model(model_dir, shape, "cuda" if cuda else "cpu", tie=True)
     engine_gpu = gpu_ids()[0 if args.colocate else 1] if cuda else ""  # this process's GPU 0 or 1, as CUDA names it
