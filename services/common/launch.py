@@ -10,8 +10,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
 from services.common.errors import StartupError
 from services.common.processes import tied_to_parent
 
@@ -45,6 +43,8 @@ def start(name: str, args: list[str], port: int, log_dir: Path, env: dict | None
 
 async def wait_ready(child: Child, path: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
     """Waits until `child` answers 200 on `path`; a child that exits first is a StartupError with its log's tail."""
+    import aiohttp  # here: `slipstream train`, which starts gRPC services, has no use for it
+
     deadline = asyncio.get_running_loop().time() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         while asyncio.get_running_loop().time() < deadline:

@@ -68,7 +68,7 @@ OUT_OF_MEMORY = 75  # the exit code of a worker whose function ran out of its me
 
 def _init_worker(memory_mb: int | None, custom_path: str | None, imports: tuple[str, ...], started) -> None:
     die_with_parent()
-    for module in ("math_verify", *imports):  # warm the imports so that the first item does not pay for them
+    for module in imports:  # warm the imports so that the first item does not pay for them
         with contextlib.suppress(ImportError):  # a verifier whose library is missing says so on its items
             importlib.import_module(module)
 

@@ -8,7 +8,6 @@ import logging
 import random
 
 import grpc
-import httpx
 
 from services.common.clients import PLAINTEXT, Credentials, open_aio_channel
 from services.reward.isolation import Failure, RewardSample
@@ -33,10 +32,14 @@ class HttpRewardModel:
     """POST {prompt, response, label} to `url`; the JSON answer is a number or a dict of components."""
 
     def __init__(self, url: str, backoff: Backoff, timeout_s: float):
+        import httpx  # here: a fifth of a second of imports that a service without --rm-url need not pay
+
         self.url, self.backoff = url, backoff
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
     async def score(self, sample: RewardSample):
+        import httpx
+
         payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
         last = ""
         async for attempt in self.backoff.attempts():

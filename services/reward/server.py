@@ -10,7 +10,7 @@ from services.reward.core import Scorer
 from services.reward.isolation import WorkerPool
 from services.reward.remote import Backoff, GrpcRewardModel, HttpRewardModel
 from services.reward.servicer import RewardServicer
-from services.reward.verifiers import DEFAULT_RM_TYPE, IMPORTS
+from services.reward.verifiers import DEFAULT_RM_TYPE, imports_of
 
 
 async def build(config: RewardConfig) -> Service:
@@ -25,8 +25,9 @@ async def build(config: RewardConfig) -> Service:
         worker = Credentials.of(config, "worker")
         remote = GrpcRewardModel(config.rm_grpc_addr, backoff, config.rm_remote_timeout_s, worker)
     types = {config.rm_type or DEFAULT_RM_TYPE, *config.eval_rm_types().values()}
-    warm = tuple(IMPORTS[t] for t in types if t in IMPORTS)
-    pool = WorkerPool(config.num_workers, config.reward_worker_memory_mb, config.custom_rm_path, warm)
+    if config.custom_rm_path:  # a custom function may verify with math-verify, as slime's do
+        types.add("math")
+    pool = WorkerPool(config.num_workers, config.reward_worker_memory_mb, config.custom_rm_path, imports_of(types))
     await pool.warm()
     scorer = Scorer(config, pool, http, remote)
     return Service("reward", config, [Servicer.of(RewardServicer(scorer))], on_stop=[scorer.close])

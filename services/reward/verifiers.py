@@ -213,9 +213,9 @@ BUILT_IN: dict[str, Callable] = {
     "random": random_reward,
     "reasoning_gym": reasoning_gym,
 }
-# What a verifier imports beyond math-verify (every worker warms that), warmed in each reward worker before its first
-# item when it is the service's --rm-type.
-IMPORTS = {"reasoning_gym": "reasoning_gym"}
+# What a verifier imports (a second of CPU for math-verify's sympy and parsers), warmed in each reward worker before
+# its first item when it is one of the service's types: --rm-type (else the default) and the eval sets'.
+IMPORTS = {"math": "math_verify", "deepscaler": "math_verify", "reasoning_gym": "reasoning_gym"}
 NEEDS_LABEL = set(BUILT_IN) - {"random"}
 REMOTE = ("remote_rm", "remote_grpc")  # reward models elsewhere: --rm-url's (HTTP) and --rm-grpc-addr's
 DEFAULT_RM_TYPE = "math"  # where neither the item, the request nor --rm-type names one
@@ -232,6 +232,12 @@ def resolve(rm_type: str) -> tuple[Callable, bool]:
     Raises KeyError for an unknown type."""
     boxed = rm_type.startswith("boxed_")
     return BUILT_IN[rm_type.removeprefix("boxed_")], boxed
+
+
+def imports_of(rm_types: set[str]) -> tuple[str, ...]:
+    """The modules the verifiers of `rm_types` (or their boxed_ forms) import, to warm in the workers."""
+    names = {t.removeprefix("boxed_") for t in rm_types}
+    return tuple(sorted({IMPORTS[name] for name in names if name in IMPORTS}))
 
 
 def score_builtin(rm_type: str, response: str, label: str, metadata: dict) -> float | dict:

@@ -63,7 +63,7 @@ async def build(config: RolloutConfig) -> Service:
             pool,
             buffer_pb2_grpc.BufferServiceStub(buffer_channel),
             reward_pb2_grpc.RewardServiceStub(reward_channel),
-            tokenizer=_tokenizer(config.hf_checkpoint),
+            tokenizer=_tokenizer(config),
             redis=fleet.redis if fleet is not None else None,
             failed=failed,
             teacher=teacher,
@@ -109,8 +109,12 @@ async def build(config: RolloutConfig) -> Service:
     return Service("rollout", config, [servicer], ready=ready, on_stop=[close], finished=failed)
 
 
-def _tokenizer(path: str):
-    if not path:
+def _tokenizer(config: RolloutConfig):
+    """--hf-checkpoint's tokenizer for the generate functions (`ctx.tokenizer`); none when no generate function is
+    set, since the built-in path is token-in/token-out and loading one costs seconds of transformers and torch."""
+    functions = [config.custom_generate_function_path, *(s.custom_generate_function_path for s in config.eval_sets())]
+    path = config.hf_checkpoint
+    if not path or not any(functions):
         return None
     from transformers import AutoTokenizer
 

@@ -34,6 +34,13 @@ def test_rm_type_from_metadata(reward_service):
     assert stub.Score(request, timeout=30).results[0].reward == 1.0
 
 
+def test_a_type_the_service_is_not_set_to_is_scored_too(reward_service):
+    """Set to `exact`, the workers do not warm math-verify: an item of type math imports it on its first item."""
+    stub = reward_service(rm_type="exact", num_workers=1)
+    results = score(stub, ("Paris", "paris"), ("so \\boxed{\\frac{1}{2}}", "0.5", "math"))
+    assert [r.reward for r in results] == [1.0, 1.0] and not any(r.error for r in results)
+
+
 def test_bad_input_gets_defined_results(reward_service):
     stub = reward_service(rm_timeout_s=20)
     huge = "1 + 1 = 2. " * 400_000 + "\\boxed{2}"  # ~4.4 MB

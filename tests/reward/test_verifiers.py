@@ -9,6 +9,7 @@ from services.reward.verifiers import (
     f1,
     final_answer,
     gsm8k,
+    imports_of,
     last_boxed,
     math,
     multiple_choice,
@@ -137,3 +138,9 @@ def test_reasoning_gym_scores_with_the_tasks_own_checker():
     assert reasoning_gym("Answer: 123456789", prompt["label"], metadata)["acc"] == 0.0
     with pytest.raises(ValueError, match="metadata has no source_dataset: write the prompts with"):
         reasoning_gym(right, prompt["label"], {})
+
+
+def test_the_workers_warm_the_libraries_of_the_types_set():
+    assert imports_of({"math", "exact"}) == ("math_verify",)
+    assert imports_of({"boxed_deepscaler", "reasoning_gym"}) == ("math_verify", "reasoning_gym")
+    assert imports_of({"exact", "f1", "remote_rm"}) == ()
