@@ -45,7 +45,7 @@ RULES = (
                     "use_fault_tolerance")),
     ("reward", ("*reward*", "num_workers")),
     ("model", ("hf_checkpoint", "load", "save", "save_*", "*lora*", "target_modules", "model_path", "dtype")),
-    ("parallelism", ("*parallel*", "*num_gpus*", "actor_*", "colocate", "*gpu_id*", "tp_size", "device",
+    ("parallelism", ("*parallel*", "*num_gpus*", "actor_*", "colocate", "offload_*", "*gpu_id*", "tp_size", "device",
                      "balance_data", "use_distributed_optimizer", "overlap_*", "ddp_*")),
     ("data", ("prompt_data", "data_source_path", "streaming_data", "num_data_workers", "skip_invalid_rows", "*_key",
               "*chat_template*", "rollout_shuffle", "rollout_seed", "num_epoch", "rollout_max_prompt_len")),
