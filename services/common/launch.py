@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,7 @@ async def stop(children: list[Child], grace_s: float = 10.0) -> None:
     for child in children:
         if child.proc.poll() is None:
             child.proc.terminate()
+            child.proc.send_signal(signal.SIGCONT)  # as systemd does: a stopped child gets its SIGTERM now
     for child in children:
         try:
             await asyncio.to_thread(child.proc.wait, grace_s)

@@ -1,6 +1,10 @@
-"""The GPUs this process may give the processes it starts (services/common/launch.py)."""
+"""The GPUs this process may give the processes it starts, and how it stops them (services/common/launch.py)."""
 
+import asyncio
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -21,3 +25,15 @@ def test_the_gpus_given_are_those_cuda_visible_devices_names(monkeypatch, tmp_pa
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert launch.gpu_ids() == ids
     assert launch.num_gpus() == len(ids)
+
+
+def test_a_stopped_child_gets_its_sigterm_and_is_not_waited_out(tmp_path):
+    """A child frozen by SIGSTOP (as a test freezes an engine) is sent SIGCONT after SIGTERM, as systemd does: it ends
+    by the SIGTERM rather than by the SIGKILL at the end of the grace period."""
+    from services.common import launch
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proc.send_signal(signal.SIGSTOP)
+    child = launch.Child("frozen", "", proc, tmp_path / "frozen.log")
+    asyncio.run(launch.stop([child], grace_s=300))
+    assert proc.returncode == -signal.SIGTERM
