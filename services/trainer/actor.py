@@ -73,9 +73,10 @@ class Actor:
         """torch.compile of each decoder layer; of an MoE layer its attention only (its token dispatcher reads token
         counts on the host). Of multi-latent attention all but its core attention, which inductor fails to partition
         for backward (its keys and values differ in head size): that part runs eagerly between two compiled ones."""
+        latent = getattr(getattr(model, "config", None), "multi_latent_attention", False)
         for layer in getattr(getattr(model, "decoder", None), "layers", []):
             attention = layer.self_attention
-            if getattr(model.config, "multi_latent_attention", False):
+            if latent:
                 attention.core_attention.forward = torch.compiler.disable(attention.core_attention.forward)
             (attention if hasattr(getattr(layer, "mlp", None), "router") else layer).compile()
 
