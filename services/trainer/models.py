@@ -339,6 +339,9 @@ def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel
         rotary_percent=config.rotary_percent,
     )
     config.family.adapt_model(model, config.transformer)
+    if model.post_process and not config.transformer.sequence_parallel:  # sequence parallelism gathers along s
+        model.output_layer.register_forward_pre_hook(_batch_first_input)
+        model.output_layer.register_forward_hook(_sequence_first_view)
     # Megatron marks its tensor-parallel shards only when it initialises them, and these are loaded instead; the
     # marks tell gradient-norm code which parameters count on every rank.
     for name, param in model.named_parameters():
@@ -348,6 +351,19 @@ def build_gpt_model(config: GPTConfig, parallel_output: bool = True) -> GPTModel
         if dim is not None and split > 1:
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
     return model
+
+
+# The output layer computes the logits batch-first, `[b, s, V]` in memory, and hands them back as the `[s, b, V]` view
+# GPTModel expects: GPTModel's `logits.transpose(0, 1).contiguous()` then copies nothing, and neither does the output
+# layer's backward with their gradient. Each of those copies is the whole logits of a micro-batch (2.5 GB at two
+# sequences of 4,096 tokens and Qwen3's 151,936 columns); the hidden states' copy here is 1 / 74 of that.
+def _batch_first_input(layer, args):
+    return (args[0].transpose(0, 1).contiguous(), *args[1:])
+
+
+def _sequence_first_view(layer, args, output):
+    logits, bias = output
+    return logits.transpose(0, 1), bias
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):

@@ -155,6 +155,16 @@ def test_gradients_equal_hf(name: str, checkpoints: dict[str, Path], megatron_tp
         torch.testing.assert_close(megatron_grads[key], grad, atol=1e-5, rtol=1e-4, msg=key)
 
 
+def test_logits_are_the_output_layers_own_memory(checkpoints: dict[str, Path], megatron_tp1) -> None:
+    """The output layer writes the logits batch-first, so GPTModel's [s, b] → [b, s] transpose copies nothing."""
+    model, _ = load_gpt_model(checkpoints["qwen3"])
+    written = []
+    model.output_layer.register_forward_hook(lambda layer, args, output: written.append(output[0]))
+    ids = _token_ids(checkpoints["qwen3"])
+    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+    assert logits.shape[:2] == ids.shape and logits.data_ptr() == written[0].data_ptr()
+
+
 def test_round_trip_is_bit_identical(checkpoints: dict[str, Path], megatron_tp1, tmp_path: Path) -> None:
     from services.trainer.export import export_hf_checkpoint
 
