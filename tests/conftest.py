@@ -6,6 +6,7 @@ import contextlib
 import faulthandler
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,12 @@ from services.common.redis_connection import EmbeddedRedis
 from services.common.server import GrpcServer
 
 REPO = Path(__file__).resolve().parent.parent
+
+# One torch thread in each test process and every process it starts, where there is no GPU: `make test` runs two
+# workers on two cores, each with its services, and torch's thread pool per process (a thread a core, spinning between
+# parallel regions) only contends. On tests/test_train.py: 126 s against 145 s, 176 CPU-s against 192.
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 EXIT_GRACE_S = 60
@@ -74,7 +81,38 @@ def pytest_configure(config):
         processes.split_port_range(int(worker["workerid"].removeprefix("gw")), int(worker["workercount"]))
 
 
+# In `make test-slow` only: a case whose capability `make test` runs in another case of the same test, or a
+# combination of two capabilities that `make test` runs apart (docs/development.md: `make test` in 20 minutes).
+SLOW_CASES = {
+    # MoE parallel training: EP on Qwen3-MoE and TP on DeepSeek-V3 (its multi-latent attention split) stay
+    "tests/trainer/test_parallel_training.py::test_moe_training_with_experts_or_tensors_split_equals_one_rank[qwen3_moe-tp2]",
+    "tests/trainer/test_parallel_training.py::test_moe_training_with_experts_or_tensors_split_equals_one_rank[glm4_moe-ep2]",
+    "tests/trainer/test_parallel_training.py::test_moe_training_with_experts_or_tensors_split_equals_one_rank[glm4_moe-tp2]",
+    "tests/trainer/test_parallel_training.py::test_moe_training_with_experts_or_tensors_split_equals_one_rank[deepseek_v3-ep2]",
+    # the distributed optimizer: with overlap (DP 2), with TP 2, and with experts at EP 2 stay
+    "tests/trainer/test_distributed_optimizer.py::test_distributed_optimizer_trains_like_one_process[dp2-extra0-2]",
+    "tests/trainer/test_distributed_optimizer.py::test_distributed_optimizer_trains_like_one_process[dp2-pp2-extra3-4]",
+    "tests/trainer/test_distributed_optimizer.py::test_distributed_optimizer_with_experts_trains_like_one_process[layout0]",
+    # a megatron teacher under TP: the teacher and TP training each run on their own
+    "tests/train/test_distillation.py::test_a_megatron_teacher_trains_under_tensor_parallelism",
+    # weight-sync faults: a hung engine mid-sync (streamed) and between syncs (broadcast) stay, as do the kills
+    "tests/rollout/test_weight_sync.py::test_a_hung_engine_is_evicted_and_the_others_get_the_weights[mid-sync-broadcast]",
+    "tests/rollout/test_weight_sync.py::test_an_engine_killed_mid_sync_is_evicted_and_the_others_get_the_weights[disk]",
+    "tests/rollout/test_weight_sync.py::test_buckets_in_flight_reach_every_engine_in_the_senders_order[one-at-a-time]",
+    "tests/rollout/test_weight_sync.py::test_each_stage_sends_its_own_layers_over_its_own_group[]",
+    # partial rollouts: the abort pause with masking and the retract pause stay
+    "tests/rollout/test_partial.py::test_abort_pause_returns_partial_groups_that_resume_where_they_stopped[False]",
+    "tests/rollout/test_partial.py::test_kept_requests_continue_under_the_new_version[in_place]",
+    # whole runs: learning is test_train_learns_evaluates_saves_and_leaves_nothing_behind's, disk syncs the
+    # weight-sync tests'
+    "tests/test_train.py::test_the_demo_learns_with_its_weights_going_through_disk",
+}  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in SLOW_CASES:
+            item.add_marker(pytest.mark.slow)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return  # importing torch costs seconds; only GPU tests need to know

@@ -122,10 +122,12 @@ def _processes(parallel: list[str]) -> int:
 
 
 UNTIED_QWEN3 = {name for name, (arch, _) in LAYOUTS.items() if arch == "qwen3" and "tied" not in name}
-# In `make test-slow` only: layouts whose parts `make test` runs in others (TP=2 in qwen3-moe-tp2 and the colocated
-# one, PP=2 in qwen3-tied-pp2, streaming on its own, a dense and an MoE family besides Qwen3 in deepseek-v3-ep2).
+# In `make test-slow` only: layouts whose parts `make test` runs in others (TP=2 in qwen3-moe-tp2, PP=2 in
+# qwen3-tied-pp2, streaming on its own, colocation in its own test, another MoE family besides Qwen3 in
+# deepseek-v3-ep2).
 SLOW_LAYOUTS = {
     "qwen3-pp2-tp2", "qwen3-tp2-streamed", "qwen3-tp2", "qwen3-pp2", "qwen3-pp2-streamed", "glm4", "glm4-moe",
+    "qwen3-tp2-colocated",
 }  # fmt: skip
 
 
