@@ -469,7 +469,9 @@ def test_an_engine_whose_nccl_receive_fails_is_left_out_and_the_others_get_the_w
     """The failure seen on GPUs: one engine's collective fails at once without taking part in the broadcast, so the
     trainer's broadcast to it can never finish. The gateway cancels the other engines' receives, evicts the failed
     engine only, and the trainer aborts its group and starts over without it."""
-    system = make_system(num_engines=1)
+    # The broken engine answers its health checks, so a health round would admit it again (as it should: it is in no
+    # weight group any more, and the next sync builds one with it); none runs while this test looks.
+    system = make_system(num_engines=1, rollout_health_check_interval=600)
     broken = start_engine(module="tests.rollout.faulty_engine")
     system.gateway.RegisterEngine(rollout_pb2.RegisterEngineRequest(url=broken), timeout=30)
     healthy = system.engines[0]
