@@ -63,7 +63,7 @@ SOAK_MINUTES ?= 30
 soak: install  # faults over and over in one run; the services' memory and open files must stay flat
 	$(PY) -m pytest -q -s tests/faults/test_soak.py --soak-minutes $(SOAK_MINUTES)
 
-test-slow: install  # the full demo, synchronous and asynchronous (about 12 minutes on 2 cores)
+test-slow: install  # the full demo, synchronous and asynchronous, and the cases make test leaves out
 	$(PY) -m pytest -q -m slow
 
 # The `gpu` tests (most need two GPUs): a short `slipstream train` of a Qwen3-0.6B-shaped model, the weight-sync
