@@ -176,8 +176,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         delivery = asyncio.create_task(self._deliver(aiter(request_iterator), context, answers))
         try:
             while (answer := await answers.get()) is not None:
-                index, loading = answer
-                yield rollout_pb2.WeightBucketResult(bucket_index=index, engines=_results(await loading))
+                bucket, loading = answer
+                results, committed = await loading, False
+                if bucket.commit and all(r.success for r in results):  # the commit in this answer's round trip
+                    # Shielded: a trainer gone meanwhile does not cut a commit short, as the group's end does not.
+                    results, committed = await asyncio.shield(self.sync.commit(bucket.version)), True
+                yield rollout_pb2.WeightBucketResult(
+                    bucket_index=bucket.bucket_index, engines=_results(results), committed=committed
+                )
             await delivery  # its error, if it ended on one
         finally:  # a trainer that died mid-stream ends it like one that is done: it must commit or prepare soon
             delivery.cancel()
@@ -198,9 +204,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                         bucket.group_name,
                         bucket.num_buckets,
                         tuple(_specs(b.tensors) for b in bucket.plan),
+                        bucket.commit,
                     )
                 )
-                answers.put_nowait((bucket.bucket_index, loading))
+                answers.put_nowait((bucket, loading))
         finally:
             answers.put_nowait(None)
             if not following.cancel() and not following.cancelled():

@@ -289,16 +289,17 @@ class WeightSender:
     def _commit(self, attempt: SendAttempt) -> None:
         started, version = time.perf_counter(), attempt.version
         attempt.move(Phase.COMMITTING)
-        attempt.transport.publish()
-        committed = self.gateway.CommitWeightSync(
-            rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.rpc_timeout_s
-        )
+        engines = attempt.transport.commit_results  # the gateway committed with its last answer
+        if engines is None:
+            attempt.transport.publish()
+            engines = self.gateway.CommitWeightSync(
+                rollout_pb2.CommitWeightSyncRequest(version=version), timeout=self.rpc_timeout_s
+            ).engines
         attempt.timings["commit_s"] = time.perf_counter() - started
-        live = sum(e.success for e in committed.engines)
+        live = sum(e.success for e in engines)
         if not live:  # every engine failed its commit (and was evicted): none serves this version
             raise EnginesLeft(
-                f"no engine committed version {version}: "
-                + "; ".join(f"{e.url}: {e.message}" for e in committed.engines)
+                f"no engine committed version {version}: " + "; ".join(f"{e.url}: {e.message}" for e in engines)
             )
         attempt.transport.committed()
         attempt.move(Phase.COMMITTED)

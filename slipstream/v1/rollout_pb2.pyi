@@ -194,7 +194,7 @@ class PrepareWeightSyncResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ..., delta_base_version: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name", "num_buckets", "plan")
+    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name", "num_buckets", "plan", "commit")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class WeightBucket(_message.Message):
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     version: int
     bucket_index: int
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
@@ -211,7 +212,8 @@ class WeightBucket(_message.Message):
     group_name: str
     num_buckets: int
     plan: _containers.RepeatedCompositeFieldContainer[BucketSpecs]
-    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., group_name: _Optional[str] = ..., num_buckets: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[BucketSpecs, _Mapping]]] = ...) -> None: ...
+    commit: bool
+    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., group_name: _Optional[str] = ..., num_buckets: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[BucketSpecs, _Mapping]]] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class BucketSpecs(_message.Message):
     __slots__ = ("tensors",)
@@ -230,12 +232,14 @@ class EngineResult(_message.Message):
     def __init__(self, url: _Optional[str] = ..., success: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WeightBucketResult(_message.Message):
-    __slots__ = ("bucket_index", "engines")
+    __slots__ = ("bucket_index", "engines", "committed")
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     bucket_index: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineResult]
-    def __init__(self, bucket_index: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+    committed: bool
+    def __init__(self, bucket_index: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ..., committed: _Optional[bool] = ...) -> None: ...
 
 class CommitWeightSyncRequest(_message.Message):
     __slots__ = ("version",)

@@ -25,6 +25,7 @@ class Bucket:
     group_name: str = ""
     num_buckets: int = 0  # streamed: the sender's buckets in this sync
     plan: tuple = ()  # streamed: every bucket's (names, dtypes, shapes) at once, in place of this one's
+    commit: bool = False  # a lone sender's whole plan: committed once every engine loaded it (WeightBucket.commit)
 
 
 class Transport:
@@ -49,6 +50,11 @@ class Transport:
     def target(self, engine) -> str:
         """Where `engine`'s bucket calls go."""
         return engine.url
+
+    def opens(self, engines: list) -> tuple[str, dict] | None:
+        """A call made at Prepare, once the engines are paused, that readies them for the buckets, in the same form
+        as `requests`; None for none."""
+        return None
 
     def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict] | None:
         """The call that delivers `bucket`: (path, {engine url: body, or why that engine cannot take it}); None

@@ -52,6 +52,8 @@ class Transport:
     # Whether `send` takes the weights as views in any shape, each view's elements in its tensor's order (the
     # parameters' own views, models.WeightViews), rather than tensors of the specs' shapes.
     takes_views = False
+    # The commit's results where the gateway committed with the last answer (WeightBucket.commit), else None.
+    commit_results: list | None = None
 
     def __init__(self, sender, prepared, version: int, requests: queue.Queue, responses, watchdog):
         self.sender, self.prepared, self.version, self.requests = sender, prepared, version, requests
