@@ -383,7 +383,8 @@ def report(args, size: int, count: int, raw: list[float], rows: list, adapters: 
             waits = " / ".join(f"{statistics.median(p.get(k, 0) for p in phases) * 1e3:.1f}"
                                for k in ("waited_s", "answers_s"))  # fmt: skip
             print(
-                f"{mib:g} MiB, the trainer's send (median): waiting for broadcasts / for the last answers: {waits} ms"
+                f"{mib:g} MiB, the trainer's send (median): waiting for broadcasts / for the last answers (the "
+                f"commit with them, where the plan's answer carried it): {waits} ms"
             )
             if args.update_weight_mode == "delta":
                 shares = [p["changed_words"] / p["words"] for p in phases if p.get("words")]
