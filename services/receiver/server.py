@@ -1,11 +1,9 @@
 """The weight receiver's HTTP API, which the gateway calls: it joins and leaves the trainer's weight group as SGLang's
 engines do (/init_weights_update_group, /destroy_weights_update_group, the same bodies; one rank per engine), and
 /receive_weights takes a sync's whole plan (every bucket's names, dtypes and shapes) and answers once the engine has
-loaded every bucket (services/receiver/stream.py). /open_update, at Prepare, opens the engine's update of the next
-sync ahead of its plan."""
+loaded every bucket (services/receiver/stream.py)."""
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -39,7 +37,6 @@ class Receiver:
         self.copies: dict[str, Copies] = {}  # --update-weight-mode delta: each group's buckets, the deltas' base
         self.groups: dict[str, tuple[object, threading.Event]] = {}  # name → (group, its cancel flag)
         self.syncing = asyncio.Lock()  # one sync at a time; a group is destroyed only between syncs
-        self.opened: dict[str, tuple[Sync, asyncio.Future]] = {}  # by group: an engine update opened ahead of its plan
         headers = {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
         self.client = httpx.Client(headers=headers)  # made once: a new client costs tens of ms (its TLS context)
 
@@ -65,49 +62,11 @@ class Receiver:
         if name not in self.groups:
             return control(False, "The group to be destroyed does not exist.")
         self.groups[name][1].set()  # a sync in progress gives up: its broadcasts may never come
-        await self._close(name)  # an update opened ahead ends at that, and the engine is free before this answers
         async with self.syncing:
             joined = self.groups.pop(name, None)  # a sync that failed has let it go already
             if joined is not None:
                 end_group(joined[0], in_flight=False)
         return control(True, "Succeeded to destroy custom process group.")
-
-    async def open_update(self, request: Request) -> Response:
-        """At Prepare, once the engine is paused and its update session begun: the engine's update of the next sync
-        is opened (its /update_weights_from_ipc call posted, the buffer's handle exchanged) so that its plan finds
-        it ready. Where there is nothing to open it with yet (no buffer: no sync of this group so far), the plan
-        opens it, as it does for an update opened ahead whose plan needs more room or another version."""
-        body = await request.json()
-        name, version = body.get("group_name", "weight_update_group"), body.get("weight_version")
-        async with self.syncing:
-            joined = self.groups.get(name)
-            if joined is None or not self.buffers.tensors:
-                return control(False, f"Nothing opened: no weight group {name!r} or no buffer yet.")
-            await self._close(name)
-            sync = self._sync(joined, None, self.buffers, None if version is None else str(version), body)
-            self.opened[name] = (sync, asyncio.ensure_future(asyncio.to_thread(sync.run)))
-        return control(True, "Opened the engine's update.")
-
-    async def _close(self, name: str) -> None:
-        """Ends the update opened ahead for group `name`, if any, unused."""
-        sync, running = self.opened.pop(name, (None, None))
-        if sync is not None:
-            sync.plans.put(None)
-            with contextlib.suppress(Exception):
-                await running
-
-    def _sync(self, joined: tuple, buckets, buffers, version: str | None, body: dict, delta=None) -> Sync:
-        return Sync(
-            *joined,
-            buckets,
-            buffers,
-            self.config.engine_url,
-            self.client,
-            version,
-            bool(body.get("flush_cache", False)),
-            self.config.timeout_s,
-            delta,
-        )
 
     async def receive_weights(self, request: Request) -> Response:
         body = await request.json()
@@ -125,22 +84,21 @@ class Receiver:
             if joined is None:
                 return control(False, f"Failed to receive weights: no weight group {name!r}; join it first.")
             version, delta = body.get("weight_version"), body.get("delta")
-            version = None if version is None else str(version)
             buffers = self.buffers if delta is None else self.copies.setdefault(name, Copies(self.buffers.devices))
+            sync = Sync(
+                *joined,
+                buckets,
+                buffers,
+                self.config.engine_url,
+                self.client,
+                None if version is None else str(version),
+                bool(body.get("flush_cache", False)),
+                self.config.timeout_s,
+                delta,
+            )
             started = time.perf_counter()
-            sync, running = self.opened.pop(name, (None, None))
-            usable = sync is not None and delta is None and sync.version == version and buffers.fits(buckets)
-            ahead = " into the engine's update opened at Prepare" if usable and not running.done() else ""
-            if ahead:
-                sync.plans.put(buckets)
-            else:  # none opened ahead, or not for this plan, or it ended: this call opens the engine's update
-                if sync is not None:
-                    self.opened[name] = (sync, running)
-                    await self._close(name)
-                sync = self._sync(joined, buckets, buffers, version, body, delta)
-                running = asyncio.to_thread(sync.run)
             try:
-                await running
+                await asyncio.to_thread(sync.run)
             except Exception as e:  # the trainer, the engine or another member is gone: the group goes too
                 if self.groups.get(name) is joined:
                     abort_group(self.groups.pop(name)[0])
@@ -159,7 +117,7 @@ class Receiver:
             waited["broadcasts"] * 1e3,
             waited["engine"] * 1e3,
         )
-        return control(True, f"Succeeded to receive {len(buckets)} buckets{ahead}.")
+        return control(True, f"Succeeded to receive {len(buckets)} buckets.")
 
     def app(self) -> Starlette:
         return Starlette(
@@ -167,7 +125,6 @@ class Receiver:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/init_weights_update_group", self.init_group, methods=["POST"]),
                 Route("/destroy_weights_update_group", self.destroy_group, methods=["POST"]),
-                Route("/open_update", self.open_update, methods=["POST"]),
                 Route("/receive_weights", self.receive_weights, methods=["POST"]),
             ]
         )

@@ -7,10 +7,8 @@ between buckets: the plan came whole.
 Every wait ends: at the broadcast's arrival, when the group is destroyed (the gateway gave up), at the deadline, or
 when the engine's call ended (it failed, or an older checkpoint-engine worker stopped at the first None)."""
 
-import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +30,6 @@ from services.engine.ipc import device_key
 log = logging.getLogger(__name__)
 
 MIN_SLOTS = 3  # the engine loads one bucket while the next arrives and a third waits
-PLAN_WAIT_S = 10.0  # an engine update opened ahead of its plan (at Prepare) waits this long for it, then ends
 POLL_MS = 50  # how often a wait for the engine's answer looks at the cancel flag, the deadline and the engine's call
 _sockets = count()
 
@@ -61,19 +58,11 @@ class Buffers:
         self.devices, self.budget, self.slots, self.slot, self.tensors = devices, budget, 0, 0, []
 
     def fit(self, buckets: list[Bucket]) -> None:
-        slot, slots = self._needs(buckets)
+        slot = max([self.slot, *(bucket.layout[1] for bucket in buckets)])
+        slots = max(MIN_SLOTS, min(len(buckets), self.budget // max(slot, 1)))
         if slot > self.slot or slots > self.slots:
             self.slot, self.slots = slot, slots
             self._allocate(slots * slot)
-
-    def fits(self, buckets: list[Bucket]) -> bool:
-        """Whether the room there is takes `buckets` as it is (an update opened ahead of its plan uses it)."""
-        slot, slots = self._needs(buckets)
-        return bool(self.tensors) and slot <= self.slot and slots <= self.slots
-
-    def _needs(self, buckets: list[Bucket]) -> tuple[int, int]:
-        slot = max([self.slot, *(bucket.layout[1] for bucket in buckets)])
-        return slot, max(MIN_SLOTS, min(len(buckets), self.budget // max(slot, 1)))
 
     def start(self, index: int) -> int:
         """Where bucket `index` of a sync goes."""
@@ -122,15 +111,13 @@ def ipc_request(handles: dict[str, str], flush_cache: bool, version: str | None)
 
 class Sync:
     """Streams one sync's `buckets` from `group` into the engine at `engine_url`; `run()` returns when the engine
-    has loaded them all, or raises saying why not. With `buckets` None the engine's update is opened ahead of the
-    plan (at Prepare, so that the engine's call and the buffer's exchange are done when the plan comes), which
-    `plans` brings: None there ends it unused, telling the engine so."""
+    has loaded them all, or raises saying why not."""
 
     def __init__(
         self,
         group,
         cancelled: threading.Event,
-        buckets: list[Bucket] | None,
+        buckets: list[Bucket],
         buffers: Buffers,
         engine_url: str,
         client: httpx.Client,
@@ -150,13 +137,11 @@ class Sync:
         self.posted: dict = {}  # each bucket's receive, posted and not yet seen complete
         self.posted_up_to = -1
         self.waited = {"engine": 0.0, "broadcasts": 0.0}  # seconds this sync waited for each
-        self.plans: queue.Queue = queue.Queue()  # opened ahead: the plan, once it comes
 
     def run(self) -> None:
         if self.buffers.devices[0].type == "cuda":  # this thread's collectives and copies run on the engine's GPU
             torch.cuda.set_device(self.buffers.devices[0])
-        if self.buckets is not None:
-            self.buffers.fit(self.buckets)
+        self.buffers.fit(self.buckets)
         base = (self.delta or {}).get("base_version", 0)
         if base and self.buffers.version != base:
             raise RuntimeError(
@@ -188,13 +173,10 @@ class Sync:
             raise RuntimeError(f"the engine's /update_weights_from_ipc failed: {reply.get('message', reply)}")
 
     def _stream(self) -> None:
-        if self.delta is None and self.buckets is not None:
+        if self.delta is None:
             self._post_receives(loaded=-1)  # while the engine connects
         self._send_all([self.buffers.handle(i) for i in range(len(self.sockets))])
         self._answers()
-        if self.buckets is None:  # opened ahead
-            self.buckets = self._plan()
-            self.deadline = time.monotonic() + self.timeout_s
         if self.delta is None:
             self._stream_whole()
         else:
@@ -224,22 +206,6 @@ class Sync:
                 loading, received = received, []
             else:
                 self._idle("engine" if loading else "broadcasts")
-
-    def _plan(self) -> list[Bucket]:
-        """The plan of an update opened ahead of it, once it comes."""
-        until = time.monotonic() + PLAN_WAIT_S
-        while True:
-            with contextlib.suppress(queue.Empty):
-                plan = self.plans.get(timeout=POLL_MS / 1000)
-                if plan is None:
-                    raise RuntimeError("the update was opened for another plan")
-                return plan
-            if self.call.done():
-                raise RuntimeError(f"the engine's update ended early: {self.call.result().get('message')}")
-            if self.cancelled.is_set():
-                raise RuntimeError("the weight update group was destroyed before the plan came")
-            if time.monotonic() > until:
-                raise RuntimeError(f"no plan came within {PLAN_WAIT_S:.0f} s of opening the update")
 
     def _post_receives(self, loaded: int) -> None:
         """Posts the receive of each next bucket whose slot is free: the engine loaded what it held (every bucket up to

@@ -79,7 +79,6 @@ class Attempt:
     phase: Phase = Phase.PREPARED
     before: Phase = Phase.PREPARED  # what a failed commit returns to
     joining: asyncio.Task | None = None  # the engines joining the groups, awaited by the first bucket or the commit
-    opening: asyncio.Future | None = None  # the transport's call readying the engines, awaited by the first bucket
     deadline: asyncio.TimerHandle | None = None  # the trainer silent past it is gone: the sync is aborted
 
     def move(self, event: str) -> None:
@@ -203,12 +202,6 @@ class WeightSync:
                 await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
             if transport.pauses:
                 await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
-            opens = None if created else transport.opens(engines)
-            if opens is not None:  # under way while Prepare answers; a member that fails it is readied by the bucket
-                path, bodies = opens
-                attempt.opening = asyncio.gather(
-                    *(self._call(e, path, bodies[e.url], transport.target(e)) for e in engines)
-                )
             ranks = [(url, offset, n) for (url, n), offset in zip(members, offsets, strict=True)]
             return world_size, ranks, created, transport.kind, base
         finally:  # armed whatever happened here: a trainer silent past it is gone, and the sync is aborted
@@ -261,9 +254,6 @@ class WeightSync:
                 done.set_result([Result(e.url, True, "planned") for e in self.engines])
                 return done
             not_joined = await self._joined()
-            if self.attempt.opening is not None:
-                opening, self.attempt.opening = self.attempt.opening, None
-                await opening
             loading = asyncio.ensure_future(self._deliver(self.attempt, bucket.index, self.group, *request, not_joined))
             self.deliveries.add(loading)
             loading.add_done_callback(self.deliveries.discard)
@@ -467,7 +457,7 @@ class WeightSync:
         await self._leave([e for e in self.engines if e not in at_fault], group)
 
     async def _leave(self, engines: list[Engine], group: Group) -> None:
-        if self.transport.streamed:  # a receiver's update of the engine ends with the group, before the session can
+        if self.transport.streamed:  # a receiver mid-sync holds its engine (SGLang runs the update on its scheduler)
             await self._destroy(engines, group)
             await self._each(_sessions(engines), "/end_weight_update", {})
             return

@@ -10,8 +10,7 @@ from tests.contract.reference_engine import sampling_keys, served
 from tests.contract.sglang_release import problems
 
 ROUTER_ROUTES = {"/workers", "/workers/{}"}  # sglang-router's own (a Rust binary: docs/sglang_api.md)
-# the weight receiver's own (services/receiver), beside each engine
-RECEIVER_ROUTES = {"/open_update", "/receive_weights"}
+RECEIVER_ROUTES = {"/receive_weights"}  # the weight receiver's own (services/receiver), beside each engine
 # What the oldest supported release lacks of what our code uses; docs/engine.md lists the same.
 NOT_IN_OLDEST = {
     "/begin_weight_update": "weight-update sessions (0.5.21): the gateway opens them only on 0.5.21+ engines",

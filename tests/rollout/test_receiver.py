@@ -107,44 +107,6 @@ def test_a_bucket_the_engine_cannot_load_fails_the_sync_naming_it_and_the_next_s
     torch.distributed.destroy_process_group(group)
 
 
-def test_an_update_opened_at_prepare_takes_its_plan_and_an_unused_one_ends_with_its_group(
-    start_engine, service_process, free_port, tiny_model
-):
-    """/open_update opens the engine's update ahead of the plan (from the second sync on: the first makes the
-    buffer), which the plan of that version then uses; one of another version is ended and the plan opens its own;
-    one the plan never comes for ends with its group, and leaves the engine free for the next group's sync."""
-    engine = start_engine()
-    receiver = _start_receiver(service_process, free_port, engine)
-    hf = load_file(tiny_model / "model.safetensors")
-
-    def open_update(version: str, name: str = "g") -> httpx.Response:
-        body = {"group_name": name, "weight_version": version}
-        return httpx.post(f"{receiver}/open_update", json=body, timeout=30)
-
-    assert "no buffer yet" in open_update("1").json()["message"]
-    group = None
-    for version, opened, expected in (("1", None, False), ("2", "2", True), ("3", "9", False), ("4", "4", True)):
-        if opened is not None:
-            assert open_update(opened).status_code == 200
-        sent = {name: (t + 0.01 * int(version)).contiguous() for name, t in hf.items()}
-        group, reply = _stream(receiver, sent, _plan(sent, 3), version, group)
-        assert reply.status_code == 200, reply.text
-        assert ("opened at Prepare" in reply.json()["message"]) is expected, (version, reply.text)
-        assert httpx.get(f"{engine}/model_info", timeout=10).json()["weight_version"] == version
-        for name, tensor in sent.items():
-            assert torch.equal(weights_of(engine, name), tensor), name
-    assert open_update("5").status_code == 200
-    destroyed = httpx.post(f"{receiver}/destroy_weights_update_group", json={"group_name": "g"}, timeout=60)
-    assert destroyed.status_code == 200, destroyed.text
-    torch.distributed.destroy_process_group(group)
-    assert httpx.get(f"{engine}/model_info", timeout=10).json()["weight_version"] == "4"
-    sent = {name: (t + 0.5).contiguous() for name, t in hf.items()}
-    group, reply = _stream(receiver, sent, _plan(sent, 3), "6", name="g2")
-    assert reply.status_code == 200, reply.text
-    assert httpx.get(f"{engine}/model_info", timeout=10).json()["weight_version"] == "6"
-    torch.distributed.destroy_process_group(group)
-
-
 @pytest.fixture
 def buffers_by_file_name():
     """As in the receiver's process (services/receiver/server.py), CPU buffers reach the engine by file name; torch's

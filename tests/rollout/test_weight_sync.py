@@ -579,6 +579,36 @@ def test_a_whole_plan_sent_to_a_sync_that_does_not_stream_is_refused_naming_the_
     system.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=1, reason="test"), timeout=60)
 
 
+def test_a_lone_senders_streamed_commit_rides_on_its_plans_answer(make_system, tiny_model):
+    """From a sender's second streamed sync on (its plan known), the gateway commits once the engines loaded the
+    plan and answers it with the commit's results: the trainer calls no CommitWeightSync, and the engines and the
+    buffer have the version all the same. The first sync (buckets a plan each) commits by the call."""
+    system = make_system(num_engines=2, receivers=True)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sender = _sender(system)
+    try:
+        for version in (1, 2, 3):
+            sent = {n: t + version for n, t in hf.items()}
+            sender.weights = lambda sent=sent: iter(sent.items())
+            assert sender.sync(version)
+            assert (sender.transport.commit_results is None) == (version == 1), version
+            for url, engine in _engines(system).items():
+                assert engine.weight_version == str(version), url
+                assert torch.equal(weights_of(url, "model.norm.weight"), sent["model.norm.weight"]), url
+            assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30).policy_version == version
+    finally:
+        sender.close()
+
+
+def test_a_commit_asked_of_what_is_not_a_lone_senders_whole_plan_is_refused_naming_the_field(make_system, free_port):
+    system = make_system(num_engines=1)
+    spec = common_pb2.TensorSpec(name="model.norm.weight", dtype="float32", shape=[64])
+    raised = _stream_error(system, free_port(), rollout_pb2.WeightBucket(version=1, tensors=[spec], commit=True))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("commit: only a lone sender's whole plan commits with its answer")
+    system.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=1, reason="test"), timeout=60)
+
+
 def test_an_engine_that_restarts_is_readmitted_and_given_the_policy_again(make_system, start_engine, tiny_model):
     """A sync that finds no engine leaves the pool running, so that the restarted engine is re-admitted; it serves
     the weights it started with, which the trainer sees (`lagging`) and replaces, in a new group."""

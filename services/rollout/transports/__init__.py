@@ -51,11 +51,6 @@ class Transport:
         """Where `engine`'s bucket calls go."""
         return engine.url
 
-    def opens(self, engines: list) -> tuple[str, dict] | None:
-        """A call made at Prepare, once the engines are paused, that readies them for the buckets, in the same form
-        as `requests`; None for none."""
-        return None
-
     def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict] | None:
         """The call that delivers `bucket`: (path, {engine url: body, or why that engine cannot take it}); None
         when it is delivered later, with others (its answer is then given at once)."""

@@ -3,8 +3,7 @@ members (one rank each); a sender's whole plan (every bucket's names, dtypes and
 a bucket) goes to every receiver in one /receive_weights call once complete, and the receivers answer once their
 engines loaded every bucket, fed through SGLang's /update_weights_from_ipc. Buckets sent a message each are answered
 at once but for the last. The last sender's whole plan carries the sync's version, which the engines take with a
-load that succeeded: the commit has no version to post. A lone sender's sync has each engine's update opened at
-Prepare (/open_update), ahead of its plan."""
+load that succeeded: the commit has no version to post."""
 
 from urllib.parse import urlsplit, urlunsplit
 
@@ -34,15 +33,6 @@ class Streamed(Transport):
 
     def target(self, engine) -> str:
         return receiver_url(engine.url, self.port_offset)
-
-    def opens(self, engines: list) -> tuple[str, dict] | None:
-        """A lone sender's whole sync: each receiver opens its engine's update ahead of the plan, so that the
-        engine's call and the buffer's exchange are done when the plan comes (a delta's buffers are the group's own
-        copies, opened with its plan)."""
-        if len(self.waiting) != 1 or self.delta is not None:
-            return None
-        body = {"group_name": next(iter(self.waiting)), "weight_version": str(self.version)}
-        return "/open_update", {e.url: body for e in engines}
 
     def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict] | None:
         if bucket.plan:  # the whole plan in one message
