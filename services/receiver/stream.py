@@ -214,6 +214,7 @@ class Sync:
             self.posted_up_to += 1
             start, size = self.buffers.start(self.posted_up_to), self.buckets[self.posted_up_to].layout[1]
             into = self.buffers.tensors[0][start : start + size]
+            self._live()
             self.posted[self.posted_up_to] = dist.broadcast(into, src=0, group=self.group, async_op=True)
 
     def _stream_deltas(self) -> None:
@@ -254,11 +255,15 @@ class Sync:
                     raise RuntimeError(f"the engine could not load a bucket: {answer.decode(errors='replace')}")
         return not any(self.waiting)
 
+    def _live(self) -> None:
+        """Raises once the group is destroyed (the gateway gave up): nothing more is posted on it, or waited for."""
+        if self.cancelled.is_set():
+            raise RuntimeError("the weight update group was destroyed while streaming")
+
     def _idle(self, waiting_for: str) -> None:
         if self.call.done():
             raise RuntimeError(f"the engine's update ended early: {self.call.result().get('message')}")
-        if self.cancelled.is_set():
-            raise RuntimeError("the weight update group was destroyed while streaming")
+        self._live()
         if time.monotonic() > self.deadline:
             raise RuntimeError(
                 f"nothing came from the {'engine' if waiting_for == 'engine' else 'trainer'} within "
@@ -288,6 +293,7 @@ class Sync:
 
     def _broadcast(self, into: torch.Tensor) -> None:
         started = time.perf_counter()
+        self._live()
         wait_for([dist.broadcast(into, src=0, group=self.group, async_op=True)], self.cancelled, self.deadline)
         self.waited["broadcasts"] += time.perf_counter() - started
 
@@ -324,8 +330,7 @@ class Sync:
                     if or_done:
                         return
                     raise RuntimeError(f"the engine's update ended early: {self.call.result().get('message')}")
-                if self.cancelled.is_set():
-                    raise RuntimeError("the weight update group was destroyed while streaming")
+                self._live()
                 if time.monotonic() > self.deadline:
                     raise RuntimeError(f"the engine did not answer within {self.timeout_s:.0f} s")
             answer = socket.recv()

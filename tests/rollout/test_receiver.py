@@ -118,20 +118,23 @@ def buffers_by_file_name():
     torch.multiprocessing.set_sharing_strategy(before)
 
 
+@pytest.mark.parametrize("mode", ["whole", "delta"])
 def test_a_sync_that_ends_before_the_engine_connected_ends_the_engines_update_too(
-    start_engine, tiny_model, buffers_by_file_name
+    start_engine, tiny_model, buffers_by_file_name, mode
 ):
     """The group is destroyed (the gateway gave up) before the engine took the sync's first message, or while its
     answer is due: the engine is told, and its update ends now rather than at its own deadline (minutes), in which
-    it would keep every later sync out (found by a delta sync under load, whose retries each timed out)."""
+    it would keep every later sync out (found by a delta sync under load, whose retries each timed out). Nothing is
+    posted on the destroyed group, whether the engine answered its buffer's handle at once or not."""
     engine = start_engine()
     hf = load_file(tiny_model / "model.safetensors")
     buckets = [Bucket([name], [tensor.dtype], [list(tensor.shape)]) for name, tensor in sorted(hf.items())]
     cancelled = threading.Event()
     cancelled.set()
+    delta = {"version": 1, "base_version": 0} if mode == "delta" else None
+    buffers = Copies([torch.device("cpu")]) if delta else Buffers([torch.device("cpu")], budget=1 << 20)
     with httpx.Client() as client:
-        sync = Sync(None, cancelled, buckets, Copies([torch.device("cpu")]), engine, client, None, False, 120.0,
-                    delta={"version": 1, "base_version": 0})  # fmt: skip
+        sync = Sync(None, cancelled, buckets, buffers, engine, client, None, False, 120.0, delta=delta)
         with pytest.raises(RuntimeError, match="destroyed while streaming"):
             sync.run()
     assert "the sender ended the update: the weight update group was destroyed" in sync.call.result()["message"]
