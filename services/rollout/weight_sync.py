@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 SESSION_VERSION = (0, 5, 21)  # SGLang from this version needs begin/end_weight_update around updates
 STREAM_END_GRACE_S = 15.0  # after its bucket stream, a trainer commits (or prepares again) within this
+PEERS_FAIL_S = 1.0  # a bucket failed on an engine: the others' receives that fail within this failed with it
 # They time out when others fail (a member that left, a trainer that stopped sending), not by the engine's fault.
 WAITS_FOR_PEERS = {"/init_weights_update_group", "/update_weights_from_distributed", "/receive_weights"}
 
@@ -275,9 +276,9 @@ class WeightSync:
 
     async def _load_everywhere(self, index: int, path: str, bodies: dict, group: Group) -> tuple[list, set | None]:
         """Posts a bucket to every engine (its body in `bodies`, or why it cannot take the bucket). Once one fails,
-        the others' receives are cancelled at once (destroying the group): a broadcast needs every member, so theirs
-        may never arrive. Returns the results and, when that happened, the engines that failed first (the others
-        failed because of them)."""
+        the others' receives still pending PEERS_FAIL_S later are cancelled (destroying the group): a broadcast needs
+        every member, so theirs may never arrive. Returns the results and, when that happened, the engines that failed
+        first (the others failed because of them)."""
 
         async def load(engine: Engine) -> Result:
             body = bodies[engine.url]
@@ -291,10 +292,15 @@ class WeightSync:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             failed = {t.result().url for t in done if not t.result().success}
             if failed and first is None and pending and self.transport.uses_group:
-                first = failed
                 if group.broken_by is None:
                     group.broken_by = index
-                await self._destroy([tasks[t] for t in pending], group)
+                # A member that died (the trainer) fails every receive within moments, and no engine is to blame; an
+                # engine at fault leaves the others waiting on a broadcast that cannot complete: they are let go, and
+                # the engines that failed by then are the suspects.
+                more, pending = await asyncio.wait(pending, timeout=PEERS_FAIL_S)
+                if pending:
+                    first = failed | {t.result().url for t in more if not t.result().success}
+                    await self._destroy([tasks[t] for t in pending], group)
         return [t.result() for t in tasks], first
 
     async def commit(self, version: int) -> list[Result]:
