@@ -112,17 +112,19 @@ def worker(path: Path, args) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
+    steps = []  # each step's seconds, to show the spread beside the mean
     for _ in range(args.steps):
+        started = time.perf_counter()
         metrics = actor._step(rollout, list(range(n)), tensors)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - started) / args.steps
+        torch.cuda.synchronize() if cuda else None
+        steps.append(time.perf_counter() - started)
+    seconds = sum(steps) / len(steps)
     memory = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     if args.profile:  # every rank steps (the step's collectives need them all); rank 0 reports
         profile(lambda: actor._step(rollout, list(range(n)), tensors), args.profile, cuda, args.trace,
                 report=int(os.environ.get("RANK", 0)) == 0)  # fmt: skip
-    return {"step_s": seconds, "memory_gib": memory, "load_balancing_loss": metrics.get("load_balancing_loss")}
+    return {"step_s": seconds, "steps_s": steps, "memory_gib": memory,
+            "load_balancing_loss": metrics.get("load_balancing_loss")}  # fmt: skip
 
 
 def profile(step, top: int, cuda: bool, trace: str | None, report: bool) -> None:
@@ -235,6 +237,7 @@ def report(figures: dict, args, architecture: str, shape: dict) -> None:
     print("--- | --- | --- | --- | --- | --- | ---")
     print(f"{args.ep} | {figures['step_s']:.3f} | {rate:,.0f} | {rate / args.ep:,.0f} | {mfu} | "
           f"{figures['memory_gib']:.1f} GiB | {balance}")  # fmt: skip
+    print(f"\nEach step, s: {' '.join(f'{s:.3f}' for s in figures['steps_s'])}")
     print(
         f"\nReproduce: python bench/moe_step.py --ep {args.ep} --layers {layers} --seq-len {args.seq_len} "
         f"--micro-batches {args.micro_batches} --experts {args.experts} --shape {args.shape}{' --tiny' * args.tiny}"
