@@ -90,7 +90,9 @@ class Actor:
         return max(0, self.groups.vocab_size - (self.groups.vocab_start or 0))
 
     def inputs(self, batch: RolloutBatch, indices: list[int], length: int | None = None) -> dict[str, torch.Tensor]:
-        """Model inputs of samples `indices` on this rank's device, right-padded to `length` when given."""
+        """Model inputs of samples `indices` on this rank's device, right-padded to `length` when given, and `spans`:
+        each sample's response as (start, end) on the host, so that nothing waits for the device to read them. The
+        copies to the device do not wait for it either (the host's tensors are staged at once)."""
         inputs = input_tensors(batch, indices)
         tp = self.config.parallel.tensor_model_parallel_size
         if self.config.parallel.sequence_parallel and tp > 1:  # the sequence is split over the TP ranks
@@ -99,7 +101,8 @@ class Actor:
             pad = length - inputs["tokens_BL"].shape[1]
             inputs["tokens_BL"] = torch.nn.functional.pad(inputs["tokens_BL"], (0, pad))
             inputs["positions_BL"] = torch.arange(length).expand(len(indices), length).contiguous()
-        return {k: v.to(self.device) for k, v in inputs.items()}
+        spans = list(zip(inputs["prompt_lengths_B"].tolist(), inputs["lengths_B"].tolist(), strict=True))
+        return {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()} | {"spans": spans}
 
     def forward(self, model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         config = getattr(model, "config", None)
@@ -117,7 +120,7 @@ class Actor:
 
     def response_logprobs(self, logits_BLV: torch.Tensor, inputs: dict[str, torch.Tensor]):
         """`[b, R]` log-probs and entropies of the response tokens, from the model's logits `[b, L, V]`."""
-        spans = list(zip(inputs["prompt_lengths_B"].tolist(), inputs["lengths_B"].tolist(), strict=True))
+        spans = inputs["spans"]
         width = max(end - start for start, end in spans)
         logprobs, entropies = [], []
         for b, (start, end) in enumerate(spans):
@@ -320,7 +323,7 @@ class Actor:
             self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
-        metrics = {k: float(self._all_reduce_dp(torch.tensor(v, dtype=torch.float64))) for k, v in sums.items()}
+        metrics = {k: float(self._all_reduce_dp(torch.as_tensor(v, dtype=torch.float64))) for k, v in sums.items()}
         tokens = self._all_reduce_dp(torch.tensor(float(sum(batch.lengths()[i] for i in indices)), dtype=torch.float64))
         elapsed = time.perf_counter() - started
         return {
@@ -339,12 +342,12 @@ class Actor:
         lengths = [batch.response_lengths()[i] for i in mb]
         take = self._take(t, mb, max(lengths))
         loss, metrics = self.hooks.loss(self.forward(self.model, inputs), inputs, take, lengths, share["token_level"])
-        return self._scaled(loss, metrics, take["mask"], mb, share)
+        return self._scaled(loss, metrics, t["mask"][mb, : max(lengths)], mb, share)
 
     def _take(self, t: dict, mb: list[int], width: int) -> dict:
         """Rows `mb` of the rollout's tensors, cut to `width` response tokens, on this rank's device."""
         return {
-            k: (v[mb, :width] if v.dim() == 2 else v[mb]).to(self.device) if v is not None else None
+            k: (v[mb, :width] if v.dim() == 2 else v[mb]).to(self.device, non_blocking=True) if v is not None else None
             for k, v in t.items()
         }
 
@@ -369,15 +372,18 @@ class Actor:
             loss_aggregation="token" if share["token_level"] else "sequence",
             tis_function=tis,
         )
-        return self._scaled(loss, metrics, take["mask"], mb, share)
+        return self._scaled(loss, metrics, t["mask"][mb, : logprobs_bR.shape[1]], mb, share)
 
     def _scaled(self, loss, metrics: dict, mask_bR, mb: list[int], share: dict):
+        """The loss and metrics weighed by the micro-batch's share (`mask_bR`: its loss mask, read where the rollout's
+        tensors are, the host). The metrics stay where they are: the step reads them once, at its end, so that no
+        micro-batch waits for the device between its forward and its backward."""
         part = (float(mask_bR.sum()) if share["token_level"] else float(len(mb))) / share["total"]
         if self.moe and not self.pipelined:  # the routers' auxiliary losses, added at backward, weigh as this loss
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(part, device=self.device))
-        return loss * part, {name: float(value) * part for name, value in metrics.items()}
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full((), part, device=self.device))
+        return loss * part, {name: value * part for name, value in metrics.items()}
 
     @property
     def moe(self) -> bool:
@@ -403,7 +409,7 @@ class Actor:
             if tracked.get("reduce_group") is not None and dist.get_world_size(tracked["reduce_group"]) > 1:
                 dist.all_reduce(values, group=tracked["reduce_group"])
             dp_size = dist.get_world_size(self.groups.dp) if self.groups.dp is not None else 1
-            losses[name] = float(values.sum()) / (len(self._moe_layers()) * num_micro_batches * dp_size)
+            losses[name] = values.sum() / (len(self._moe_layers()) * num_micro_batches * dp_size)  # read at the end
         clear_aux_losses_tracker()
         return losses
 

@@ -40,7 +40,7 @@ class Critic(Actor):
         """`[b, R]` values of the states before each response token."""
         inputs = self.inputs(batch, indices)
         values_BL = self.forward(model, inputs)[..., 0].float()
-        spans = list(zip(inputs["prompt_lengths_B"].tolist(), inputs["lengths_B"].tolist(), strict=True))
+        spans = inputs["spans"]
         width = max(end - start for start, end in spans)
         rows = [values_BL[b, start - 1 : end - 1] for b, (start, end) in enumerate(spans)]
         return torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])

@@ -113,7 +113,7 @@ class Hooks:
     def loss(self, logits_BLV: torch.Tensor, inputs: dict, take: dict, lengths: list[int], token_level: bool):
         """The custom loss of one micro-batch: slime's batch of per-sample lists, the sequences' logits packed into
         `[1, T, V]`, and `sum_of_sample_mean` (the mean over trained tokens, or per sample then over samples)."""
-        totals = inputs["lengths_B"].tolist()
+        totals = [end for _, end in inputs["spans"]]
         tokens = [inputs["tokens_BL"][b, :n] for b, n in enumerate(totals)]
         batch = _slime_rows(
             take, lengths, "advantages", "log_probs", "ref_log_probs", "rollout_log_probs", "loss_masks"

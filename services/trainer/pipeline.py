@@ -64,7 +64,7 @@ def pipeline_train(actor, batch: RolloutBatch, mbs: list[list[int]], t: dict, sh
     sums: dict[str, float] = {}
     for metrics in outputs:
         for name, value in metrics.items():
-            sums[name] = sums.get(name, 0.0) + value
+            sums[name] = sums.get(name, 0.0) + float(value)
     holder = [sums]
     last = parallel_state.get_pipeline_model_parallel_last_rank()
     dist.broadcast_object_list(holder, src=last, group=parallel_state.get_pipeline_model_parallel_group())
