@@ -45,6 +45,15 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
+def apply_cpu_threads() -> None:
+    """A GPU rank's CPU operators run on one thread, as torchrun sets OMP_NUM_THREADS for each rank when it starts
+    several, unless OMP_NUM_THREADS says otherwise. A lone rank would otherwise wake a pool of every core for each small
+    operator on the host (a micro-batch's rows of the rollout), and the GPU waits: the Qwen3-30B-A3B-shaped MoE step
+    at EP 1 took 0.160 s with 32 threads against 0.129 s with one (bench/moe_step.py, docs/BENCHMARKS.md)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def init_parallel(
     tp_size: int = 1,
     pp_size: int = 1,
@@ -81,6 +90,7 @@ def init_parallel(
         )
     if cuda_available():
         apply_nccl_settings()  # before this process's first communicator: the weight group's members must agree
+        apply_cpu_threads()
         local_rank = _env_int("LOCAL_RANK", rank % torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

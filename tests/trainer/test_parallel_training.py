@@ -10,9 +10,26 @@ import torch
 
 from services.train.tiny_checkpoint import write_tiny_model
 from services.trainer.hf_names import merge_tp_shards
+from services.trainer.parallel import apply_cpu_threads
 from tests.trainer.conftest import trainer_args, weights
 
 STEPS = ["--num-rollout", "2", "--adam-eps", "1e-3"]
+
+
+def test_a_gpu_rank_runs_its_cpu_operators_on_one_thread_unless_omp_num_threads_says_otherwise(monkeypatch):
+    """As torchrun does for each rank when it starts several: a lone rank no longer wakes every core's thread for each
+    small operator on the host while the GPU waits (init_parallel applies it on GPUs)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        apply_cpu_threads()
+        assert torch.get_num_threads() == 2  # the operator's setting wins
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        apply_cpu_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture
