@@ -49,7 +49,8 @@ def apply_cpu_threads() -> None:
     """A GPU rank's CPU operators run on one thread, as torchrun sets OMP_NUM_THREADS for each rank when it starts
     several, unless OMP_NUM_THREADS says otherwise. A lone rank would otherwise wake a pool of every core for each small
     operator on the host (a micro-batch's rows of the rollout), and the GPU waits: the Qwen3-30B-A3B-shaped MoE step
-    at EP 1 took 0.160 s with 32 threads against 0.129 s with one (bench/moe_step.py, docs/BENCHMARKS.md)."""
+    at EP 1 took 0.188-0.197 s with 32 threads against 0.130-0.136 s with one (bench/moe_step.py,
+    docs/BENCHMARKS.md)."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 
