@@ -148,6 +148,8 @@ class Sync:
                 f"this receiver holds version {self.buffers.version} as its base, not {base}, which "
                 "the sync's deltas are against"
             )
+        if self.delta is None:  # first: the trainer's first buckets wait for them, not for the engine's call
+            self._post_receives(loaded=-1)
         context = zmq.Context.instance()
         handles = {}
         for device in self.buffers.devices:
@@ -173,8 +175,6 @@ class Sync:
             raise RuntimeError(f"the engine's /update_weights_from_ipc failed: {reply.get('message', reply)}")
 
     def _stream(self) -> None:
-        if self.delta is None:
-            self._post_receives(loaded=-1)  # while the engine connects
         self._send_all([self.buffers.handle(i) for i in range(len(self.sockets))])
         self._answers()
         if self.delta is None:
