@@ -148,7 +148,9 @@ class Sync:
                 f"this receiver holds version {self.buffers.version} as its base, not {base}, which "
                 "the sync's deltas are against"
             )
-        if self.delta is None:  # first: the trainer's first buckets wait for them, not for the engine's call
+        # First, as the trainer's first buckets wait for them, not for the engine's call. A sync given up already
+        # still calls the engine, which is told at once (_stream) and ends its update.
+        if self.delta is None and not self.cancelled.is_set():
             self._post_receives(loaded=-1)
         context = zmq.Context.instance()
         handles = {}
