@@ -37,6 +37,7 @@ class Receiver:
         self.copies: dict[str, Copies] = {}  # --update-weight-mode delta: each group's buckets, the deltas' base
         self.groups: dict[str, tuple[object, threading.Event]] = {}  # name → (group, its cancel flag)
         self.syncing = asyncio.Lock()  # one sync at a time; a group is destroyed only between syncs
+        self.plan: tuple[list, list[Bucket]] = ([], [])  # the last sync's plan, as sent and read: syncs repeat it
         headers = {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
         self.client = httpx.Client(headers=headers)  # made once: a new client costs tens of ms (its TLS context)
 
@@ -72,7 +73,7 @@ class Receiver:
         body = await request.json()
         name = body.get("group_name", "weight_update_group")
         try:
-            buckets = [_bucket(b) for b in body["buckets"]]
+            buckets = self.plan[1] if body["buckets"] == self.plan[0] else [_bucket(b) for b in body["buckets"]]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             return control(
                 False,
@@ -108,6 +109,7 @@ class Receiver:
                 return control(False, f"Failed to receive weights: {e}.")
             if delta is not None:
                 buffers.version = delta["version"]
+            self.plan = body["buckets"], buckets
             took, waited = time.perf_counter() - started, sync.waited
         log.info(
             "sync of %d buckets (%.2f GB) loaded in %.1f ms: %.1f ms waiting for broadcasts, %.1f ms for the engine",

@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate, count
 from multiprocessing.reduction import ForkingPickler
 
@@ -40,7 +41,7 @@ class Bucket:
     dtypes: list[torch.dtype]
     shapes: list[list[int]]
 
-    @property
+    @cached_property
     def layout(self) -> tuple[list[int], int]:
         return bucket_layout(self.dtypes, self.shapes)
 

@@ -12,7 +12,7 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool, normalize
 from services.rollout.evaluation import evaluate
 from services.rollout.fleet import reconcile
-from services.rollout.transports import Bucket
+from services.rollout.transports import Bucket, specs
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
@@ -37,11 +37,6 @@ def engine_info(engine: Engine) -> rollout_pb2.EngineInfo:
         model_path=engine.model_path,
         last_error=engine.last_error,
     )
-
-
-def _specs(tensors) -> tuple[list[str], list[str], list[list[int]]]:
-    """A bucket's TensorSpecs as its names, dtypes and shapes."""
-    return [t.name for t in tensors], [t.dtype for t in tensors], [list(t.shape) for t in tensors]
 
 
 def _results(results) -> list[rollout_pb2.EngineResult]:
@@ -158,11 +153,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             request.transport,
             request.delta,
             request.delta_base_version,
+            request.plan,
         )
-        world_size, ranks, created, transport, base = prepared
+        world_size, ranks, created, transport, base, taken = prepared
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
         return rollout_pb2.PrepareWeightSyncResponse(
-            world_size=world_size, engines=engines, group_created=created, transport=transport, delta_base_version=base
+            world_size=world_size,
+            engines=engines,
+            group_created=created,
+            transport=transport,
+            delta_base_version=base,
+            plan_taken=taken,
         )
 
     async def SyncWeightBuckets(self, request_iterator, context):
@@ -174,6 +175,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         # engines while this one loads and its answer is written.
         answers: asyncio.Queue = asyncio.Queue()
         delivery = asyncio.create_task(self._deliver(aiter(request_iterator), context, answers))
+        cut = True
         try:
             while (answer := await answers.get()) is not None:
                 bucket, loading = answer
@@ -185,9 +187,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     bucket_index=bucket.bucket_index, engines=_results(results), committed=committed
                 )
             await delivery  # its error, if it ended on one
+            cut = False
         finally:  # a trainer that died mid-stream ends it like one that is done: it must commit or prepare soon
             delivery.cancel()
-            self.sync.stream_ended()
+            self.sync.stream_ended(cut)
 
     async def _deliver(self, requests, context, answers: asyncio.Queue) -> None:
         """Each bucket the trainer sends, to the engines in turn; the next one is read while one loads."""
@@ -198,13 +201,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 loading = await self.sync.bucket(
                     Bucket(
                         bucket.bucket_index,
-                        *_specs(bucket.tensors),
+                        *specs(bucket.tensors),
                         bucket.load_format,
                         tuple(bucket.serialized_named_tensors),
                         bucket.group_name,
                         bucket.num_buckets,
-                        tuple(_specs(b.tensors) for b in bucket.plan),
+                        tuple(specs(b.tensors) for b in bucket.plan),
                         bucket.commit,
+                        bucket.planned,
                     )
                 )
                 answers.put_nowait((bucket, loading))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EVICTED, Engine, EngineFailure, EnginePool, EngineTimeout
-from services.rollout.transports import Bucket, Transport, choose
+from services.rollout.transports import Bucket, Transport, choose, specs
 from slipstream.v1 import buffer_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ class Attempt:
     phase: Phase = Phase.PREPARED
     before: Phase = Phase.PREPARED  # what a failed commit returns to
     joining: asyncio.Task | None = None  # the engines joining the groups, awaited by the first bucket or the commit
+    planned: asyncio.Task | None = None  # the plan that came with Prepare, on its way; the sender's stream claims it
+    sender_gone: bool = False  # a sender's bucket stream was cut since the last Prepare: its receives failed with it
     deadline: asyncio.TimerHandle | None = None  # the trainer silent past it is gone: the sync is aborted
 
     def move(self, event: str) -> None:
@@ -135,12 +137,15 @@ class WeightSync:
         asked: int = rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED,
         delta: bool = False,
         delta_base: int = 0,
+        plan=(),
     ):
         """`sources`: (group name, master address, port) of each sender; `backend`: a weight group's collective
         backend; `asked`: the WeightTransport the trainer asks for; `delta`: the senders send deltas against version
-        `delta_base` where every engine holds it. Returns (world size, [(url, rank offset, ranks)], whether the
-        senders must join new groups, the WeightTransport chosen, the delta's base version or 0). Called again with
-        the same version after an engine left, it starts the sync over with the engines still healthy."""
+        `delta_base` where every engine holds it; `plan`: a lone sender's whole plan (BucketSpecs), delivered at once
+        where the sync streams over a group already joined. Returns (world size, [(url, rank offset, ranks)], whether
+        the senders must join new groups, the WeightTransport chosen, the delta's base version or 0, whether the plan
+        was taken). Called again with the same version after an engine left, it starts the sync over with the engines
+        still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
             raise InvalidArgument("sources", f"each sender needs its own group_name, got {[n for n, _, _ in sources]}")
         kind = choose(asked, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
@@ -151,8 +156,14 @@ class WeightSync:
             self.attempt = Attempt(version, asyncio.get_running_loop().create_future())
         attempt = self.attempt
         attempt.move("prepare")
+        attempt.sender_gone = False
         try:
             self._watch(0)
+            if attempt.planned is not None:  # the last Prepare's plan, never claimed: its receives wait in vain
+                planned, attempt.planned = attempt.planned, None
+                if not planned.done() and self.group is not None:
+                    await self._break("prepare", [])
+                await asyncio.wait({planned})
             # A trainer that heard of a failed bucket prepares again at once; buckets posted after it may still be
             # loading, and the one whose failure took the group down evicts the engine at fault once it ends.
             if self.deliveries:
@@ -204,7 +215,9 @@ class WeightSync:
             if transport.pauses:
                 await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
             ranks = [(url, offset, n) for (url, n), offset in zip(members, offsets, strict=True)]
-            return world_size, ranks, created, transport.kind, base
+            if plan and transport.streamed and not created and len(sources) == 1:  # it runs once Prepare answered
+                attempt.planned = asyncio.ensure_future(self._deliver_plan(attempt, plan, self.group))
+            return world_size, ranks, created, transport.kind, base, attempt.planned is not None
         finally:  # armed whatever happened here: a trainer silent past it is gone, and the sync is aborted
             self._watch()
 
@@ -239,7 +252,7 @@ class WeightSync:
                     f"a whole plan in one message is for streamed syncs; this one is {self.transport.name}: send "
                     "each bucket's tensors",
                 )
-            if bucket.commit and (not bucket.plan or len(self.group.sources) > 1):
+            if bucket.commit and (not (bucket.plan or bucket.planned) or len(self.group.sources) > 1):
                 raise InvalidArgument(
                     "commit",
                     "only a lone sender's whole plan commits with its answer; with several senders, or buckets sent "
@@ -248,19 +261,45 @@ class WeightSync:
             group_name = bucket.group_name or self.group.names[0]
             if group_name not in self.group.names:
                 raise InvalidArgument("group_name", f"{group_name!r} is none of this sync's groups {self.group.names}")
-            request = self.transport.requests(self.engines, dataclasses.replace(bucket, group_name=group_name))
-            if request is None:  # delivered with a later one: answered now
+            if bucket.planned:
+                loading = self._claim_plan()
+            else:
+                request = self.transport.requests(self.engines, dataclasses.replace(bucket, group_name=group_name))
+                if request is None:  # delivered with a later one: answered now
+                    self._watch()
+                    done = asyncio.get_running_loop().create_future()
+                    done.set_result([Result(e.url, True, "planned") for e in self.engines])
+                    return done
+                not_joined = await self._joined()
+                loading = asyncio.ensure_future(
+                    self._deliver(self.attempt, bucket.index, self.group, *request, not_joined)
+                )
+            if loading.done():  # a plan delivered before the trainer asked: the deadline runs again
                 self._watch()
-                done = asyncio.get_running_loop().create_future()
-                done.set_result([Result(e.url, True, "planned") for e in self.engines])
-                return done
-            not_joined = await self._joined()
-            loading = asyncio.ensure_future(self._deliver(self.attempt, bucket.index, self.group, *request, not_joined))
+                return loading
             self.deliveries.add(loading)
             loading.add_done_callback(self.deliveries.discard)
             if not self.transport.ordered:
                 await asyncio.wait({loading})
             return loading
+
+    async def _deliver_plan(self, attempt: Attempt, plan, group: Group) -> list[Result]:
+        """A lone sender's whole plan that came with its Prepare, to every receiver at once: they post their first
+        receives while the trainer hears the answer and opens its stream, whose `planned` bucket claims the results.
+        Unclaimed, it counts as no delivery: the trainer's deadline runs."""
+        plan = tuple(specs(bucket.tensors) for bucket in plan)
+        bucket = Bucket(0, [], [], [], group_name=group.names[0], num_buckets=len(plan), plan=plan)
+        path, bodies = self.transport.requests(self.engines, bucket)
+        return await self._deliver(attempt, 0, group, path, bodies, [])
+
+    def _claim_plan(self) -> asyncio.Future:
+        attempt = self.attempt
+        if attempt.planned is None:
+            raise InvalidArgument(
+                "planned", "no plan came with this sync's PrepareWeightSync (plan_taken unset): send the plan"
+            )
+        loading, attempt.planned = attempt.planned, None
+        return loading
 
     async def _deliver(
         self, attempt: Attempt, index: int, group: Group, path: str, bodies: dict, not_joined: list
@@ -373,6 +412,8 @@ class WeightSync:
         if self.group is not None:
             group, self.group = self.group, None
             await self._leave(self.engines, group)
+        if attempt.planned is not None:  # its receives ended with the group
+            await asyncio.wait({attempt.planned})
         partial = attempt.partial
         self._end(attempt, "abort")
         if partial:
@@ -422,9 +463,11 @@ class WeightSync:
         if self.attempt is attempt:
             self.attempt = None
 
-    def stream_ended(self) -> None:
-        """The trainer's bucket stream ended: a live trainer commits or prepares again at once (its commit may come
-        in before the stream's end is heard, and is not cut short)."""
+    def stream_ended(self, cut: bool = False) -> None:
+        """The trainer's bucket stream ended (`cut`: before its end, the trainer gone): a live trainer commits or
+        prepares again at once (its commit may come in before the stream's end is heard, and is not cut short)."""
+        if cut and self.attempt is not None:  # the receives it broadcast to fail by its fault, however late
+            self.attempt.sender_gone = True
         if self.version is not None and not self.committing:
             self._watch(STREAM_END_GRACE_S)
 
@@ -454,6 +497,8 @@ class WeightSync:
         alive = await asyncio.gather(*(self.pool.alive(e) for e in failed))
         dead = [e for e, ok in zip(failed, alive, strict=True) if not ok]
         suspects = failed if first is None else [e for e in failed if e.url in first]
+        if self.attempt is not None and self.attempt.sender_gone:  # an engine slow to hear it is not at fault
+            suspects = []
         at_fault = dead or ([] if len(suspects) == len(self.engines) else suspects)
         messages = {r.url: r.message for r in results}
         for engine in at_fault:

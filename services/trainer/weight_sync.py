@@ -119,6 +119,7 @@ class WeightSender:
         self.listener: socket.socket | None = None  # the weight group's store port, held from Prepare to the join
         self.attempt: SendAttempt | None = None  # the current or last one
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
+        self.plan: list[rollout_pb2.BucketSpecs] = []  # the layout as a streamed sync's plan, made once
         # --update-weight-mode delta: each bucket as last sent (the receivers keep the same), and its version once
         # a planned sync of it committed: the base of the next sync's deltas
         self.copies: list[torch.Tensor] = []
@@ -268,6 +269,7 @@ class WeightSender:
                         transport=transports.asked(self.config),
                         delta=self.config.update_weight_mode == "delta",
                         delta_base_version=self.copies_version,
+                        plan=self.plan if grouped and self.senders is None else [],  # see Streamed
                     ),
                     timeout=self.rpc_timeout_s,
                 ).SerializeToString()
@@ -465,7 +467,7 @@ class WeightSender:
         if specs:
             layout.append(specs)
             yield specs, tensors
-        self.layout = layout
+        self.layout, self.plan = layout, [rollout_pb2.BucketSpecs(tensors=specs) for specs in layout]
 
     def _agree(self, again: bool) -> bool:
         """The sender's decision to start over, shared with the peers (they gather with it once more)."""

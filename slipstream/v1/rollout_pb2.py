@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from slipstream.v1 import common_pb2 as slipstream_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bslipstream/v1/rollout.proto\x12\rslipstream.v1\x1a\x1aslipstream/v1/common.proto\"\xb7\x01\n\nEngineInfo\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.slipstream.v1.EngineState\x12\x16\n\x0eweight_version\x18\x04 \x01(\t\x12 \n\x18num_outstanding_requests\x18\x05 \x01(\x05\x12\x12\n\nmodel_path\x18\x06 \x01(\t\x12\x12\n\nlast_error\x18\x07 \x01(\t\"$\n\x15RegisterEngineRequest\x12\x0b\n\x03url\x18\x01 \x01(\t\"&\n\x17\x44\x65registerEngineRequest\x12\x0b\n\x03url\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerEngineResponse\"\x14\n\x12ListEnginesRequest\"A\n\x13ListEnginesResponse\x12*\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.EngineInfo\"\x15\n\x13StartRolloutRequest\"\'\n\x14StartRolloutResponse\x12\x0f\n\x07started\x18\x01 \x01(\x08\"-\n\x12StopRolloutRequest\x12\x17\n\x0f\x61\x62ort_in_flight\x18\x01 \x01(\x08\"\x15\n\x13StopRolloutResponse\"\x87\x01\n\x0f\x45valuateRequest\x12\x10\n\x08\x64\x61tasets\x18\x01 \x03(\t\x12\x1c\n\x14n_samples_per_prompt\x18\x02 \x01(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.slipstream.v1.SamplingParams\x12\x0c\n\x04step\x18\x04 \x01(\x03\"\xb0\x01\n\nEvalResult\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12\x37\n\x07metrics\x18\x04 \x03(\x0b\x32&.slipstream.v1.EvalResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\">\n\x10\x45valuateResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.EvalResult\"?\n\nEngineRank\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x13\n\x0brank_offset\x18\x02 \x01(\x05\x12\x0f\n\x07tp_size\x18\x03 \x01(\x05\"\x89\x02\n\x18PrepareWeightSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12,\n\x07sources\x18\x06 \x03(\x0b\x32\x1b.slipstream.v1.WeightSource\x12\r\n\x05\x64\x65lta\x18\x07 \x01(\x08\x12\x1a\n\x12\x64\x65lta_base_version\x18\x08 \x01(\x03\x12\x31\n\ttransport\x18\t \x01(\x0e\x32\x1e.slipstream.v1.WeightTransport\"O\n\x0cWeightSource\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x12\n\ngroup_name\x18\x03 \x01(\t\"\xd1\x01\n\x19PrepareWeightSyncResponse\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12*\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x19.slipstream.v1.EngineRank\x12\x15\n\rgroup_created\x18\x03 \x01(\x08\x12\x1a\n\x12\x64\x65lta_base_version\x18\x05 \x01(\x03\x12\x31\n\ttransport\x18\x06 \x01(\x0e\x32\x1e.slipstream.v1.WeightTransportJ\x04\x08\x04\x10\x05R\x08streamed\"\xfb\x01\n\x0cWeightBucket\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ucket_index\x18\x02 \x01(\x05\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.slipstream.v1.TensorSpec\x12\x13\n\x0bload_format\x18\x04 \x01(\t\x12 \n\x18serialized_named_tensors\x18\x05 \x03(\x0c\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x13\n\x0bnum_buckets\x18\x07 \x01(\x05\x12(\n\x04plan\x18\x08 \x03(\x0b\x32\x1a.slipstream.v1.BucketSpecs\x12\x0e\n\x06\x63ommit\x18\t \x01(\x08\"9\n\x0b\x42ucketSpecs\x12*\n\x07tensors\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.TensorSpec\"=\n\x0c\x45ngineResult\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"k\n\x12WeightBucketResult\x12\x14\n\x0c\x62ucket_index\x18\x01 \x01(\x05\x12,\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1b.slipstream.v1.EngineResult\x12\x11\n\tcommitted\x18\x03 \x01(\x08\"*\n\x17\x43ommitWeightSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"H\n\x18\x43ommitWeightSyncResponse\x12,\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1b.slipstream.v1.EngineResult\"9\n\x16\x41\x62ortWeightSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x19\n\x17\x41\x62ortWeightSyncResponse\"\x1c\n\x1aReleaseEngineMemoryRequest\"K\n\x1bReleaseEngineMemoryResponse\x12,\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1b.slipstream.v1.EngineResult*\x95\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12\x18\n\x14\x45NGINE_STATE_HEALTHY\x10\x02\x12\x18\n\x14\x45NGINE_STATE_EVICTED\x10\x03\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x04*\xc6\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aWEIGHT_TRANSPORT_BROADCAST\x10\x01\x12\x1d\n\x19WEIGHT_TRANSPORT_STREAMED\x10\x02\x12\x1c\n\x18WEIGHT_TRANSPORT_HANDLES\x10\x03\x12\x19\n\x15WEIGHT_TRANSPORT_DISK\x10\x04\x12\x19\n\x15WEIGHT_TRANSPORT_LORA\x10\x05\x32\x90\x08\n\x0eRolloutService\x12Q\n\x0eRegisterEngine\x12$.slipstream.v1.RegisterEngineRequest\x1a\x19.slipstream.v1.EngineInfo\x12\x63\n\x10\x44\x65registerEngine\x12&.slipstream.v1.DeregisterEngineRequest\x1a\'.slipstream.v1.DeregisterEngineResponse\x12T\n\x0bListEngines\x12!.slipstream.v1.ListEnginesRequest\x1a\".slipstream.v1.ListEnginesResponse\x12W\n\x0cStartRollout\x12\".slipstream.v1.StartRolloutRequest\x1a#.slipstream.v1.StartRolloutResponse\x12T\n\x0bStopRollout\x12!.slipstream.v1.StopRolloutRequest\x1a\".slipstream.v1.StopRolloutResponse\x12K\n\x08\x45valuate\x12\x1e.slipstream.v1.EvaluateRequest\x1a\x1f.slipstream.v1.EvaluateResponse\x12\x66\n\x11PrepareWeightSync\x12\'.slipstream.v1.PrepareWeightSyncRequest\x1a(.slipstream.v1.PrepareWeightSyncResponse\x12W\n\x11SyncWeightBuckets\x12\x1b.slipstream.v1.WeightBucket\x1a!.slipstream.v1.WeightBucketResult(\x01\x30\x01\x12\x63\n\x10\x43ommitWeightSync\x12&.slipstream.v1.CommitWeightSyncRequest\x1a\'.slipstream.v1.CommitWeightSyncResponse\x12`\n\x0f\x41\x62ortWeightSync\x12%.slipstream.v1.AbortWeightSyncRequest\x1a&.slipstream.v1.AbortWeightSyncResponse\x12l\n\x13ReleaseEngineMemory\x12).slipstream.v1.ReleaseEngineMemoryRequest\x1a*.slipstream.v1.ReleaseEngineMemoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bslipstream/v1/rollout.proto\x12\rslipstream.v1\x1a\x1aslipstream/v1/common.proto\"\xb7\x01\n\nEngineInfo\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.slipstream.v1.EngineState\x12\x16\n\x0eweight_version\x18\x04 \x01(\t\x12 \n\x18num_outstanding_requests\x18\x05 \x01(\x05\x12\x12\n\nmodel_path\x18\x06 \x01(\t\x12\x12\n\nlast_error\x18\x07 \x01(\t\"$\n\x15RegisterEngineRequest\x12\x0b\n\x03url\x18\x01 \x01(\t\"&\n\x17\x44\x65registerEngineRequest\x12\x0b\n\x03url\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerEngineResponse\"\x14\n\x12ListEnginesRequest\"A\n\x13ListEnginesResponse\x12*\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.EngineInfo\"\x15\n\x13StartRolloutRequest\"\'\n\x14StartRolloutResponse\x12\x0f\n\x07started\x18\x01 \x01(\x08\"-\n\x12StopRolloutRequest\x12\x17\n\x0f\x61\x62ort_in_flight\x18\x01 \x01(\x08\"\x15\n\x13StopRolloutResponse\"\x87\x01\n\x0f\x45valuateRequest\x12\x10\n\x08\x64\x61tasets\x18\x01 \x03(\t\x12\x1c\n\x14n_samples_per_prompt\x18\x02 \x01(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.slipstream.v1.SamplingParams\x12\x0c\n\x04step\x18\x04 \x01(\x03\"\xb0\x01\n\nEvalResult\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12\x37\n\x07metrics\x18\x04 \x03(\x0b\x32&.slipstream.v1.EvalResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\">\n\x10\x45valuateResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.EvalResult\"?\n\nEngineRank\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x13\n\x0brank_offset\x18\x02 \x01(\x05\x12\x0f\n\x07tp_size\x18\x03 \x01(\x05\"\xb3\x02\n\x18PrepareWeightSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12,\n\x07sources\x18\x06 \x03(\x0b\x32\x1b.slipstream.v1.WeightSource\x12\r\n\x05\x64\x65lta\x18\x07 \x01(\x08\x12\x1a\n\x12\x64\x65lta_base_version\x18\x08 \x01(\x03\x12\x31\n\ttransport\x18\t \x01(\x0e\x32\x1e.slipstream.v1.WeightTransport\x12(\n\x04plan\x18\n \x03(\x0b\x32\x1a.slipstream.v1.BucketSpecs\"O\n\x0cWeightSource\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x12\n\ngroup_name\x18\x03 \x01(\t\"\xe5\x01\n\x19PrepareWeightSyncResponse\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12*\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x19.slipstream.v1.EngineRank\x12\x15\n\rgroup_created\x18\x03 \x01(\x08\x12\x1a\n\x12\x64\x65lta_base_version\x18\x05 \x01(\x03\x12\x31\n\ttransport\x18\x06 \x01(\x0e\x32\x1e.slipstream.v1.WeightTransport\x12\x12\n\nplan_taken\x18\x07 \x01(\x08J\x04\x08\x04\x10\x05R\x08streamed\"\x8c\x02\n\x0cWeightBucket\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ucket_index\x18\x02 \x01(\x05\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.slipstream.v1.TensorSpec\x12\x13\n\x0bload_format\x18\x04 \x01(\t\x12 \n\x18serialized_named_tensors\x18\x05 \x03(\x0c\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x13\n\x0bnum_buckets\x18\x07 \x01(\x05\x12(\n\x04plan\x18\x08 \x03(\x0b\x32\x1a.slipstream.v1.BucketSpecs\x12\x0e\n\x06\x63ommit\x18\t \x01(\x08\x12\x0f\n\x07planned\x18\n \x01(\x08\"9\n\x0b\x42ucketSpecs\x12*\n\x07tensors\x18\x01 \x03(\x0b\x32\x19.slipstream.v1.TensorSpec\"=\n\x0c\x45ngineResult\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"k\n\x12WeightBucketResult\x12\x14\n\x0c\x62ucket_index\x18\x01 \x01(\x05\x12,\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1b.slipstream.v1.EngineResult\x12\x11\n\tcommitted\x18\x03 \x01(\x08\"*\n\x17\x43ommitWeightSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"H\n\x18\x43ommitWeightSyncResponse\x12,\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1b.slipstream.v1.EngineResult\"9\n\x16\x41\x62ortWeightSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x19\n\x17\x41\x62ortWeightSyncResponse\"\x1c\n\x1aReleaseEngineMemoryRequest\"K\n\x1bReleaseEngineMemoryResponse\x12,\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1b.slipstream.v1.EngineResult*\x95\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12\x18\n\x14\x45NGINE_STATE_HEALTHY\x10\x02\x12\x18\n\x14\x45NGINE_STATE_EVICTED\x10\x03\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x04*\xc6\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aWEIGHT_TRANSPORT_BROADCAST\x10\x01\x12\x1d\n\x19WEIGHT_TRANSPORT_STREAMED\x10\x02\x12\x1c\n\x18WEIGHT_TRANSPORT_HANDLES\x10\x03\x12\x19\n\x15WEIGHT_TRANSPORT_DISK\x10\x04\x12\x19\n\x15WEIGHT_TRANSPORT_LORA\x10\x05\x32\x90\x08\n\x0eRolloutService\x12Q\n\x0eRegisterEngine\x12$.slipstream.v1.RegisterEngineRequest\x1a\x19.slipstream.v1.EngineInfo\x12\x63\n\x10\x44\x65registerEngine\x12&.slipstream.v1.DeregisterEngineRequest\x1a\'.slipstream.v1.DeregisterEngineResponse\x12T\n\x0bListEngines\x12!.slipstream.v1.ListEnginesRequest\x1a\".slipstream.v1.ListEnginesResponse\x12W\n\x0cStartRollout\x12\".slipstream.v1.StartRolloutRequest\x1a#.slipstream.v1.StartRolloutResponse\x12T\n\x0bStopRollout\x12!.slipstream.v1.StopRolloutRequest\x1a\".slipstream.v1.StopRolloutResponse\x12K\n\x08\x45valuate\x12\x1e.slipstream.v1.EvaluateRequest\x1a\x1f.slipstream.v1.EvaluateResponse\x12\x66\n\x11PrepareWeightSync\x12\'.slipstream.v1.PrepareWeightSyncRequest\x1a(.slipstream.v1.PrepareWeightSyncResponse\x12W\n\x11SyncWeightBuckets\x12\x1b.slipstream.v1.WeightBucket\x1a!.slipstream.v1.WeightBucketResult(\x01\x30\x01\x12\x63\n\x10\x43ommitWeightSync\x12&.slipstream.v1.CommitWeightSyncRequest\x1a\'.slipstream.v1.CommitWeightSyncResponse\x12`\n\x0f\x41\x62ortWeightSync\x12%.slipstream.v1.AbortWeightSyncRequest\x1a&.slipstream.v1.AbortWeightSyncResponse\x12l\n\x13ReleaseEngineMemory\x12).slipstream.v1.ReleaseEngineMemoryRequest\x1a*.slipstream.v1.ReleaseEngineMemoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EVALRESULT_METRICSENTRY']._loaded_options = None
   _globals['_EVALRESULT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_ENGINESTATE']._serialized_start=2393
-  _globals['_ENGINESTATE']._serialized_end=2542
-  _globals['_WEIGHTTRANSPORT']._serialized_start=2545
-  _globals['_WEIGHTTRANSPORT']._serialized_end=2743
+  _globals['_ENGINESTATE']._serialized_start=2472
+  _globals['_ENGINESTATE']._serialized_end=2621
+  _globals['_WEIGHTTRANSPORT']._serialized_start=2624
+  _globals['_WEIGHTTRANSPORT']._serialized_end=2822
   _globals['_ENGINEINFO']._serialized_start=75
   _globals['_ENGINEINFO']._serialized_end=258
   _globals['_REGISTERENGINEREQUEST']._serialized_start=260
@@ -69,31 +69,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINERANK']._serialized_start=970
   _globals['_ENGINERANK']._serialized_end=1033
   _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_start=1036
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=1301
-  _globals['_WEIGHTSOURCE']._serialized_start=1303
-  _globals['_WEIGHTSOURCE']._serialized_end=1382
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_start=1385
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_end=1594
-  _globals['_WEIGHTBUCKET']._serialized_start=1597
-  _globals['_WEIGHTBUCKET']._serialized_end=1848
-  _globals['_BUCKETSPECS']._serialized_start=1850
-  _globals['_BUCKETSPECS']._serialized_end=1907
-  _globals['_ENGINERESULT']._serialized_start=1909
-  _globals['_ENGINERESULT']._serialized_end=1970
-  _globals['_WEIGHTBUCKETRESULT']._serialized_start=1972
-  _globals['_WEIGHTBUCKETRESULT']._serialized_end=2079
-  _globals['_COMMITWEIGHTSYNCREQUEST']._serialized_start=2081
-  _globals['_COMMITWEIGHTSYNCREQUEST']._serialized_end=2123
-  _globals['_COMMITWEIGHTSYNCRESPONSE']._serialized_start=2125
-  _globals['_COMMITWEIGHTSYNCRESPONSE']._serialized_end=2197
-  _globals['_ABORTWEIGHTSYNCREQUEST']._serialized_start=2199
-  _globals['_ABORTWEIGHTSYNCREQUEST']._serialized_end=2256
-  _globals['_ABORTWEIGHTSYNCRESPONSE']._serialized_start=2258
-  _globals['_ABORTWEIGHTSYNCRESPONSE']._serialized_end=2283
-  _globals['_RELEASEENGINEMEMORYREQUEST']._serialized_start=2285
-  _globals['_RELEASEENGINEMEMORYREQUEST']._serialized_end=2313
-  _globals['_RELEASEENGINEMEMORYRESPONSE']._serialized_start=2315
-  _globals['_RELEASEENGINEMEMORYRESPONSE']._serialized_end=2390
-  _globals['_ROLLOUTSERVICE']._serialized_start=2746
-  _globals['_ROLLOUTSERVICE']._serialized_end=3786
+  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=1343
+  _globals['_WEIGHTSOURCE']._serialized_start=1345
+  _globals['_WEIGHTSOURCE']._serialized_end=1424
+  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_start=1427
+  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_end=1656
+  _globals['_WEIGHTBUCKET']._serialized_start=1659
+  _globals['_WEIGHTBUCKET']._serialized_end=1927
+  _globals['_BUCKETSPECS']._serialized_start=1929
+  _globals['_BUCKETSPECS']._serialized_end=1986
+  _globals['_ENGINERESULT']._serialized_start=1988
+  _globals['_ENGINERESULT']._serialized_end=2049
+  _globals['_WEIGHTBUCKETRESULT']._serialized_start=2051
+  _globals['_WEIGHTBUCKETRESULT']._serialized_end=2158
+  _globals['_COMMITWEIGHTSYNCREQUEST']._serialized_start=2160
+  _globals['_COMMITWEIGHTSYNCREQUEST']._serialized_end=2202
+  _globals['_COMMITWEIGHTSYNCRESPONSE']._serialized_start=2204
+  _globals['_COMMITWEIGHTSYNCRESPONSE']._serialized_end=2276
+  _globals['_ABORTWEIGHTSYNCREQUEST']._serialized_start=2278
+  _globals['_ABORTWEIGHTSYNCREQUEST']._serialized_end=2335
+  _globals['_ABORTWEIGHTSYNCRESPONSE']._serialized_start=2337
+  _globals['_ABORTWEIGHTSYNCRESPONSE']._serialized_end=2362
+  _globals['_RELEASEENGINEMEMORYREQUEST']._serialized_start=2364
+  _globals['_RELEASEENGINEMEMORYREQUEST']._serialized_end=2392
+  _globals['_RELEASEENGINEMEMORYRESPONSE']._serialized_start=2394
+  _globals['_RELEASEENGINEMEMORYRESPONSE']._serialized_end=2469
+  _globals['_ROLLOUTSERVICE']._serialized_start=2825
+  _globals['_ROLLOUTSERVICE']._serialized_end=3865
 # @@protoc_insertion_point(module_scope)

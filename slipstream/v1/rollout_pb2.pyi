@@ -148,7 +148,7 @@ class EngineRank(_message.Message):
     def __init__(self, url: _Optional[str] = ..., rank_offset: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class PrepareWeightSyncRequest(_message.Message):
-    __slots__ = ("version", "master_address", "master_port", "group_name", "backend", "sources", "delta", "delta_base_version", "transport")
+    __slots__ = ("version", "master_address", "master_port", "group_name", "backend", "sources", "delta", "delta_base_version", "transport", "plan")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class PrepareWeightSyncRequest(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     version: int
     master_address: str
     master_port: int
@@ -167,7 +168,8 @@ class PrepareWeightSyncRequest(_message.Message):
     delta: bool
     delta_base_version: int
     transport: WeightTransport
-    def __init__(self, version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[WeightSource, _Mapping]]] = ..., delta: _Optional[bool] = ..., delta_base_version: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
+    plan: _containers.RepeatedCompositeFieldContainer[BucketSpecs]
+    def __init__(self, version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[WeightSource, _Mapping]]] = ..., delta: _Optional[bool] = ..., delta_base_version: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., plan: _Optional[_Iterable[_Union[BucketSpecs, _Mapping]]] = ...) -> None: ...
 
 class WeightSource(_message.Message):
     __slots__ = ("master_address", "master_port", "group_name")
@@ -180,21 +182,23 @@ class WeightSource(_message.Message):
     def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ...) -> None: ...
 
 class PrepareWeightSyncResponse(_message.Message):
-    __slots__ = ("world_size", "engines", "group_created", "delta_base_version", "transport")
+    __slots__ = ("world_size", "engines", "group_created", "delta_base_version", "transport", "plan_taken")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     GROUP_CREATED_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_TAKEN_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineRank]
     group_created: bool
     delta_base_version: int
     transport: WeightTransport
-    def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ..., delta_base_version: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
+    plan_taken: bool
+    def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., group_created: _Optional[bool] = ..., delta_base_version: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., plan_taken: _Optional[bool] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name", "num_buckets", "plan", "commit")
+    __slots__ = ("version", "bucket_index", "tensors", "load_format", "serialized_named_tensors", "group_name", "num_buckets", "plan", "commit", "planned")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +208,7 @@ class WeightBucket(_message.Message):
     NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
     version: int
     bucket_index: int
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
@@ -213,7 +218,8 @@ class WeightBucket(_message.Message):
     num_buckets: int
     plan: _containers.RepeatedCompositeFieldContainer[BucketSpecs]
     commit: bool
-    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., group_name: _Optional[str] = ..., num_buckets: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[BucketSpecs, _Mapping]]] = ..., commit: _Optional[bool] = ...) -> None: ...
+    planned: bool
+    def __init__(self, version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., load_format: _Optional[str] = ..., serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., group_name: _Optional[str] = ..., num_buckets: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[BucketSpecs, _Mapping]]] = ..., commit: _Optional[bool] = ..., planned: _Optional[bool] = ...) -> None: ...
 
 class BucketSpecs(_message.Message):
     __slots__ = ("tensors",)

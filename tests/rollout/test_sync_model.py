@@ -145,10 +145,10 @@ class WeightSyncMachine(RuleBasedStateMachine):
         self.ended = "aborted partial" if partial else "aborted"
 
     @precondition(lambda self: self.sync.attempt is not None)
-    @rule()
-    def stream_ends(self):
+    @rule(cut=st.booleans())
+    def stream_ends(self, cut):  # cut: the trainer died mid-stream
         async def ended():
-            self.sync.stream_ended()
+            self.sync.stream_ended(cut)
 
         self.run(ended())
 

@@ -580,9 +580,10 @@ def test_a_whole_plan_sent_to_a_sync_that_does_not_stream_is_refused_naming_the_
 
 
 def test_a_lone_senders_streamed_commit_rides_on_its_plans_answer(make_system, tiny_model):
-    """From a sender's second streamed sync on (its plan known), the gateway commits once the engines loaded the
-    plan and answers it with the commit's results: the trainer calls no CommitWeightSync, and the engines and the
-    buffer have the version all the same. The first sync (buckets a plan each) commits by the call."""
+    """From a sender's second streamed sync on (its plan known), the plan goes with PrepareWeightSync and the
+    gateway commits once the engines loaded it, answering the stream with the commit's results: the trainer calls no
+    CommitWeightSync, and the engines and the buffer have the version all the same. The first sync (buckets a plan
+    each) commits by the call."""
     system = make_system(num_engines=2, receivers=True)
     hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
     sender = _sender(system)
@@ -592,12 +593,89 @@ def test_a_lone_senders_streamed_commit_rides_on_its_plans_answer(make_system, t
             sender.weights = lambda sent=sent: iter(sent.items())
             assert sender.sync(version)
             assert (sender.transport.commit_results is None) == (version == 1), version
+            assert sender.transport.prepared.plan_taken == (version > 1), version  # the receivers had it at Prepare
             for url, engine in _engines(system).items():
                 assert engine.weight_version == str(version), url
                 assert torch.equal(weights_of(url, "model.norm.weight"), sent["model.norm.weight"]), url
             assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30).policy_version == version
     finally:
         sender.close()
+
+
+def test_an_unclaimed_plan_taken_at_prepare_is_ended_by_the_trainers_next_prepare(make_system, tiny_model,
+                                                                                    monkeypatch, caplog):  # fmt: skip
+    """The trainer fails between Prepare and its stream, after the gateway sent its plan to the receivers: their
+    receives would wait for broadcasts that never come. The trainer's next Prepare takes the group down first, and the
+    sync goes on over a new one."""
+    from services.trainer import transports
+
+    system = make_system(num_engines=2, receivers=True)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sender = _sender(system)
+    choose, failed = transports.choose, []
+
+    def fails_once(sender, prepared, version, *args):
+        if prepared.plan_taken and not failed:
+            failed.append(version)
+            raise RuntimeError("the trainer's own failure, after its Prepare (the test's)")
+        return choose(sender, prepared, version, *args)
+
+    try:
+        sender.weights = lambda: iter(hf.items())
+        assert sender.sync(1)  # the plan is known from now on
+        monkeypatch.setattr(transports, "choose", fails_once)
+        sent = {n: t + 2 for n, t in hf.items()}
+        sender.weights = lambda: iter(sent.items())
+        assert sender.sync(2)
+        assert failed == [2]
+        # The receives ended as the trainer let its group go, or, still waiting, by its next Prepare.
+        assert "weight sync of version 2: bucket 0 failed on" in caplog.text or (
+            "weight sync of version 2: prepare failed on the trainer's side" in caplog.text
+        )
+        assert not sender.transport.prepared.plan_taken  # the group was new: the plan went on the stream
+        for url, engine in _engines(system).items():
+            assert engine.weight_version == "2", url
+            assert torch.equal(weights_of(url, "model.norm.weight"), sent["model.norm.weight"]), url
+    finally:
+        sender.close()
+
+
+def test_a_trainer_gone_after_its_plan_went_with_prepare_is_waited_out(make_system, tiny_model):
+    """The receivers wait for broadcasts of a plan the gateway sent them as it answered Prepare; the trainer never
+    opens its stream. The gateway's deadline aborts the sync (the receivers' waits end with the group), the engines
+    keep their version and generate again, and the next sync goes through."""
+    system = make_system(num_engines=2, receivers=True, weight_sync_timeout_s=5)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sender = _sender(system)
+    try:
+        sender.weights = lambda: iter(hf.items())
+        assert sender.sync(1)
+        source = rollout_pb2.WeightSource(master_address=sender.address, master_port=sender.port,
+                                          group_name=sender.group_name)  # fmt: skip
+        prepared = system.gateway.PrepareWeightSync(rollout_pb2.PrepareWeightSyncRequest(
+            version=2, sources=[source], backend="gloo", plan=sender.plan), timeout=60)  # fmt: skip
+        assert prepared.plan_taken
+        sync = system.thread.server.service.servicers[0].impl.sync
+        _wait(lambda: sync.attempt is None)  # the deadline's abort
+        _wait(system.rollout.pool.running.is_set)
+        for url, engine in _engines(system).items():
+            assert engine.weight_version == "1", url
+        sent = {n: t + 3 for n, t in hf.items()}
+        sender.weights = lambda: iter(sent.items())
+        assert sender.sync(3)
+        for url, engine in _engines(system).items():
+            assert engine.weight_version == "3", url
+            assert torch.equal(weights_of(url, "model.norm.weight"), sent["model.norm.weight"]), url
+    finally:
+        sender.close()
+
+
+def test_a_planned_bucket_without_a_plan_taken_at_prepare_is_refused_naming_the_field(make_system, free_port):
+    system = make_system(num_engines=1)
+    raised = _stream_error(system, free_port(), rollout_pb2.WeightBucket(version=1, num_buckets=1, planned=True))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("planned: no plan came with this sync's PrepareWeightSync")
+    system.gateway.AbortWeightSync(rollout_pb2.AbortWeightSyncRequest(version=1, reason="test"), timeout=60)
 
 
 def test_a_commit_asked_of_what_is_not_a_lone_senders_whole_plan_is_refused_naming_the_field(make_system, free_port):

@@ -26,6 +26,12 @@ class Bucket:
     num_buckets: int = 0  # streamed: the sender's buckets in this sync
     plan: tuple = ()  # streamed: every bucket's (names, dtypes, shapes) at once, in place of this one's
     commit: bool = False  # a lone sender's whole plan: committed once every engine loaded it (WeightBucket.commit)
+    planned: bool = False  # in place of the plan, which came with PrepareWeightSync (WeightBucket.planned)
+
+
+def specs(tensors) -> tuple[list[str], list[str], list[list[int]]]:
+    """A bucket's TensorSpecs as its names, dtypes and shapes."""
+    return [t.name for t in tensors], [t.dtype for t in tensors], [list(t.shape) for t in tensors]
 
 
 class Transport:

@@ -1,8 +1,9 @@
 """Streamed to the weight receivers beside the engines: the sync's whole plan (every bucket's specs) goes to the
-gateway first, in one message, then each bucket is broadcast as one uint8 tensor at aligned offsets (`bucket_layout`),
-with no answer awaited between buckets. Two staging buffers: bucket k is written into buffer k % 2 once bucket k - 2's
-broadcast completed (the receivers keep more). The gateway answers the plan once every engine loaded the sync (a
-lone sender's plan: and it committed the version); a failure answer ends the sync at once.
+gateway first, in one message (a lone sender's with PrepareWeightSync, whose answer says the receivers have it: its
+stream then only asks for the answer), then each bucket is broadcast as one uint8 tensor at aligned offsets
+(`bucket_layout`), with no answer awaited between buckets. Two staging buffers: bucket k is written into buffer k % 2
+once bucket k - 2's broadcast completed (the receivers keep more). The gateway answers the plan once every engine
+loaded the sync (a lone sender's plan: and it committed the version); a failure answer ends the sync at once.
 
 The first sync of a run knows no plan yet (the buckets are formed as the weights are converted): each bucket goes as
 a plan of its own (num_buckets 0), answered before the next, and the plan is known from then on."""
@@ -31,11 +32,16 @@ class Streamed(Transport):
         sender, layout = self.sender, self.sender.layout
         self.planned = layout is not None
         if self.planned:  # the plan, at once, in one message: answered once the engines loaded every bucket
-            plan = [rollout_pb2.BucketSpecs(tensors=specs) for specs in layout]
             lone = sender.senders is None  # then the gateway commits with its answer: no round trip of its own
+            taken = self.prepared.plan_taken  # it went with Prepare, and the receivers have it already
             self.requests.put(
                 rollout_pb2.WeightBucket(
-                    version=self.version, group_name=sender.group_name, num_buckets=len(layout), plan=plan, commit=lone
+                    version=self.version,
+                    group_name=sender.group_name,
+                    num_buckets=len(layout),
+                    plan=[] if taken else sender.plan,
+                    planned=taken,
+                    commit=lone,
                 )
             )
         self.expected = int(self.planned)  # answers still due
