@@ -68,15 +68,16 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path) -> None:
     sys.exit(f"{url} did not come up:\n{log.read_text()[-3000:]}")
 
 
-def start_system(model: Path, folder: Path, cuda: bool, gpu: str, streamed: bool, lora_rank: int = 0
-                 ) -> tuple[str, str, list]:  # fmt: skip
+def start_system(model: Path, folder: Path, cuda: bool, gpu: str, streamed: bool, lora_rank: int = 0,
+                 mps: dict | None = None) -> tuple[str, str, list]:  # fmt: skip
     """A buffer (embedded Redis), one engine (GPU 1 on CUDA), with `streamed` the weight receiver beside it (its port
     + 1), and the gateway; returns (engine URL, gateway address, processes). With `lora_rank` the engine serves
-    adapters and the gateway takes LoRA syncs through folder/adapters."""
+    adapters and the gateway takes LoRA syncs through folder/adapters. `mps`: the MPS daemon's environment, for the
+    engine and its receiver."""
     from services.common.clients import wait_until_serving
 
     engine_port, buffer_port, gateway_port = free_port_pair(), free_port(), free_port()
-    env = {"CUDA_VISIBLE_DEVICES": gpu} if cuda else None
+    env = {"CUDA_VISIBLE_DEVICES": gpu, **(mps or {})} if cuda else None
     device = ["--device", "cuda", "--dtype", "bfloat16"] if cuda else []
     lora, lora_gateway = [], []
     if lora_rank:
@@ -106,6 +107,20 @@ def start_system(model: Path, folder: Path, cuda: bool, gpu: str, streamed: bool
     for port in (buffer_port, gateway_port):
         wait_until_serving(f"127.0.0.1:{port}", timeout_s=120)
     return url, f"127.0.0.1:{gateway_port}", [*procs, gateway]
+
+
+def start_mps(folder: Path) -> dict:
+    """An MPS control daemon (every GPU) with its pipes in `folder`; returns the environment that puts a process under
+    it. The trainer and the raw receiver stay outside: only the engine's GPU is shared by two processes."""
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "mps"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "mps-log")}
+    for path in env.values():
+        Path(path).mkdir()
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **env}, check=True, timeout=30)
+    return env
+
+
+def stop_mps(env: dict) -> None:
+    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **env}, timeout=60)
 
 
 def receive_raw(port: int, specs: list, reps: int) -> None:
@@ -195,6 +210,9 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="then LoRA syncs: adapters of this rank on every linear layer, as a folder the engine "
                              "loads (services/*/transports/lora.py), timed against the full syncs")  # fmt: skip
+    parser.add_argument("--mps", action="store_true",
+                        help="the engine and its receiver under an MPS daemon started for the run, so that the "
+                             "engine's copies run beside the receiver's transfer (docs/DEPLOY.md)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=None,
                         help="before each sync, one training step at this lr (AdamW on float32 masters, as the "
                              "trainer's --bf16) on random tokens; unset: one weight changes by 1")  # fmt: skip
@@ -204,11 +222,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < 2 and not args.colocate:
         sys.exit("needs 2 GPUs: the trainer on GPU 0, the engine on GPU 1")
-    from services.common.config import AuthConfig, TlsConfig
     from services.common.launch import gpu_ids
-    from services.trainer.models import WeightViews, hf_weights_of, load_gpt_model
-    from services.trainer.parallel import init_parallel
-    from services.trainer.weight_sync import WeightSender
 
     folder = args.folder = Path(tempfile.mkdtemp(prefix="weight-sync-"))
     model_dir = folder / "model"
@@ -218,7 +232,23 @@ def main() -> None:
     else:
         write_model(model_dir, shape, "cuda" if cuda else "cpu", tie=True)
     engine_gpu = gpu_ids()[0 if args.colocate else 1] if cuda else ""  # this process's GPU 0 or 1, as CUDA names it
-    url, gateway, procs = start_system(model_dir, folder, cuda, engine_gpu, args.streamed, args.lora_rank)
+    if args.mps and not cuda:
+        sys.exit("--mps needs GPUs")
+    mps = start_mps(folder) if args.mps else None
+    try:
+        run(args, folder, model_dir, shape, cuda, engine_gpu, mps)
+    finally:
+        if mps:
+            stop_mps(mps)
+
+
+def run(args, folder: Path, model_dir: Path, shape: dict, cuda: bool, engine_gpu: str, mps: dict | None) -> None:
+    from services.common.config import AuthConfig, TlsConfig
+    from services.trainer.models import WeightViews, hf_weights_of, load_gpt_model
+    from services.trainer.parallel import init_parallel
+    from services.trainer.weight_sync import WeightSender
+
+    url, gateway, procs = start_system(model_dir, folder, cuda, engine_gpu, args.streamed, args.lora_rank, mps)
     try:
         init_parallel(1, 1)
         model, gpt = load_gpt_model(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -350,6 +380,7 @@ def report(args, size: int, count: int, raw: list[float], rows: list, adapters: 
     formats += f" --buckets-in-flight {args.buckets_in_flight}" if args.buckets_in_flight != 2 else ""
     formats += " --streamed" if args.streamed else ""
     formats += " --colocate" if args.colocate else ""
+    formats += " --mps" if args.mps else ""
     formats += f" --update-weight-mode {args.update_weight_mode}" if args.update_weight_mode != "full" else ""
     formats += f" --lr {args.lr:g}" if args.lr is not None else ""
     formats += f" --lora-rank {args.lora_rank}" if args.lora_rank else ""
