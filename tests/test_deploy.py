@@ -34,6 +34,7 @@ FORMS = {  # name: (env file, compose files, what the run file's /data must hold
         ["docker-compose.yml", "reward-external.yml"],
         ["Qwen3-4B", "dapo-math-17k.jsonl"],
     ),
+    "mps": (COMPOSE / ".env", ["docker-compose.yml", "mps.yml"], ["Qwen3-4B", "dapo-math-17k.jsonl"]),
 }
 
 
@@ -131,6 +132,29 @@ def test_each_engine_has_its_weight_receiver_beside_it(form, tmp_path):
             assert gpus[0] == gpus[1] and args[args.index("--device") + 1] == "cuda"
             assert engine["ipc"] == receiver["ipc"] == "host"
             assert engine["pid"] == receiver["pid"] == f"service:engine-{index}-pod"
+
+
+@pytest.mark.skipif(TOOL is None, reason="needs podman-compose (with podman) or docker compose")
+def test_under_mps_an_engine_and_its_receiver_share_their_gpus_daemon(tmp_path):
+    """deploy/compose/mps.yml: a control daemon on each engine's GPU, in the engine's pod and the host's IPC namespace;
+    the engine and its receiver find it through the pipes of one volume, and start once it answers."""
+    services = render("mps", tmp_path)["services"]
+    daemon, engine, receiver = services["mps-0"], services["engine-0"], services["receiver-0"]
+    assert daemon["entrypoint"] == ["nvidia-cuda-mps-control", "-f"] and "get_server_list" in str(daemon["healthcheck"])
+    gpus = [s["deploy"]["resources"]["reservations"]["devices"] for s in (daemon, engine, receiver)]
+    assert gpus[0] == gpus[1] == gpus[2]
+    assert daemon["ipc"] == engine["ipc"] == receiver["ipc"] == "host"
+    assert daemon["pid"] == engine["pid"] == "service:engine-0-pod"
+    pipes = daemon["environment"]["CUDA_MPS_PIPE_DIRECTORY"]
+    for service in (daemon, engine, receiver):
+        assert service is daemon or service["environment"]["CUDA_MPS_PIPE_DIRECTORY"] == pipes
+        assert f"mps-0:{pipes}" in [
+            v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in service["volumes"]
+        ]
+    for service in (engine, receiver):
+        assert service["depends_on"]["mps-0"]["condition"] == "service_healthy"
+        assert service["environment"]["NCCL_SOCKET_IFNAME"] == "eth0"  # the main file's settings stay
+    assert "user" not in engine and "user" not in receiver  # one user (the images' root): MPS serves one a GPU
 
 
 def sglang_command_line_is_accepted(engine: dict, flags: Path, tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ the kubelet would run it, every address a command names served by a Service on t
 each port, and every slipstream command line — its run file included — accepted by our parsers (`--check`), SGLang's
 by the pinned release's options. tests/test_k8s_policy.py checks the same objects as a platform team would."""
 
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -109,6 +111,39 @@ def test_each_engine_pod_runs_its_weight_receiver_beside_it_on_the_same_gpu(obje
     assert security["allowPrivilegeEscalation"] is False and security["capabilities"] == {"drop": ["ALL"]}
     key = "/etc/slipstream/auth/engine-api-key"
     assert args[args.index("--engine-api-key-file") + 1] == args[args.index("--api-key-file") + 1] == key
+
+
+def test_the_mps_component_shares_the_engine_gpu_through_the_dra_driver_as_one_user(objects, tmp_path):
+    """deploy/k8s/mps: the engine pod's claim asks NVIDIA's DRA driver for MPS sharing, and the receiver runs as the
+    engine's user (MPS serves one user on a GPU at a time); nothing else changes."""
+    base = os.path.relpath(K8S, tmp_path)  # kustomize takes relative paths only
+    (tmp_path / "kustomization.yaml").write_text(f"resources: [{base}]\ncomponents: [{base}/mps]\n")
+    result = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    shared = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    template = by_kind(shared, "ResourceClaimTemplate")["engine-gpu"]["spec"]["spec"]["devices"]
+    (config,) = template["config"]
+    assert config["requests"] == ["gpu"] and config["opaque"]["driver"] == "gpu.nvidia.com"
+    assert config["opaque"]["parameters"]["kind"] == "GpuConfig"
+    assert config["opaque"]["parameters"]["sharing"] == {"strategy": "MPS"}
+    engine = containers(workloads(shared)["engine"])
+    assert engine["receiver"]["securityContext"]["runAsUser"] == 0 and "runAsUser" not in engine["engine"].get(
+        "securityContext", {}
+    )  # the engine runs as its image's user, root
+    assert engine["receiver"]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert _without_mps(shared) == _without_mps(objects)
+
+
+def _without_mps(objects: list[dict]) -> list[dict]:
+    """A copy without what the mps component sets: the claim's config and the receiver's user."""
+    objects = json.loads(json.dumps(objects))
+    for obj in objects:
+        if obj["kind"] == "ResourceClaimTemplate":
+            obj["spec"]["spec"]["devices"].pop("config", None)
+        if obj["kind"] == "StatefulSet" and obj["metadata"]["name"] == "engine":
+            for key in ("runAsUser", "runAsGroup", "runAsNonRoot"):
+                containers(obj)["receiver"]["securityContext"].pop(key)
+    return objects
 
 
 def test_services_probe_what_they_serve(objects):

@@ -29,9 +29,15 @@ def _checkov() -> str | None:
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize)")
 
 
-@pytest.fixture(scope="module")
-def rendered() -> str:
-    result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module", params=["base", "mps"])
+def rendered(request, tmp_path_factory) -> str:
+    """deploy/k8s as it is, and with its mps component (an overlay that adds it)."""
+    folder = K8S
+    if request.param == "mps":
+        folder = tmp_path_factory.mktemp("overlay")
+        base = os.path.relpath(K8S, folder)  # kustomize takes relative paths only
+        (folder / "kustomization.yaml").write_text(f"resources: [{base}]\ncomponents: [{base}/mps]\n")
+    result = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
