@@ -23,7 +23,7 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EVICTED, EnginePool
 from services.rollout.transports import Bucket
-from services.rollout.weight_sync import Phase, WeightSync
+from services.rollout.weight_sync import PEERS_FAIL_S, Phase, WeightSync
 
 BUCKETS = 2  # of every version: "v3.b0", "v3.b1"
 SOURCES = [("weights-0", "127.0.0.1", 29500)]
@@ -240,3 +240,49 @@ async def test_a_trainer_waiting_for_a_buckets_answer_is_not_taken_for_gone():
             sync.attempt.deadline.cancel()
         await pool.close()
         await engine.server.close()
+
+
+class LateFailingEngine(FakeEngine):
+    """Its receive of a bucket fails after `delay` seconds, as a receive whose sender is gone does (later on a loaded
+    host, where one engine hears it a second or more after another)."""
+
+    def __init__(self, delay: float):
+        super().__init__()
+        self.delay = delay
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if request.path == "/update_weights_from_distributed":
+            await asyncio.sleep(self.delay)
+            return web.json_response({"success": False, "message": "Connection closed by peer"})
+        return await super().handle(request)
+
+
+@pytest.mark.parametrize("cut", [True, False])
+async def test_a_receive_failing_late_after_the_trainers_stream_was_cut_is_no_engines_fault(cut):
+    """Every engine's receive of a bucket fails, one more than PEERS_FAIL_S after the other. With the trainer's stream
+    cut first (it died mid-broadcast), no engine is at fault and both stay; with the trainer still there, the engine
+    that failed first is the one at fault (the other waited on a broadcast it could not complete) and is evicted."""
+    engines = [LateFailingEngine(0.1), LateFailingEngine(PEERS_FAIL_S + 1.0)]
+    pool = EnginePool(RolloutConfig(weight_sync_timeout_s=30))
+    urls = [await engine.start() for engine in engines]
+    for url in urls:
+        await pool.register(url)
+    pool.running.set()
+    sync = WeightSync(pool.config, pool, Buffer())
+    try:
+        await sync.prepare(1, SOURCES, "gloo")
+        bucket = Bucket(0, ["v1.b0"], ["bfloat16"], [[2]], group_name="weights-0")
+        loading = asyncio.ensure_future(sync.bucket(bucket))  # an unordered engine: it returns once loaded
+        await asyncio.sleep(0.05)
+        if cut:
+            sync.stream_ended(cut=True)
+        results = await asyncio.wait_for(await loading, 30)
+        assert not any(result.success for result in results)
+        evicted = [url for url in urls if pool.engines[url].state == EVICTED]
+        assert evicted == ([] if cut else urls[:1])
+    finally:
+        if sync.attempt is not None and sync.attempt.deadline is not None:
+            sync.attempt.deadline.cancel()
+        await pool.close()
+        for engine in engines:
+            await engine.server.close()
