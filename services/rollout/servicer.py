@@ -153,7 +153,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             request.transport,
             request.delta,
             request.delta_base_version,
-            request.plan,
+            tuple(specs(b.tensors) for b in request.plan),
         )
         world_size, ranks, created, transport, base, taken = prepared
         engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]

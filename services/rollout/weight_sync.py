@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EVICTED, Engine, EngineFailure, EnginePool, EngineTimeout
-from services.rollout.transports import Bucket, Transport, choose, specs
+from services.rollout.transports import Bucket, Transport, choose
 from slipstream.v1 import buffer_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -139,13 +139,13 @@ class WeightSync:
         delta_base: int = 0,
         plan=(),
     ):
-        """`sources`: (group name, master address, port) of each sender; `backend`: a weight group's collective
-        backend; `asked`: the WeightTransport the trainer asks for; `delta`: the senders send deltas against version
-        `delta_base` where every engine holds it; `plan`: a lone sender's whole plan (BucketSpecs), delivered at once
-        where the sync streams over a group already joined. Returns (world size, [(url, rank offset, ranks)], whether
-        the senders must join new groups, the WeightTransport chosen, the delta's base version or 0, whether the plan
-        was taken). Called again with the same version after an engine left, it starts the sync over with the engines
-        still healthy."""
+        """`sources`: (group name, master address, port) of each sender; `backend`: a weight group's collective backend;
+        `asked`: the WeightTransport the trainer asks for; `delta`: the senders send deltas against version `delta_base`
+        where every engine holds it; `plan`: a lone sender's whole plan (each bucket's names, dtypes, shapes), delivered
+        at once where the sync streams over a group already joined. Returns (world size, [(url, rank offset, ranks)],
+        whether the senders must join new groups, the WeightTransport chosen, the delta's base version or 0, whether the
+        plan was taken). Called again with the same version after an engine left, it starts the sync over with the
+        engines still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
             raise InvalidArgument("sources", f"each sender needs its own group_name, got {[n for n, _, _ in sources]}")
         kind = choose(asked, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
@@ -287,7 +287,6 @@ class WeightSync:
         """A lone sender's whole plan that came with its Prepare, to every receiver at once: they post their first
         receives while the trainer hears the answer and opens its stream, whose `planned` bucket claims the results.
         Unclaimed, it counts as no delivery: the trainer's deadline runs."""
-        plan = tuple(specs(bucket.tensors) for bucket in plan)
         bucket = Bucket(0, [], [], [], group_name=group.names[0], num_buckets=len(plan), plan=plan)
         path, bodies = self.transport.requests(self.engines, bucket)
         return await self._deliver(attempt, 0, group, path, bodies, [])

@@ -594,9 +594,7 @@ def test_a_lone_senders_streamed_commit_rides_on_its_plans_answer(make_system, t
             assert sender.sync(version)
             assert (sender.transport.commit_results is None) == (version == 1), version
             assert sender.transport.prepared.plan_taken == (version > 1), version  # the receivers had it at Prepare
-            for url, engine in _engines(system).items():
-                assert engine.weight_version == str(version), url
-                assert torch.equal(weights_of(url, "model.norm.weight"), sent["model.norm.weight"]), url
+            _serve(system, str(version), sent)
             assert system.buffer.GetState(buffer_pb2.GetStateRequest(), timeout=30).policy_version == version
     finally:
         sender.close()
@@ -633,9 +631,7 @@ def test_an_unclaimed_plan_taken_at_prepare_is_ended_by_the_trainers_next_prepar
             "weight sync of version 2: prepare failed on the trainer's side" in caplog.text
         )
         assert not sender.transport.prepared.plan_taken  # the group was new: the plan went on the stream
-        for url, engine in _engines(system).items():
-            assert engine.weight_version == "2", url
-            assert torch.equal(weights_of(url, "model.norm.weight"), sent["model.norm.weight"]), url
+        _serve(system, "2", sent)
     finally:
         sender.close()
 
@@ -663,11 +659,16 @@ def test_a_trainer_gone_after_its_plan_went_with_prepare_is_waited_out(make_syst
         sent = {n: t + 3 for n, t in hf.items()}
         sender.weights = lambda: iter(sent.items())
         assert sender.sync(3)
-        for url, engine in _engines(system).items():
-            assert engine.weight_version == "3", url
-            assert torch.equal(weights_of(url, "model.norm.weight"), sent["model.norm.weight"]), url
+        _serve(system, "3", sent)
     finally:
         sender.close()
+
+
+def _serve(system, version: str, sent: dict) -> None:
+    """Every engine serves `version` with the trainer's weights (a tensor of them)."""
+    for url, engine in _engines(system).items():
+        assert engine.weight_version == version, url
+        assert torch.equal(weights_of(url, "model.norm.weight"), sent["model.norm.weight"]), url
 
 
 def test_a_planned_bucket_without_a_plan_taken_at_prepare_is_refused_naming_the_field(make_system, free_port):
