@@ -142,17 +142,12 @@ class Sync:
     def run(self) -> None:
         if self.buffers.devices[0].type == "cuda":  # this thread's collectives and copies run on the engine's GPU
             torch.cuda.set_device(self.buffers.devices[0])
-        self.buffers.fit(self.buckets)
         base = (self.delta or {}).get("base_version", 0)
         if base and self.buffers.version != base:
             raise RuntimeError(
                 f"this receiver holds version {self.buffers.version} as its base, not {base}, which "
                 "the sync's deltas are against"
             )
-        # First, as the trainer's first buckets wait for them, not for the engine's call. A sync given up already
-        # still calls the engine, which is told at once (_stream) and ends its update.
-        if self.delta is None and not self.cancelled.is_set():
-            self._post_receives(loaded=-1)
         context = zmq.Context.instance()
         handles = {}
         for device in self.buffers.devices:
@@ -164,8 +159,14 @@ class Sync:
             self.waiting.append(False)
             handles[device_key(device)] = address
         with ThreadPoolExecutor(1) as pool:
+            # The engine's call first: its side takes longest to be ready (the call, its update lock, the connection).
             self.call = pool.submit(self._post, handles)
             try:
+                self.buffers.fit(self.buckets)
+                # Then the first receives, as the trainer's first buckets wait for them. A sync given up already still
+                # calls the engine, which is told at once (_stream) and ends its update.
+                if self.delta is None and not self.cancelled.is_set():
+                    self._post_receives(loaded=-1)
                 self._stream()
             except BaseException as e:
                 self._tell_engine(e)
@@ -264,6 +265,13 @@ class Sync:
             raise RuntimeError("the weight update group was destroyed while streaming")
 
     def _idle(self, waiting_for: str) -> None:
+        self._still_waiting(waiting_for)
+        started = time.perf_counter()
+        time.sleep(0.0001)
+        self.waited[waiting_for] += time.perf_counter() - started
+
+    def _still_waiting(self, waiting_for: str) -> None:
+        """Raises once the wait is over: the engine's call ended, the group was destroyed, or the deadline passed."""
         if self.call.done():
             raise RuntimeError(f"the engine's update ended early: {self.call.result().get('message')}")
         self._live()
@@ -272,9 +280,6 @@ class Sync:
                 f"nothing came from the {'engine' if waiting_for == 'engine' else 'trainer'} within "
                 f"{self.timeout_s:.0f} s"
             )
-        started = time.perf_counter()
-        time.sleep(0.0001)
-        self.waited[waiting_for] += time.perf_counter() - started
 
     def _receive(self, bucket: Bucket, into: torch.Tensor) -> None:
         """Bucket `bucket`, whole or as the changes to what `into` holds (its header says which); checked against the
@@ -314,8 +319,11 @@ class Sync:
                 try:
                     socket.send_pyobj(payload, flags=zmq.NOBLOCK)
                     break
-                except zmq.Again:
-                    self._idle("engine")
+                except zmq.Again:  # polled for: a retried send would see a new peer only a millisecond later
+                    started = time.perf_counter()
+                    socket.poll(POLL_MS, zmq.POLLOUT)
+                    self.waited["engine"] += time.perf_counter() - started
+                    self._still_waiting("engine")
             self.waiting[i] = True
 
     def _answers(self, or_done: bool = False) -> None:
