@@ -8,7 +8,6 @@ ends its kernels) rather than destroyed, and a watchdog ends a sync that stops m
 
 import contextlib
 import enum
-import itertools
 import logging
 import os
 import queue
@@ -71,7 +70,6 @@ class SendAttempt:
         self.stream = None
         self.transport: transports.Transport | None = None
         self.in_flight = False  # broadcasts were started on the group and not all have completed
-        self.ahead = None  # the last sync's transport's work on the first buckets while Prepare is under way
         self.peers_waiting = peers_waiting  # the sender's: the colocated peers wait in the next bucket's hand-over
         # prepare_s, send_s, commit_s; streamed, within send_s: waited_s (for broadcasts to complete) and answers_s
         # (after the last broadcast, for the engines to load)
@@ -181,10 +179,8 @@ class WeightSender:
         return False
 
     def _attempt(self, version: int, buckets) -> Exception | None:
-        planned, last = self.layout is not None, self.attempt
+        planned = self.layout is not None
         self.attempt = attempt = SendAttempt(version, peers_waiting=self.handing_over)
-        if planned and last is not None and last.phase is Phase.COMMITTED:  # its transport lends what it holds
-            attempt.ahead = last.transport.ahead(buckets)
         watchdog = Watchdog(self.timeout.total_seconds() * STALL_FACTOR, self._stalled)
         with watchdog:
             try:
@@ -229,7 +225,7 @@ class WeightSender:
     def _send(self, attempt: SendAttempt, buckets, watchdog: "Watchdog") -> None:
         grouped = transports.asked(self.config) == rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED
         started = time.perf_counter()
-        prepared = self._prepare(attempt.version, grouped, attempt.ahead)
+        prepared = self._prepare(attempt.version, grouped)
         if grouped and (prepared.group_created or self.group is None):
             watchdog.progress("joining the weight group")  # its own deadline, the timeout, ends first
             self._drop_group()
@@ -243,8 +239,7 @@ class WeightSender:
             attempt.transport = transport = transports.choose(
                 self, prepared, attempt.version, requests, responses, watchdog
             )
-            taken = attempt.ahead.taken if attempt.ahead is not None else []
-            for index, (specs, tensors) in enumerate(itertools.chain(taken, buckets)):
+            for index, (specs, tensors) in enumerate(buckets):
                 transport.send(index, specs, tensors)
                 watchdog.progress(f"after bucket {index}")
             transport.finish()
@@ -254,10 +249,9 @@ class WeightSender:
             attempt.stream = None
         attempt.timings["send_s"] = time.perf_counter() - started - attempt.timings["prepare_s"]
 
-    def _prepare(self, version: int, grouped: bool, ahead=None) -> rollout_pb2.PrepareWeightSyncResponse:
+    def _prepare(self, version: int, grouped: bool) -> rollout_pb2.PrepareWeightSyncResponse:
         """The coordinator prepares the sync for every sender's group (`grouped`: the weights go over one); a sender
-        that lost its group offers a new address (port), for which the gateway builds new groups. Every sender does
-        `ahead`'s work while the answer is awaited."""
+        that lost its group offers a new address (port), for which the gateway builds new groups."""
         if self.group is None and grouped:
             self._listen()
         mine = rollout_pb2.WeightSource(master_address=self.address, master_port=self.port, group_name=self.group_name)
@@ -268,7 +262,7 @@ class WeightSender:
         answer = [b""]
         try:
             if self.coordinator:
-                call = self.gateway.PrepareWeightSync.future(
+                answer[0] = self.gateway.PrepareWeightSync(
                     rollout_pb2.PrepareWeightSyncRequest(
                         version=version,
                         sources=sources,
@@ -279,12 +273,7 @@ class WeightSender:
                         plan=self.plan if grouped and self.senders is None else [],  # see Streamed
                     ),
                     timeout=self.rpc_timeout_s,
-                )
-                if ahead is not None:
-                    ahead.fill()
-                answer[0] = call.result().SerializeToString()
-            elif ahead is not None:
-                ahead.fill()
+                ).SerializeToString()
         finally:  # the other senders wait for the answer, whatever it is
             if self.senders is not None:
                 dist.broadcast_object_list(answer, src=dist.get_global_rank(self.senders, 0), group=self.senders)

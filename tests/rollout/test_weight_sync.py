@@ -600,27 +600,6 @@ def test_a_lone_senders_streamed_commit_rides_on_its_plans_answer(make_system, t
         sender.close()
 
 
-def test_a_streamed_senders_first_buckets_go_as_written_while_it_awaited_prepares_answer(make_system, tiny_model):
-    """Once a streamed sync committed, the next one writes its first buckets (one per staging buffer) into that
-    sync's staging buffers while the sender awaits Prepare's answer, and sends them as written: the engine takes
-    every tensor exactly all the same."""
-    system = make_system(num_engines=1, receivers=True)
-    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
-    sender = _sender(system, bucket_mib=0.02)
-    try:
-        for version in (1, 2, 3, 4):
-            sent = {n: t + version for n, t in hf.items()}
-            sender.weights = lambda sent=sent: iter(sent.items())
-            assert sender.sync(version)
-            ahead = sender.attempt.ahead
-            assert len(ahead.taken if ahead is not None else []) == (2 if version > 2 else 0), version
-            assert len(sender.layout) > 2  # and the rest were written after the answer
-            for name, tensor in sent.items():
-                assert torch.equal(weights_of(system.engines[0], name), tensor), (version, name)
-    finally:
-        sender.close()
-
-
 def test_an_unclaimed_plan_taken_at_prepare_is_ended_by_the_trainers_next_prepare(make_system, tiny_model,
                                                                                     monkeypatch, caplog):  # fmt: skip
     """The trainer fails between Prepare and its stream, after the gateway sent its plan to the receivers: their

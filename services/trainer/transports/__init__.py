@@ -71,11 +71,6 @@ class Transport:
     def committed(self) -> None:
         """The coordinator's, once the engines serve the sync."""
 
-    def ahead(self, buckets):
-        """The next sync's work on its `buckets` while its Prepare is under way, this transport having been the last
-        chosen: an object whose `fill()` the sender calls then, and whose `taken` buckets it sends first; or None."""
-        return None
-
 
 def choose(sender, prepared, version: int, requests: queue.Queue, responses, watchdog) -> Transport:
     """The sender's half of the transport the gateway chose (PrepareWeightSyncResponse.transport)."""

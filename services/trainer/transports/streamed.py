@@ -58,15 +58,8 @@ class Streamed(Transport):
         sender.timings.update(words=0, changed_words=0)
         self.stages = 3 if self.delta else 2  # staging buffers: one converting, (delta) one pending, one broadcast
         self.types, size = _typed(sender)
-        ahead = sender.attempt.ahead
-        self.staged = ahead.flats if isinstance(ahead, Staged) and ahead.staging else []  # written during Prepare
-        self.staging = ahead.staging if self.staged else []
-        if not self.staging:
-            self.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.stages)]
+        self.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.stages)]
         self.works: list = []  # each bucket's broadcast
-
-    def ahead(self, buckets) -> "Staged | None":
-        return None if self.delta or not self.planned else Staged(self.sender, buckets, self.staging)
 
     def send(self, index: int, specs: list, tensors) -> None:
         if index >= self.stages:
@@ -83,10 +76,7 @@ class Streamed(Transport):
             size = bucket_layout(dtypes, shapes)[1]
             if self.staging[staging].numel() < size:
                 self.staging[staging] = torch.empty(size, dtype=torch.uint8, device=self.device)
-        if index < len(self.staged):
-            flat = self.staged[index]
-        else:
-            flat = flatten_aligned(tensors, dtypes, shapes, self.staging[staging])
+        flat = flatten_aligned(tensors, dtypes, shapes, self.staging[staging])
         self.sender.attempt.in_flight = True
         if self.delta:
             pending, self.pending = self.pending, self._compare(index, flat, dtypes, shapes)
@@ -200,27 +190,6 @@ class Streamed(Transport):
             self.answers.put(e)
         else:  # answers still awaited never come
             self.answers.put(EnginesLeft("the gateway ended the bucket stream before answering every bucket"))
-
-
-class Staged:
-    """A planned sync's first buckets (one per staging buffer), written into the last sync's staging buffers while
-    the sender waits for Prepare's answer (`fill`): the gateway chose the streamed path last time, and where it does
-    again the buckets go at once. Another transport takes them as they came (`taken`)."""
-
-    def __init__(self, sender, buckets, staging: list[torch.Tensor]):
-        self.sender, self.buckets, self.staging = sender, buckets, staging
-        self.taken: list[tuple] = []  # each bucket written: (specs, tensors)
-        self.flats: list[torch.Tensor] = []  # and its bytes, in its staging buffer
-
-    def fill(self) -> None:
-        types, size = _typed(self.sender)
-        if any(staging.numel() < size for staging in self.staging):  # another layout: nothing is written ahead
-            self.staging = []
-            return
-        for staging, (specs, tensors) in zip(self.staging, self.buckets, strict=False):  # as many as the buffers
-            tensors = list(tensors)
-            self.flats.append(flatten_aligned(tensors, *types[len(self.taken)], staging))
-            self.taken.append((specs, tensors))
 
 
 def _typed(sender) -> tuple[list, int]:
