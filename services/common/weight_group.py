@@ -180,10 +180,27 @@ def flatten_aligned(
     their `bucket_layout` offsets into `out` (uint8, at least the bucket's size), in one call; returns the bucket's
     part of it."""
     offsets, size = bucket_layout(dtypes, shapes)
-    tensors = list(tensors)
+    tensors, typed = list(tensors), {}
     places = [
-        out[offset : offset + tensor.numel() * dtype.itemsize].view(dtype).view(tensor.shape)
+        view_at(out, typed, dtype, tensor.shape, offset)
         for tensor, dtype, offset in zip(tensors, dtypes, offsets, strict=True)
     ]
     torch._foreach_copy_(places, tensors)
     return out[:size]
+
+
+def view_at(buffer: torch.Tensor, typed: dict, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:
+    """The tensor of `dtype` and `shape` at byte `offset` of the uint8 `buffer`, in one view op (`typed` keeps the
+    buffer viewed as each dtype); ValueError where it does not fit, aligned."""
+    numel = torch.Size(shape).numel()
+    if offset < 0 or offset + numel * dtype.itemsize > buffer.numel() or offset % dtype.itemsize:
+        size = numel * dtype.itemsize
+        raise ValueError(f"{size} bytes at offset {offset} do not fit the {buffer.numel()}-byte buffer aligned")
+    if dtype not in typed:
+        typed[dtype] = buffer[: buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+    flat = typed[dtype]
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return flat.as_strided(shape, strides[::-1], flat.storage_offset() + offset // dtype.itemsize)

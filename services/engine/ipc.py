@@ -20,6 +20,7 @@ import zmq
 from starlette.requests import Request
 from starlette.responses import Response
 
+from services.common.weight_group import view_at
 from services.engine.responses import control
 
 
@@ -106,7 +107,7 @@ class IpcUpdates:
         try:
             names = [m["name"] for m in metadata]
             typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype, made once a bucket
-            tensors = [_view(buffer, typed, m["dtype"], m["shape"], int(m["offset"])) for m in metadata]
+            tensors = [view_at(buffer, typed, m["dtype"], m["shape"], int(m["offset"])) for m in metadata]
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             return f"bad bucket metadata: {e}"
         problem = self.weights.check(names, tensors)
@@ -116,19 +117,3 @@ class IpcUpdates:
 
     def routes(self) -> list[tuple]:
         return [("/update_weights_from_ipc", self.update_from_ipc, ["POST"])]
-
-
-def _view(buffer: torch.Tensor, typed: dict, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:
-    """The tensor at `offset` of `buffer`, in one view op (`typed` keeps the buffer viewed as each dtype)."""
-    numel = torch.Size(shape).numel()
-    if offset < 0 or offset + numel * dtype.itemsize > buffer.numel() or offset % dtype.itemsize:
-        size = numel * dtype.itemsize
-        raise ValueError(f"{size} bytes at offset {offset} do not fit the {buffer.numel()}-byte buffer aligned")
-    if dtype not in typed:
-        typed[dtype] = buffer[: buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
-    flat = typed[dtype]
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= dim
-    return flat.as_strided(shape, strides[::-1], flat.storage_offset() + offset // dtype.itemsize)
