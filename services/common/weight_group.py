@@ -180,13 +180,54 @@ def flatten_aligned(
     their `bucket_layout` offsets into `out` (uint8, at least the bucket's size), in one call; returns the bucket's
     part of it."""
     offsets, size = bucket_layout(dtypes, shapes)
-    tensors, typed = list(tensors), {}
-    places = [
-        view_at(out, typed, dtype, tensor.shape, offset)
-        for tensor, dtype, offset in zip(tensors, dtypes, offsets, strict=True)
-    ]
-    torch._foreach_copy_(places, tensors)
+    tensors = list(tensors)
+    copy_all(places_of(out, tensors, dtypes, offsets), tensors)
     return out[:size]
+
+
+def places_of(out: torch.Tensor, tensors: list[torch.Tensor], dtypes: list[torch.dtype], offsets: list[int]) -> list:
+    """Each tensor's place in the uint8 `out`: a tensor of its dtype and shape at its offset."""
+    typed: dict = {}
+    return [view_at(out, typed, d, t.shape, o) for t, d, o in zip(tensors, dtypes, offsets, strict=True)]
+
+
+def copy_all(places: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """Copies each tensor into its place: one `torch._foreach_copy_` per dtype for the dense tensors (its fast route, a
+    kernel for many, takes only those) and one for the strided views (q, k and v out of a fused weight), which it
+    copies one by one."""
+    kinds: dict = {}
+    for place, tensor in zip(places, tensors, strict=True):
+        kind = kinds.setdefault((tensor.dtype, tensor.is_contiguous()), ([], []))
+        kind[0].append(place)
+        kind[1].append(tensor)
+    for into, sources in kinds.values():
+        torch._foreach_copy_(into, sources)
+
+
+def flat_views(buffer: torch.Tensor, dtypes: list[torch.dtype], numels: list[int], offsets: list[int]) -> list:
+    """1-D views of the uint8 `buffer`: `numels[i]` elements of `dtypes[i]` at byte `offsets[i]`, made by one split a
+    dtype (a view op a tensor costs microseconds, hundreds of them a bucket); ValueError where one does not fit,
+    aligned."""
+    views: list = [None] * len(dtypes)
+    for dtype in set(dtypes):
+        typed = buffer[: buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        sizes, kept, end = [], [], 0
+        for i in sorted((i for i, d in enumerate(dtypes) if d == dtype), key=offsets.__getitem__):
+            offset, numel = offsets[i], numels[i]
+            if offset < 0 or offset % dtype.itemsize or offset + numel * dtype.itemsize > buffer.numel():
+                size = numel * dtype.itemsize
+                raise ValueError(f"{size} bytes at offset {offset} do not fit the {buffer.numel()}-byte buffer aligned")
+            start = offset // dtype.itemsize
+            if start < end:  # it shares bytes with the one before: a view of its own
+                views[i] = typed[start : start + numel]
+                continue
+            sizes += [start - end, numel]
+            kept.append((i, len(sizes) - 1))
+            end = start + numel
+        parts = typed.split_with_sizes([*sizes, typed.numel() - end])
+        for i, part in kept:
+            views[i] = parts[part]
+    return views
 
 
 def view_at(buffer: torch.Tensor, typed: dict, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ class DiskUpdates:
                 names, tensors = await asyncio.to_thread(_read, path)
             except (OSError, ValueError, KeyError) as e:
                 return control(False, f"Failed to get weights iterator: {e}.", num_paused_requests=0)
-            problem = self.weights.check(names, tensors)
+            problem = self.weights.check(names, [tensor.shape for tensor in tensors])
             if problem:
                 return control(False, f"Failed to update weights: {problem}.", num_paused_requests=0)
             abort = bool(body.get("abort_all_requests"))

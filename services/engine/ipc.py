@@ -20,7 +20,7 @@ import zmq
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.common.weight_group import view_at
+from services.common.weight_group import flat_views
 from services.engine.responses import control
 
 
@@ -105,14 +105,14 @@ class IpcUpdates:
     def _load(self, buffer: torch.Tensor, metadata: list[dict]) -> str | None:
         """Loads one bucket; why it could not be, or None."""
         try:
-            names = [m["name"] for m in metadata]
-            typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype, made once a bucket
-            tensors = [view_at(buffer, typed, m["dtype"], m["shape"], int(m["offset"])) for m in metadata]
+            names, shapes = [m["name"] for m in metadata], [torch.Size(m["shape"]) for m in metadata]
+            numels, offsets = [shape.numel() for shape in shapes], [int(m["offset"]) for m in metadata]
+            tensors = flat_views(buffer, [m["dtype"] for m in metadata], numels, offsets)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             return f"bad bucket metadata: {e}"
-        problem = self.weights.check(names, tensors)
+        problem = self.weights.check(names, shapes)
         if problem is None:
-            self.weights.copy_in(names, tensors).result()
+            self.weights.copy_in(names, tensors, flat=True).result()
         return problem
 
     def routes(self) -> list[tuple]:

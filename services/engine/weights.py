@@ -41,6 +41,7 @@ class WeightReceiver:
         # The model's tensors by checkpoint name, looked up once and again only after a memory release or resume
         # (which move them: api.py): building the map is a model walk (state_dict), several ms for a 4B model.
         self.tensors: dict[str, torch.Tensor] | None = None
+        self.flats: tuple = (None, {})  # the tensors' 1-D views by name, and the map they were made from
         self.receiving = asyncio.Lock()  # a group is destroyed only between receives
         # Ordered buckets (a slipstream extension, `sequence` in the body): each is posted in its turn, in the
         # sender's order on every engine alike, while those before it are still arriving or loading.
@@ -171,16 +172,18 @@ class WeightReceiver:
         return await self._load(names, tensors, body)
 
     async def _load(self, names: list[str], tensors: list[torch.Tensor], body: dict) -> Response:
-        problem = self.check(names, tensors)
+        problem = self.check(names, [tensor.shape for tensor in tensors])
         if problem:
             return control(False, f"Failed to update weights: {problem}.")
         loading = self.copy_in(names, tensors, body.get("weight_version"), bool(body.get("abort_all_requests")))
         await asyncio.wrap_future(loading)
         return control(True, "Succeeded to update model weights.")
 
-    def copy_in(self, names: list[str], tensors: list[torch.Tensor], version=None, abort: bool = False) -> Future:
+    def copy_in(
+        self, names: list[str], tensors: list[torch.Tensor], version=None, abort: bool = False, flat: bool = False
+    ) -> Future:
         """Copies checked tensors into the model's parameters on the engine thread, between decode steps; done (the
-        copies too, on a GPU) when the future is."""
+        copies too, on a GPU) when the future is. `flat`: each tensor is 1-D, its parameter's elements in order."""
 
         def load() -> None:
             if abort:
@@ -188,7 +191,8 @@ class WeightReceiver:
             parameters = self._tensors()
             if names:  # one call for the bucket: a copy_ a tensor costs the dispatcher's overhead each
                 with torch.no_grad():
-                    torch._foreach_copy_([parameter_view(parameters, name) for name in names], list(tensors))
+                    targets = [self._flat(name) if flat else parameter_view(parameters, name) for name in names]
+                    torch._foreach_copy_(targets, list(tensors))
             if self.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.engine.device)
             if version is not None:
@@ -201,15 +205,25 @@ class WeightReceiver:
             self.tensors = checkpoint_tensors(self.engine.model)
         return self.tensors
 
-    def check(self, names: list[str], tensors: list[torch.Tensor]) -> str | None:
-        """Why the tensors cannot be loaded (a name the model lacks, a shape it does not have), or None."""
+    def _flat(self, name: str) -> torch.Tensor:
+        """The parameter (or view into one) of a checked name, 1-D; made once while the model's tensors stay put."""
+        if self.flats[0] is not self._tensors():
+            self.flats = (self.tensors, {})
+        flats = self.flats[1]
+        if name not in flats:
+            flats[name] = parameter_view(self.tensors, name).view(-1)
+        return flats[name]
+
+    def check(self, names: list[str], shapes: list) -> str | None:
+        """Why tensors of these names and shapes cannot be loaded (a name the model lacks, a shape it does not have),
+        or None."""
         parameters = self._tensors()
-        for name, tensor in zip(names, tensors, strict=True):
+        for name, shape in zip(names, shapes, strict=True):
             target = parameter_view(parameters, name)
             if target is None:
                 return f"the model has no parameter named {name!r}"
-            if tuple(target.shape) != tuple(tensor.shape):
-                return f"{name} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}"
+            if tuple(target.shape) != tuple(shape):
+                return f"{name} has shape {tuple(target.shape)}, got {tuple(shape)}"
         return None
 
     async def update_weight_version(self, request: Request) -> Response:

@@ -198,28 +198,29 @@ class Sync:
         count, posted, received, loading = len(self.buckets), self.posted, [], []
         loaded = -1  # every bucket up to `loaded` is in the engine
         while loaded < count - 1:
-            self._post_receives(loaded)
             arrived = min(posted, default=None)
             if loading and self._answered():
                 loaded, loading = loading[-1], []
             elif arrived is not None and posted[arrived].is_completed():
                 posted.pop(arrived).wait()
                 received.append(arrived)
-            elif received and not loading:
+            elif received and not loading:  # before posting the next receives: the engine waits for it, the trainer not
                 self._hand_over(received)
                 loading, received = received, []
-            else:
+            elif not self._post_receives(loaded):
                 self._idle("engine" if loading else "broadcasts")
 
-    def _post_receives(self, loaded: int) -> None:
+    def _post_receives(self, loaded: int) -> bool:
         """Posts the receive of each next bucket whose slot is free: the engine loaded what it held (every bucket up to
-        `loaded`)."""
+        `loaded`); whether it posted any."""
+        posted = self.posted_up_to
         while self.posted_up_to + 1 < len(self.buckets) and self.posted_up_to + 1 - self.buffers.slots <= loaded:
             self.posted_up_to += 1
             start, size = self.buffers.start(self.posted_up_to), self.buckets[self.posted_up_to].layout[1]
             into = self.buffers.tensors[0][start : start + size]
             self._live()
             self.posted[self.posted_up_to] = dist.broadcast(into, src=0, group=self.group, async_op=True)
+        return self.posted_up_to > posted
 
     def _stream_deltas(self) -> None:
         """Bucket by bucket: each one's header says how much follows."""

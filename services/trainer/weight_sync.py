@@ -120,7 +120,7 @@ class WeightSender:
         self.attempt: SendAttempt | None = None  # the current or last one
         self.layout: list | None = None  # each bucket's tensor specs, known after the first sync
         self.plan: list[rollout_pb2.BucketSpecs] = []  # the layout as a streamed sync's plan, made once
-        self.typed: tuple = (None, [], 0)  # streamed: the layout's dtypes and shapes, and the largest bucket's bytes
+        self.kept: dict = {}  # by transport: what its sender half keeps from one sync to the next (only the last's)
         # --update-weight-mode delta: each bucket as last sent (the receivers keep the same), and its version once
         # a planned sync of it committed: the base of the next sync's deltas
         self.copies: list[torch.Tensor] = []

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from services.common.weight_group import flatten, init_custom_process_group
+from services.common.weight_group import bucket_layout, flat_views, flatten, flatten_aligned, init_custom_process_group
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
@@ -191,3 +191,22 @@ def test_weights_from_disk_are_loaded_from_under_the_weight_disk_dir_only(start_
 def test_an_engine_without_a_weight_disk_dir_loads_nothing_from_disk(engine_url, tiny_model):
     answer = post(engine_url, "/update_weights_from_disk", {"model_path": str(tiny_model)})
     assert answer.status_code == 400 and "start it with --weight-disk-dir" in answer.json()["message"]
+
+
+def test_a_buckets_tensors_are_placed_and_viewed_back_at_their_aligned_offsets():
+    """The streamed layout's two halves: the sender copies tensors of mixed dtypes, strided views among them, into
+    their aligned places (copy_all: by kind); the engine's loader views them back, 1-D, by one split a dtype
+    (flat_views), tensors that share bytes included. A place that does not fit the buffer, aligned, is refused."""
+    weight = torch.arange(24, dtype=torch.float32).view(4, 6)
+    tensors = [weight[:, :3], torch.ones(5, dtype=torch.bfloat16), weight, torch.arange(3)]  # the first one strided
+    dtypes, shapes = [t.dtype for t in tensors], [list(t.shape) for t in tensors]
+    offsets, size = bucket_layout(dtypes, shapes)
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    flatten_aligned(tensors, dtypes, shapes, buffer)
+    views = flat_views(buffer, dtypes, [t.numel() for t in tensors], offsets)
+    assert all(torch.equal(view, tensor.reshape(-1)) for view, tensor in zip(views, tensors, strict=True))
+    shared = flat_views(buffer, [torch.float32] * 2, [12, 6], [offsets[2], offsets[2]])  # one tensor's bytes, twice
+    assert torch.equal(shared[0], weight.reshape(-1)[:12]) and torch.equal(shared[1], weight.reshape(-1)[:6])
+    for offset, numel in ((2, 1), (size, 1), (-4, 1)):
+        with pytest.raises(ValueError, match="do not fit"):
+            flat_views(buffer, [torch.float32], [numel], [offset])

@@ -94,4 +94,6 @@ def choose(sender, prepared, version: int, requests: queue.Queue, responses, wat
         )
     if prepared.transport not in halves:
         raise Unreachable(f"the gateway chose weight transport {prepared.transport}, which this trainer does not know")
-    return halves[prepared.transport](sender, prepared, version, requests, responses, watchdog)
+    half = halves[prepared.transport]
+    sender.kept = {half: sender.kept.get(half)}  # another half's leftovers go
+    return half(sender, prepared, version, requests, responses, watchdog)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from services.common import weight_delta
-from services.common.weight_group import bucket_layout, flatten_aligned
+from services.common.weight_group import bucket_layout, copy_all, flatten_aligned, places_of
 from services.trainer.transports import EnginesLeft, Transport
 from slipstream.v1 import rollout_pb2
 
@@ -56,27 +56,29 @@ class Streamed(Transport):
         self.pending: tuple | None = None  # delta: the bucket compared and not sent yet
         sender.copies_version = 0  # the copies change from now on
         sender.timings.update(words=0, changed_words=0)
-        self.stages = 3 if self.delta else 2  # staging buffers: one converting, (delta) one pending, one broadcast
-        self.types, size = _typed(sender)
-        self.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.stages)]
+        stages = 3 if self.delta else 2  # staging buffers: one converting, (delta) one pending, one broadcast
+        self.staging = sender.kept.get(Streamed)
+        if self.staging is None or not self.staging.fits(layout, stages, self.device):
+            sender.kept[Streamed] = None  # the last one's buffers go before the new ones are made
+            self.staging = sender.kept[Streamed] = Staging(layout or [], stages, self.device)
         self.works: list = []  # each bucket's broadcast
 
     def send(self, index: int, specs: list, tensors) -> None:
-        if index >= self.stages:
-            self._wait(self.works[index - self.stages], index - self.stages)  # its staging buffer is free again
-        dtypes, shapes = self.types[index] if self.planned else _types(specs)
-        staging = index % self.stages
-        if not self.planned:  # a plan of its own, answered before the next
+        stages = self.staging.stages
+        if index >= stages:
+            self._wait(self.works[index - stages], index - stages)  # its staging buffer is free again
+        if self.planned:
+            dtypes, shapes = self.staging.types[index]
+            flat = self.staging.write(index, tensors)
+        else:  # a plan of its own, answered before the next
+            dtypes, shapes = _types(specs)
             self.requests.put(
                 rollout_pb2.WeightBucket(
                     version=self.version, bucket_index=index, tensors=specs, group_name=self.sender.group_name
                 )
             )
             self.expected += 1
-            size = bucket_layout(dtypes, shapes)[1]
-            if self.staging[staging].numel() < size:
-                self.staging[staging] = torch.empty(size, dtype=torch.uint8, device=self.device)
-        flat = flatten_aligned(tensors, dtypes, shapes, self.staging[staging])
+            flat = flatten_aligned(tensors, dtypes, shapes, self.staging.fit(index, bucket_layout(dtypes, shapes)[1]))
         self.sender.attempt.in_flight = True
         if self.delta:
             pending, self.pending = self.pending, self._compare(index, flat, dtypes, shapes)
@@ -192,12 +194,38 @@ class Streamed(Transport):
             self.answers.put(EnginesLeft("the gateway ended the bucket stream before answering every bucket"))
 
 
-def _typed(sender) -> tuple[list, int]:
-    """Each of the layout's buckets' dtypes and shapes, and the largest bucket's bytes, worked out once a layout."""
-    if sender.typed[0] is not sender.layout:
-        types = [_types(specs) for specs in sender.layout or []]
-        sender.typed = sender.layout, types, max((bucket_layout(*t)[1] for t in types), default=0)
-    return sender.typed[1:]
+class Staging:
+    """The staging buffers of a layout's syncs, with each bucket's dtypes, shapes and places in them, made once and
+    kept by the sender from one sync to the next (the last sync's transport held its buffers until the next anyway):
+    a bucket is then written with a copy call or two and no view made."""
+
+    def __init__(self, layout: list, stages: int, device):
+        self.layout, self.stages, self.device = layout, stages, device
+        self.types = [_types(specs) for specs in layout]
+        self.layouts = [bucket_layout(*types) for types in self.types]  # each bucket's offsets and size
+        size = max((size for _, size in self.layouts), default=0)
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(stages)]
+        self.places: dict[int, list[torch.Tensor]] = {}  # by bucket, in buffer index % stages
+
+    def fits(self, layout: list | None, stages: int, device) -> bool:
+        """Whether it serves a sync of `layout` (None: a sync with no plan yet, which grows the buffers it needs)."""
+        return (layout is None or layout is self.layout) and self.stages == stages and self.device == device
+
+    def write(self, index: int, tensors) -> torch.Tensor:
+        """Bucket `index` of the layout written into its buffer; the bucket's part of it."""
+        buffer, (offsets, size), tensors = self.buffers[index % self.stages], self.layouts[index], list(tensors)
+        if index not in self.places:
+            self.places[index] = places_of(buffer, tensors, self.types[index][0], offsets)
+        copy_all(self.places[index], tensors)
+        return buffer[:size]
+
+    def fit(self, index: int, size: int) -> torch.Tensor:
+        """Bucket `index`'s buffer, of at least `size` bytes (a sync with no plan yet: its buckets' sizes come one by
+        one)."""
+        stage = index % self.stages
+        if self.buffers[stage].numel() < size:
+            self.buffers[stage] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self.buffers[stage]
 
 
 def _has_copy(copies: list[torch.Tensor], index: int, flat: torch.Tensor) -> bool:
