@@ -13,6 +13,7 @@ The HTTP call answers once the sender is done. Addresses are local ZMQ sockets o
 connects anywhere else."""
 
 import asyncio
+import functools
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -28,8 +29,13 @@ def device_key(device: torch.device) -> str:
     """A device's key in `zmq_handles`: SGLang's "GPU-<uuid>" (the same in every process on that GPU); "cpu" for the
     reference engine on the CPU."""
     if device.type == "cuda":
-        return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+        return _gpu_key(torch.cuda.current_device() if device.index is None else device.index)
     return "cpu"
+
+
+@functools.cache  # read once a GPU: a sync asks at every call
+def _gpu_key(index: int) -> str:
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
 
 
 class IpcUpdates:

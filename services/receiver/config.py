@@ -3,8 +3,9 @@ trainer's streamed weights (docs/rollout.md, "Weight sync")."""
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config import StrictModel
 
@@ -45,6 +46,16 @@ class ReceiverConfig(StrictModel):
     """File holding --api-key. The gateway sends the engines' key to their receivers too: give both the same file."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Least severe log level that is printed."""
+
+    @field_validator("engine_url")
+    @classmethod
+    def _engine_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http:// or https:// URL of a host; give the engine's, e.g. "
+                             "http://127.0.0.1:30000")  # fmt: skip
+        parts.port  # noqa: B018 - raises on a bad port
+        return url
 
     @model_validator(mode="after")
     def _read_key_files(self) -> "ReceiverConfig":

@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 
-import httpx
 import torch
 import torch.multiprocessing
 from starlette.applications import Starlette
@@ -19,7 +18,7 @@ from starlette.routing import Route
 from services.common.weight_group import abort_group, end_group, group_settings, init_custom_process_group
 from services.engine.responses import control
 from services.receiver.config import ReceiverConfig
-from services.receiver.stream import Bucket, Buffers, Copies, Sync
+from services.receiver.stream import Bucket, Buffers, Copies, EngineRoute, Sync
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class Receiver:
         self.syncing = asyncio.Lock()  # one sync at a time; a group is destroyed only between syncs
         self.plan: tuple[list, list[Bucket]] = ([], [])  # the last sync's plan, as sent and read: syncs repeat it
         headers = {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
-        self.client = httpx.Client(headers=headers)  # made once: a new client costs tens of ms (its TLS context)
+        self.engine = EngineRoute(config.engine_url, "/update_weights_from_ipc", headers)
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -90,8 +89,7 @@ class Receiver:
                 *joined,
                 buckets,
                 buffers,
-                self.config.engine_url,
-                self.client,
+                self.engine,
                 None if version is None else str(version),
                 bool(body.get("flush_cache", False)),
                 self.config.timeout_s,

@@ -28,3 +28,10 @@ def test_a_missing_or_empty_key_file_is_named(tmp_path):
         with pytest.raises(ConfigError) as e:
             load_config(ReceiverConfig, ["--engine-url", "http://x:1", "--engine-api-key-file", str(path)], "receiver")
         assert f"--engine-api-key-file {path}" in str(e.value) and says in str(e.value)
+
+
+def test_an_engine_url_that_is_not_an_http_url_is_named():
+    for url in ("127.0.0.1:30000", "tcp://127.0.0.1:30000", "http://", "http://127.0.0.1:99999"):
+        with pytest.raises(ConfigError) as e:
+            load_config(ReceiverConfig, ["--engine-url", url], "receiver")
+        assert "engine_url" in str(e.value) or "--engine-url" in str(e.value), str(e.value)

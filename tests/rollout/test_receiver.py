@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.weight_group import bucket_layout, flatten_aligned, init_custom_process_group
-from services.receiver.stream import Bucket, Buffers, Copies, Sync
+from services.receiver.stream import Bucket, Buffers, Copies, EngineRoute, Sync
 from tests.rollout.conftest import wait_healthy, weights_of
 
 
@@ -133,10 +133,10 @@ def test_a_sync_that_ends_before_the_engine_connected_ends_the_engines_update_to
     cancelled.set()
     delta = {"version": 1, "base_version": 0} if mode == "delta" else None
     buffers = Copies([torch.device("cpu")]) if delta else Buffers([torch.device("cpu")], budget=1 << 20)
-    with httpx.Client() as client:
-        sync = Sync(None, cancelled, buckets, buffers, engine, client, None, False, 120.0, delta=delta)
-        with pytest.raises(RuntimeError, match="destroyed while streaming"):
-            sync.run()
+    route = EngineRoute(engine, "/update_weights_from_ipc", {})
+    sync = Sync(None, cancelled, buckets, buffers, route, None, False, 120.0, delta=delta)
+    with pytest.raises(RuntimeError, match="destroyed while streaming"):
+        sync.run()
     assert "the sender ended the update: the weight update group was destroyed" in sync.call.result()["message"]
 
 
