@@ -57,10 +57,11 @@ class Streamed(Transport):
         sender.copies_version = 0  # the copies change from now on
         sender.timings.update(words=0, changed_words=0)
         stages = 3 if self.delta else 2  # staging buffers: one converting, (delta) one pending, one broadcast
-        self.staging = sender.kept.get(Streamed)
-        if self.staging is None or not self.staging.fits(layout, stages, self.device):
-            sender.kept[Streamed] = None  # the last one's buffers go before the new ones are made
-            self.staging = sender.kept[Streamed] = Staging(layout or [], stages, self.device)
+        staging = sender.kept.pop(Streamed, None)
+        if staging is None or not staging.fits(layout, stages, self.device):
+            staging = None  # the last one's buffers go before the new ones are made
+            staging = Staging(layout or [], stages, self.device)
+        self.staging = sender.kept[Streamed] = staging
         self.works: list = []  # each bucket's broadcast
 
     def send(self, index: int, specs: list, tensors) -> None:
