@@ -14,6 +14,7 @@ kept across syncs and rebuilt only when the engines taking part change.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -81,7 +82,8 @@ class Attempt:
     before: Phase = Phase.PREPARED  # what a failed commit returns to
     joining: asyncio.Task | None = None  # the engines joining the groups, awaited by the first bucket or the commit
     planned: asyncio.Task | None = None  # the plan that came with Prepare, on its way; the sender's stream claims it
-    sender_gone: bool = False  # a sender's bucket stream was cut since the last Prepare: its receives failed with it
+    sender_gone: asyncio.Event = field(default_factory=asyncio.Event)  # a sender's stream was cut since the last
+    # Prepare: its receives failed with it
     deadline: asyncio.TimerHandle | None = None  # the trainer silent past it is gone: the sync is aborted
 
     def move(self, event: str) -> None:
@@ -156,7 +158,7 @@ class WeightSync:
             self.attempt = Attempt(version, asyncio.get_running_loop().create_future())
         attempt = self.attempt
         attempt.move("prepare")
-        attempt.sender_gone = False
+        attempt.sender_gone.clear()
         try:
             self._watch(0)
             if attempt.planned is not None:  # the last Prepare's plan, never claimed: its receives wait in vain
@@ -466,7 +468,7 @@ class WeightSync:
         """The trainer's bucket stream ended (`cut`: before its end, the trainer gone): a live trainer commits or
         prepares again at once (its commit may come in before the stream's end is heard, and is not cut short)."""
         if cut and self.attempt is not None:  # the receives it broadcast to fail by its fault, however late
-            self.attempt.sender_gone = True
+            self.attempt.sender_gone.set()
         if self.version is not None and not self.committing:
             self._watch(STREAM_END_GRACE_S)
 
@@ -496,7 +498,12 @@ class WeightSync:
         alive = await asyncio.gather(*(self.pool.alive(e) for e in failed))
         dead = [e for e, ok in zip(failed, alive, strict=True) if not ok]
         suspects = failed if first is None else [e for e in failed if e.url in first]
-        if self.attempt is not None and self.attempt.sender_gone:  # an engine slow to hear it is not at fault
+        attempt = self.attempt
+        if suspects and not dead and len(suspects) < len(self.engines) and attempt is not None:
+            # A trainer that died failed them too, and its stream's cut may be heard a moment after their failures
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(attempt.sender_gone.wait(), PEERS_FAIL_S)
+        if attempt is not None and attempt.sender_gone.is_set():  # an engine slow to hear it is not at fault
             suspects = []
         at_fault = dead or ([] if len(suspects) == len(self.engines) else suspects)
         messages = {r.url: r.message for r in results}

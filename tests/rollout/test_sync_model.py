@@ -286,3 +286,31 @@ async def test_a_receive_failing_late_after_the_trainers_stream_was_cut_is_no_en
         await pool.close()
         for engine in engines:
             await engine.server.close()
+
+
+async def test_a_trainer_whose_stream_is_heard_cut_just_after_a_receive_failed_leaves_every_engine_in():
+    """The trainer dies mid-broadcast: one engine's receive fails at once, the other's had already arrived, and the
+    trainer's stream is heard cut only after that failure (on a loaded host the engine's answer can come first). No
+    engine is at fault: the failing one stays, as it would had the cut come first."""
+    engines = [LateFailingEngine(0.05), FakeEngine()]
+    pool = EnginePool(RolloutConfig(weight_sync_timeout_s=30))
+    urls = [await engine.start() for engine in engines]
+    for url in urls:
+        await pool.register(url)
+    pool.running.set()
+    sync = WeightSync(pool.config, pool, Buffer())
+    try:
+        await sync.prepare(1, SOURCES, "gloo")
+        bucket = Bucket(0, ["v1.b0"], ["bfloat16"], [[2]], group_name="weights-0")
+        loading = asyncio.ensure_future(sync.bucket(bucket))  # an unordered engine: it returns once loaded
+        await asyncio.sleep(0.3)  # the failure is in, its engine's liveness checked
+        sync.stream_ended(cut=True)
+        results = await asyncio.wait_for(await loading, 30)
+        assert [result.success for result in results] == [False, True]
+        assert not [url for url in urls if pool.engines[url].state == EVICTED]
+    finally:
+        if sync.attempt is not None and sync.attempt.deadline is not None:
+            sync.attempt.deadline.cancel()
+        await pool.close()
+        for engine in engines:
+            await engine.server.close()
