@@ -210,13 +210,11 @@ def flat_views(buffer: torch.Tensor, dtypes: list[torch.dtype], numels: list[int
     aligned."""
     views: list = [None] * len(dtypes)
     for dtype in set(dtypes):
-        typed = buffer[: buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        typed = _as(buffer, dtype)
         sizes, kept, end = [], [], 0
         for i in sorted((i for i, d in enumerate(dtypes) if d == dtype), key=offsets.__getitem__):
             offset, numel = offsets[i], numels[i]
-            if offset < 0 or offset % dtype.itemsize or offset + numel * dtype.itemsize > buffer.numel():
-                size = numel * dtype.itemsize
-                raise ValueError(f"{size} bytes at offset {offset} do not fit the {buffer.numel()}-byte buffer aligned")
+            _check_fits(buffer, dtype, numel, offset)
             start = offset // dtype.itemsize
             if start < end:  # it shares bytes with the one before: a view of its own
                 views[i] = typed[start : start + numel]
@@ -233,15 +231,23 @@ def flat_views(buffer: torch.Tensor, dtypes: list[torch.dtype], numels: list[int
 def view_at(buffer: torch.Tensor, typed: dict, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:
     """The tensor of `dtype` and `shape` at byte `offset` of the uint8 `buffer`, in one view op (`typed` keeps the
     buffer viewed as each dtype); ValueError where it does not fit, aligned."""
-    numel = torch.Size(shape).numel()
-    if offset < 0 or offset + numel * dtype.itemsize > buffer.numel() or offset % dtype.itemsize:
-        size = numel * dtype.itemsize
-        raise ValueError(f"{size} bytes at offset {offset} do not fit the {buffer.numel()}-byte buffer aligned")
+    _check_fits(buffer, dtype, torch.Size(shape).numel(), offset)
     if dtype not in typed:
-        typed[dtype] = buffer[: buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        typed[dtype] = _as(buffer, dtype)
     flat = typed[dtype]
     strides, step = [], 1
     for dim in reversed(shape):
         strides.append(step)
         step *= dim
     return flat.as_strided(shape, strides[::-1], flat.storage_offset() + offset // dtype.itemsize)
+
+
+def _as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The uint8 `buffer` viewed as `dtype` (its whole elements)."""
+    return buffer[: buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+
+
+def _check_fits(buffer: torch.Tensor, dtype: torch.dtype, numel: int, offset: int) -> None:
+    if offset < 0 or offset % dtype.itemsize or offset + numel * dtype.itemsize > buffer.numel():
+        size = numel * dtype.itemsize
+        raise ValueError(f"{size} bytes at offset {offset} do not fit the {buffer.numel()}-byte buffer aligned")

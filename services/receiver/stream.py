@@ -141,7 +141,7 @@ class EngineRoute:
 
 
 class Sync:
-    """Streams one sync's `buckets` from `group` into the engine at `engine_url`; `run()` returns when the engine
+    """Streams one sync's `buckets` from `group` into the engine behind `engine`; `run()` returns when the engine
     has loaded them all, or raises saying why not."""
 
     def __init__(
@@ -150,7 +150,7 @@ class Sync:
         cancelled: threading.Event,
         buckets: list[Bucket],
         buffers: Buffers,
-        engine: "EngineRoute",
+        engine: EngineRoute,
         version: str | None,
         flush_cache: bool,
         timeout_s: float,

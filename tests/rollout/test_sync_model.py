@@ -257,12 +257,10 @@ class LateFailingEngine(FakeEngine):
         return await super().handle(request)
 
 
-@pytest.mark.parametrize("cut", [True, False])
-async def test_a_receive_failing_late_after_the_trainers_stream_was_cut_is_no_engines_fault(cut):
-    """Every engine's receive of a bucket fails, one more than PEERS_FAIL_S after the other. With the trainer's stream
-    cut first (it died mid-broadcast), no engine is at fault and both stay; with the trainer still there, the engine
-    that failed first is the one at fault (the other waited on a broadcast it could not complete) and is evicted."""
-    engines = [LateFailingEngine(0.1), LateFailingEngine(PEERS_FAIL_S + 1.0)]
+@contextlib.asynccontextmanager
+async def _first_bucket_posted(engines: list[FakeEngine]):
+    """A sync prepared on these engines (in a pool of their own) with its first bucket posted: yields the pool, the
+    engines' URLs, the sync and the future of the bucket's results future."""
     pool = EnginePool(RolloutConfig(weight_sync_timeout_s=30))
     urls = [await engine.start() for engine in engines]
     for url in urls:
@@ -272,7 +270,22 @@ async def test_a_receive_failing_late_after_the_trainers_stream_was_cut_is_no_en
     try:
         await sync.prepare(1, SOURCES, "gloo")
         bucket = Bucket(0, ["v1.b0"], ["bfloat16"], [[2]], group_name="weights-0")
-        loading = asyncio.ensure_future(sync.bucket(bucket))  # an unordered engine: it returns once loaded
+        yield pool, urls, sync, asyncio.ensure_future(sync.bucket(bucket))  # unordered engines: once loaded
+    finally:
+        if sync.attempt is not None and sync.attempt.deadline is not None:
+            sync.attempt.deadline.cancel()
+        await pool.close()
+        for engine in engines:
+            await engine.server.close()
+
+
+@pytest.mark.parametrize("cut", [True, False])
+async def test_a_receive_failing_late_after_the_trainers_stream_was_cut_is_no_engines_fault(cut):
+    """Every engine's receive of a bucket fails, one more than PEERS_FAIL_S after the other. With the trainer's stream
+    cut first (it died mid-broadcast), no engine is at fault and both stay; with the trainer still there, the engine
+    that failed first is the one at fault (the other waited on a broadcast it could not complete) and is evicted."""
+    engines = [LateFailingEngine(0.1), LateFailingEngine(PEERS_FAIL_S + 1.0)]
+    async with _first_bucket_posted(engines) as (pool, urls, sync, loading):
         await asyncio.sleep(0.05)
         if cut:
             sync.stream_ended(cut=True)
@@ -280,37 +293,15 @@ async def test_a_receive_failing_late_after_the_trainers_stream_was_cut_is_no_en
         assert not any(result.success for result in results)
         evicted = [url for url in urls if pool.engines[url].state == EVICTED]
         assert evicted == ([] if cut else urls[:1])
-    finally:
-        if sync.attempt is not None and sync.attempt.deadline is not None:
-            sync.attempt.deadline.cancel()
-        await pool.close()
-        for engine in engines:
-            await engine.server.close()
 
 
 async def test_a_trainer_whose_stream_is_heard_cut_just_after_a_receive_failed_leaves_every_engine_in():
     """The trainer dies mid-broadcast: one engine's receive fails at once, the other's had already arrived, and the
     trainer's stream is heard cut only after that failure (on a loaded host the engine's answer can come first). No
     engine is at fault: the failing one stays, as it would had the cut come first."""
-    engines = [LateFailingEngine(0.05), FakeEngine()]
-    pool = EnginePool(RolloutConfig(weight_sync_timeout_s=30))
-    urls = [await engine.start() for engine in engines]
-    for url in urls:
-        await pool.register(url)
-    pool.running.set()
-    sync = WeightSync(pool.config, pool, Buffer())
-    try:
-        await sync.prepare(1, SOURCES, "gloo")
-        bucket = Bucket(0, ["v1.b0"], ["bfloat16"], [[2]], group_name="weights-0")
-        loading = asyncio.ensure_future(sync.bucket(bucket))  # an unordered engine: it returns once loaded
+    async with _first_bucket_posted([LateFailingEngine(0.05), FakeEngine()]) as (pool, urls, sync, loading):
         await asyncio.sleep(0.3)  # the failure is in, its engine's liveness checked
         sync.stream_ended(cut=True)
         results = await asyncio.wait_for(await loading, 30)
         assert [result.success for result in results] == [False, True]
         assert not [url for url in urls if pool.engines[url].state == EVICTED]
-    finally:
-        if sync.attempt is not None and sync.attempt.deadline is not None:
-            sync.attempt.deadline.cancel()
-        await pool.close()
-        for engine in engines:
-            await engine.server.close()
