@@ -11,6 +11,7 @@ import http.client
 import json
 import logging
 import os
+import pickle
 import ssl
 import threading
 import time
@@ -34,8 +35,10 @@ from services.engine.ipc import device_key
 log = logging.getLogger(__name__)
 
 MIN_SLOTS = 3  # the engine loads one bucket while the next arrives and a third waits
+MAX_MESSAGES = 4096  # hand-over messages kept pickled (Buffers.message)
 POLL_MS = 50  # how often a wait for the engine's answer looks at the cancel flag, the deadline and the engine's call
 _sockets = count()
+NONE = pickle.dumps(None)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Buffers:
 
     def __init__(self, devices: list[torch.device], budget: int = 2 << 30):
         self.devices, self.budget, self.slots, self.slot, self.tensors = devices, budget, 0, 0, []
+        self.described, self.messages = None, {}  # the plan, and its buckets' messages to the engine made so far
 
     def fit(self, buckets: list[Bucket]) -> None:
         slot = max([self.slot, *(bucket.layout[1] for bucket in buckets)])
@@ -72,7 +76,27 @@ class Buffers:
         """Where bucket `index` of a sync goes."""
         return (index % self.slots) * self.slot
 
+    def message(self, buckets: list[Bucket], indices: list[int]) -> bytes:
+        """What the engine is sent to load `buckets[i]` for each of `indices`: their tensors' metadata (name, dtype,
+        shape, byte offset), pickled once a plan and layout (a few microseconds a tensor), the same bytes each sync."""
+        if self.described is not buckets:
+            self.described, self.messages = buckets, {}
+        key = tuple(indices)
+        if key not in self.messages:
+            if len(self.messages) > MAX_MESSAGES:  # the hand-overs grouped buckets in ever new runs: start over
+                self.messages = {}
+            metadata: list[dict] = []
+            for index in indices:
+                bucket, start = buckets[index], self.start(index)
+                specs = zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.layout[0], strict=True)
+                metadata += [
+                    {"name": n, "dtype": d, "shape": torch.Size(s), "offset": start + o} for n, d, s, o in specs
+                ]
+            self.messages[key] = pickle.dumps(metadata)
+        return self.messages[key]
+
     def _allocate(self, size: int) -> None:
+        self.described, self.messages = None, {}  # their offsets change
         self.tensors = []  # the old ones go first: GPU memory
         for device in self.devices:
             tensor = torch.empty(size, dtype=torch.uint8, device=device)
@@ -208,15 +232,15 @@ class Sync:
             raise RuntimeError(f"the engine's /update_weights_from_ipc failed: {reply.get('message', reply)}")
 
     def _stream(self) -> None:
-        self._send_all([self.buffers.handle(i) for i in range(len(self.sockets))])
+        self._send_all([pickle.dumps(self.buffers.handle(i)) for i in range(len(self.sockets))])
         self._answers()
         if self.delta is None:
             self._stream_whole()
         else:
             self._stream_deltas()
-        self._send_all([None] * len(self.sockets))  # the buffer is let go
+        self._send_all([NONE] * len(self.sockets))  # the buffer is let go
         self._answers()
-        self._send_all([None] * len(self.sockets))  # the post-load hook (checkpoint-engine 0.4.2)
+        self._send_all([NONE] * len(self.sockets))  # the post-load hook (checkpoint-engine 0.4.2)
         self._answers(or_done=True)  # an older worker (0.1.2) stopped at the first None: its call has ended
 
     def _stream_whole(self) -> None:
@@ -264,20 +288,16 @@ class Sync:
 
     def _hand_over(self, indices: list[int]) -> None:
         """Tells the engine of received buckets, once they are on every one of its GPUs."""
-        for index in indices:
-            start, size = self.buffers.start(index), self.buckets[index].layout[1]
-            first, *others = (tensor[start : start + size] for tensor in self.buffers.tensors)
-            for other in others:  # the engine's other GPUs: their own copy, from this one
-                other.copy_(first)
-        for tensor in self.buffers.tensors:  # the copies done (each bucket's broadcast is: its work completed)
-            if tensor.is_cuda:  # the current stream only: a device synchronize would wait for the receives posted ahead
-                torch.cuda.current_stream(tensor.device).synchronize()
-        metadata = []
-        for index in indices:
-            bucket, start = self.buckets[index], self.buffers.start(index)
-            specs = zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.layout[0], strict=True)
-            metadata += [{"name": n, "dtype": d, "shape": torch.Size(s), "offset": start + o} for n, d, s, o in specs]
-        self._send_all([metadata] * len(self.sockets))
+        if len(self.buffers.tensors) > 1:  # the engine's other GPUs: their own copy, from the first
+            for index in indices:
+                start, size = self.buffers.start(index), self.buckets[index].layout[1]
+                first, *others = (tensor[start : start + size] for tensor in self.buffers.tensors)
+                for other in others:
+                    other.copy_(first)
+            for tensor in self.buffers.tensors:  # the copies done (each bucket's broadcast is: its work completed)
+                if tensor.is_cuda:  # the current stream: a device synchronize would wait for the receives posted ahead
+                    torch.cuda.current_stream(tensor.device).synchronize()
+        self._send_all([self.buffers.message(self.buckets, indices)] * len(self.sockets))
 
     def _answered(self) -> bool:
         """Whether every engine GPU answered the last message (read if so), without waiting."""
@@ -338,11 +358,12 @@ class Sync:
     def _post(self, handles: dict) -> dict:
         return self.engine.post(ipc_request(handles, self.flush_cache, self.version), self.timeout_s)
 
-    def _send_all(self, payloads: list) -> None:
-        for i, (socket, payload) in enumerate(zip(self.sockets, payloads, strict=True)):
+    def _send_all(self, messages: list[bytes]) -> None:
+        """Sends each engine GPU its message (a pickled object, as the engine's recv_pyobj reads it)."""
+        for i, (socket, message) in enumerate(zip(self.sockets, messages, strict=True)):
             while True:  # a REQ socket's send waits for a peer: one that never connects, or died, must end it
                 try:
-                    socket.send_pyobj(payload, flags=zmq.NOBLOCK)
+                    socket.send(message, flags=zmq.NOBLOCK)
                     break
                 except zmq.Again:  # polled for: a retried send would see a new peer only a millisecond later
                     started = time.perf_counter()
