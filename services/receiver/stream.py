@@ -359,7 +359,7 @@ class Sync:
         return self.engine.post(ipc_request(handles, self.flush_cache, self.version), self.timeout_s)
 
     def _send_all(self, messages: list[bytes]) -> None:
-        """Sends each engine GPU its message (a pickled object, as the engine's recv_pyobj reads it)."""
+        """Sends each engine GPU its message: a pickled object, what checkpoint-engine's worker reads by recv_pyobj."""
         for i, (socket, message) in enumerate(zip(self.sockets, messages, strict=True)):
             while True:  # a REQ socket's send waits for a peer: one that never connects, or died, must end it
                 try:
