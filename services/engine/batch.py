@@ -1,12 +1,11 @@
-"""Continuous batching over one HF model: every running sequence is a row of the engine's KV cache.
+"""The scheduler's batch: the running sequences, their places in the paged KV cache, and one forward a step.
 
-New sequences are prefilled together (left-padded, with the model's own cache) and join the batch between decode
-steps; their keys and values move into rows of `SlotCache`, where each row holds its sequence's positions from column
-0 on. A decode step runs one forward pass for all rows, each writing its new position at its own column, and the
-attention mask hides what lies beyond each row's length, so each row computes exactly what it would alone. Finished
-rows leave, and the last rows move into their places, so that the batch stays rows 0…n-1. The decode step's shapes
-change only with the batch's row count and the cache's size, which lets a CUDA graph replay it
-(services/engine/graphs.py).
+Each step feeds every decoding sequence its one new token and, in the same forward, as much of the waiting prompts
+as the step's token budget (`chunked_prefill_size`) leaves: a long prompt is prefilled over several steps while the
+others keep decoding. The forward is one flat batch [1, tokens] through the model, its attention reading the paged
+cache (services/engine/attention.py); a step that only decodes replays a CUDA graph of its batch size's bucket
+(services/engine/graphs.py). Blocks come from services/engine/blocks.py: a sequence admitted behind another with the
+same prompt waits until that prompt's blocks are computed, then shares them and prefills only its own tail.
 """
 
 import contextlib
@@ -14,12 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.graphs import DecodeGraphs
+from services.engine import attention
+from services.engine.blocks import Blocks, Chain
+from services.engine.graphs import DecodeGraphs, bucket
 from services.engine.routing import RoutingCapture
 from services.engine.sampling import SamplingParams
 
+INITIAL_BLOCKS = 64
 
-@dataclass
+
+@dataclass(eq=False)  # a sequence is itself: two samples of one prompt are two sequences
 class Sequence:
     """One sample being generated (a request with n > 1 has n of them)."""
 
@@ -36,88 +39,300 @@ class Sequence:
     finish: dict | None = None
     text: str = ""
     num_retractions: int = 0
-    cached: int = 0  # positions in the KV cache
+    cached: int = 0  # positions whose keys and values are in the cache
+    cached_tokens: int = 0  # prompt positions taken from the prefix cache (SGLang's meta_info cached_tokens)
     return_routed_experts: bool = False  # asked for, and the server captures routing
     routed_experts_start_len: int = 0
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] of each forward
     lora: str | None = None  # the LoRA adapter it is generated with (lora_path), None for the base model
+    chain: Chain = field(default_factory=Chain)
+    row: int = 0  # its row of the block tables while running
 
     @property
-    def next_input(self) -> int:
-        return self.output_ids[-1]
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[start:end] + self.output_ids[max(start - prompt, 0) : max(end - prompt, 0)]
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and not self.output_ids
+
+    @property
+    def exact(self) -> bool:
+        """Computes every position itself: what it returns per prompt position needs them all."""
+        return self.wants_input_logprobs or self.return_routed_experts
+
+
+@dataclass
+class CacheConfig:
+    page_size: int = 16
+    chunked_prefill_size: int = 8192
+    max_total_tokens: int | None = None  # None: as many as `mem_fraction_static` allows
+    mem_fraction_static: float = 0.85
+
+
+@dataclass
+class Result:
+    """A step's outcome: the sequences whose next token is due, with their logits rows [ready, vocab], and those
+    retracted for want of cache (back to the queue, without their cache)."""
+
+    ready: list[Sequence]
+    logits: torch.Tensor | None
+    retracted: list[Sequence]
 
 
 class Batcher:
     def __init__(self, model: torch.nn.Module, device: torch.device, routing: RoutingCapture | None = None,
-                 adapters=None, graphs: DecodeGraphs | None = None):  # fmt: skip
+                 adapters=None, graphs: DecodeGraphs | None = None, max_rows: int = 64,
+                 cache: CacheConfig | None = None):  # fmt: skip
         self.model, self.device, self.routing, self.adapters, self.graphs = model, device, routing, adapters, graphs
-        self.rows: list[Sequence] = []  # row i is row i of the cache
-        self.cache = SlotCache(device, graphs is not None)
+        self.config = cache or CacheConfig()
+        self.block_size = self.config.page_size
+        self.rows: list[Sequence] = []
+        max_context = int(getattr(model.config, "max_position_embeddings", 32768))
+        self.tables = torch.zeros(max_rows + 1, -(-max_context // self.block_size) + 1, dtype=torch.int32,
+                                  device=device)  # fmt: skip  # row 0: padded rows' (block 0 only)
+        self.free_rows = list(range(max_rows, 0, -1))
+        self.static = torch.zeros(5, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
+        self.decode_kernel = _decode_kernel(device)
+        self._reset_cache()
 
-    @torch.no_grad()
-    def prefill(self, sequences: list[Sequence]) -> list[torch.Tensor]:
-        """Runs the sequences' prompts (with any output kept across a retraction) in one forward pass, left-padded,
-        adds them as rows, and returns each one's logits over its own positions [length, vocab]."""
-        ids = [seq.prompt_ids + seq.output_ids for seq in sequences]
-        width = max(map(len, ids))
-        inputs = torch.zeros(len(ids), width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(ids), width, dtype=torch.long, device=self.device)
-        for row, tokens in enumerate(ids):
-            inputs[row, width - len(tokens) :] = torch.tensor(tokens, device=self.device)
-            mask[row, width - len(tokens) :] = 1
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        self._adapt(sequences)
-        with self._routing(sequences, inputs.shape) as routed:
-            out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True)
-        for row, (seq, tokens) in enumerate(zip(sequences, ids, strict=True)):
-            seq.cached = len(tokens)
-            if routed and seq.return_routed_experts:  # replaces any rows from before a retraction
-                seq.routed_experts = [routed[0][row, width - len(tokens) :].clone()]
-        if self.cache.fit(len(self.rows) + len(sequences), width, out.past_key_values):
-            self._drop_graphs()
-        self.cache.join(len(self.rows), [len(tokens) for tokens in ids], out.past_key_values)
-        self.rows.extend(sequences)
-        return [out.logits[row, width - len(tokens) :] for row, tokens in enumerate(ids)]
+    def _reset_cache(self) -> None:
+        self.blocks = Blocks(self.block_size, INITIAL_BLOCKS)
+        self.pool = attention.KvPool(INITIAL_BLOCKS * self.block_size)
 
-    @torch.no_grad()
-    def step(self) -> torch.Tensor:
-        """One decode step for every row: feeds each row's last token; returns the next-token logits [rows, vocab]."""
-        count = len(self.rows)
-        if self.cache.fit(count, max(seq.cached for seq in self.rows) + 1):
-            self._drop_graphs()
-        rows = self.cache.rows_for(count)  # with CUDA graphs, a bucket of rows; those past `count` are idle
-        feed = torch.zeros(rows, 2, dtype=torch.long)
-        feed[:count] = torch.tensor([[seq.next_input, seq.cached] for seq in self.rows])
-        self.cache.inputs[:rows].copy_(feed, non_blocking=True)
-        self._adapt(self.rows + [None] * (rows - count))
-        with self._routing(self.rows, (rows, 1)) as routed:
-            if self.graphs is not None and self.adapters is None and self.routing is None:  # hooks run eagerly
-                logits = self.graphs.run(rows, lambda: self._decode(rows))
-            else:
-                logits = self._decode(rows)
-        for row, seq in enumerate(self.rows):
-            seq.cached += 1
-            if routed and seq.return_routed_experts:
-                seq.routed_experts.append(routed[0][row].clone())
-        return logits[:count]
+    # Admission
 
-    def _decode(self, rows: int) -> torch.Tensor:
-        """The decode forward over the first `rows` rows, from the cache's `inputs` (what a CUDA graph captures)."""
-        tokens, positions = self.cache.inputs[:rows, :1], self.cache.inputs[:rows, 1:]
-        self.cache.positions = positions[:, 0]
-        mask = self.cache.columns <= positions  # [rows, columns]: each row's positions up to the new one
-        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask[:, None, None, :],
-                         past_key_values=self.cache, use_cache=True)  # fmt: skip
-        return out.logits[:, -1]
+    def admit(self, seq: Sequence) -> str:
+        """Takes `seq` in: "joined", "wait" (the blocks of its prompt are being computed by another sequence: it
+        joins once they are) or "full" (no room in the cache now)."""
+        if not self.free_rows:
+            return "full"
+        tokens = seq.tokens(0, seq.length)
+        shared, hashes, computing = ([], [], False) if seq.exact else self.blocks.match(tokens)
+        if computing:
+            return "wait"
+        if not self._room(self.blocks.needed(seq.length + 1, Chain(blocks=shared)) + len(shared)):
+            return "full"
+        seq.row = self.free_rows.pop()
+        self.blocks.share(seq.chain, shared, hashes)
+        self._write_table(seq, 0)
+        seq.cached = len(shared) * self.block_size
+        if not seq.output_ids:
+            seq.cached_tokens = seq.cached
+        if seq.wants_input_logprobs:
+            seq.input_logprobs = [None]
+        self.blocks.plan(seq.chain, tokens, seq.length)
+        self.rows.append(seq)
+        return "joined"
 
-    def _drop_graphs(self) -> None:
+    def _room(self, blocks: int) -> bool:
+        """Whether `blocks` more blocks can be had, growing the cache if it must and may."""
+        if blocks <= self.blocks.num_free:
+            return True
+        limit = self._max_blocks()
+        if self.blocks.num_blocks + blocks - self.blocks.num_free > limit:
+            return False
+        grown = min(limit, max(2 * self.blocks.num_blocks, self.blocks.num_blocks + blocks))
+        self.pool.resize(grown * self.block_size)
+        self.blocks.grow(grown)
+        if self.graphs is not None:
+            self.graphs.clear()  # they hold the old cache's addresses
+        return True
+
+    def _max_blocks(self) -> int:
+        if self.config.max_total_tokens is not None:
+            return max(self.config.max_total_tokens // self.block_size, 2)
+        per_block = self.pool.bytes_per_slot() * self.block_size
+        if per_block == 0:  # no forward yet: shapes unknown
+            return 2 * self.blocks.num_blocks
+        have = self.pool.num_slots * self.pool.bytes_per_slot()
+        return (have + _spare_bytes(self.device, self.config.mem_fraction_static)) // per_block
+
+    def _write_table(self, seq: Sequence, first: int) -> None:
+        blocks = seq.chain.blocks[first:]
+        if blocks:
+            self.tables[seq.row, first : first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+
+    def _reserve(self, seq: Sequence, positions: int) -> bool:
+        need = self.blocks.needed(positions, seq.chain)
+        if need and not self._room(need):
+            return False
+        if need:
+            first = len(seq.chain.blocks)
+            self.blocks.extend(seq.chain, need)
+            self._write_table(seq, first)
+        return True
+
+    # Leaving
+
+    def drop(self, leaving: list[Sequence]) -> None:
+        """Removes finished, aborted or retracted sequences: their blocks and table rows are free again."""
+        gone = {id(seq) for seq in leaving}
+        for seq in self.rows:
+            if id(seq) in gone:
+                self.blocks.release(seq.chain)
+                self.free_rows.append(seq.row)
+        self.rows = [seq for seq in self.rows if id(seq) not in gone]
+
+    def release(self) -> None:
+        """Frees the cache and the graphs (an idle engine releasing its GPU memory); both come back when needed."""
         if self.graphs is not None:
             self.graphs.clear()
+        self._reset_cache()
 
-    def _adapt(self, sequences: list[Sequence | None]) -> None:
-        """The forward's rows' LoRA adapters (services/engine/lora.py)."""
-        if self.adapters is not None:
-            self.adapters.rows = [seq.lora if seq else None for seq in sequences]
+    def forget_prefixes(self) -> None:
+        self.blocks.forget()
+
+    # A step
+
+    @torch.no_grad()
+    def step(self) -> Result:
+        singles = [seq for seq in self.rows if seq.cached == seq.length - 1]
+        retracted = self._make_room(singles)
+        singles = [seq for seq in singles if seq not in retracted]
+        chunks, budget = [], self.config.chunked_prefill_size - len(singles)
+        for seq in self.rows:
+            if budget <= 0:
+                break
+            if seq.cached < seq.length - 1 and seq not in retracted:
+                count = min(seq.length - seq.cached, budget)
+                if not self._reserve(seq, seq.cached + count):
+                    break
+                chunks.append((seq, seq.cached, count))
+                budget -= count
+        if not singles and not chunks:
+            return Result([], None, retracted)
+        if chunks or not self._graphable():
+            ready, logits = self._eager(singles, chunks)
+        else:
+            ready, logits = singles, self._replay(singles)
+        return Result(ready, logits, retracted)
+
+    def _make_room(self, singles: list[Sequence]) -> list[Sequence]:
+        """A block for each decoding sequence whose new position starts one; the latest admitted sequences are
+        retracted while the cache cannot give them (SGLang's retraction)."""
+        retracted: list[Sequence] = []
+        for seq in singles:
+            while not self._reserve(seq, seq.length):
+                victim = next(s for s in reversed(self.rows) if s not in retracted)
+                retracted.append(victim)
+                self.drop([victim])
+                if victim is seq:
+                    break
+        return retracted
+
+    def _graphable(self) -> bool:
+        return self.graphs is not None and self.adapters is None and self.routing is None
+
+    def _replay(self, singles: list[Sequence]) -> torch.Tensor:
+        count = len(singles)
+        rows = bucket(count)
+        feed = torch.zeros(5, rows, dtype=torch.long)
+        feed[4] = 1  # padded rows: token 0 at position 0 of block 0 (the scratch block), table row 0
+        feed[:, :count] = torch.tensor(self._decode_inputs(singles)).T
+        self.static[:, :rows].copy_(feed, non_blocking=True)
+        logits = self.graphs.run(rows, lambda: self._decode_forward(rows))
+        for seq in singles:
+            seq.cached += 1
+        return logits[:count]
+
+    def _decode_inputs(self, singles: list[Sequence]) -> list[tuple[int, int, int, int, int]]:
+        size, prompt = self.block_size, len
+        return [(seq.prompt_ids[p] if p < prompt(seq.prompt_ids) else seq.output_ids[p - prompt(seq.prompt_ids)], p,
+                 seq.chain.blocks[p // size] * size + p % size, seq.row, p + 1)
+                for seq in singles for p in (seq.cached,)]  # fmt: skip
+
+    def _decode_forward(self, rows: int) -> torch.Tensor:
+        """The decode forward over `rows` rows read from `static` (what a CUDA graph captures)."""
+        tokens, positions, slots, table_rows, lengths = self.static[:, :rows]
+        width = self.tables.shape[1] * self.block_size  # a graph is replayed at every length: the table's width
+        if self.device.type == "cpu":  # no graph: the longest row's
+            width = -(-int(lengths.max()) // self.block_size) * self.block_size
+        attention.current = self._layout(slots, rows, table_rows, lengths, [], width)
+        return self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False).logits[0]
+
+    def _layout(self, slots, num_decode, table_rows, lengths, chunks, width: int) -> attention.Step:
+        return attention.Step(self.pool, self.block_size, self.tables, slots, num_decode, table_rows, lengths,
+                              [seq.row for seq, _, _ in chunks], [s for _, s, _ in chunks], [n for _, _, n in chunks],
+                              self.decode_kernel, width)  # fmt: skip
+
+    def _eager(self, singles: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
+        decode = torch.tensor(self._decode_inputs(singles), dtype=torch.long).reshape(-1, 5).T
+        tokens, positions, slots = [decode[0]], [decode[1]], [decode[2]]
+        keep = list(range(len(singles)))  # the flat positions whose logits are computed
+        picks, ready = list(range(len(singles))), list(singles)  # the kept rows sampled from, for `ready`
+        spans = []  # (sequence, first prompt position, its first kept row, count) for input log-probs
+        offset = len(singles)
+        for seq, start, count in chunks:
+            tokens.append(torch.tensor(seq.tokens(start, start + count)))
+            where = torch.arange(start, start + count)
+            positions.append(where)
+            blocks = torch.tensor(seq.chain.blocks)
+            slots.append(blocks[where // self.block_size] * self.block_size + where % self.block_size)
+            end = start + count
+            first = max(start, _logprob_start(seq)) if seq.wants_input_logprobs else end
+            if first < end:
+                spans.append((seq, first, len(keep), end - first))
+                keep.extend(range(offset + first - start, offset + count))
+            elif end == seq.length:
+                keep.append(offset + count - 1)
+            if end == seq.length:
+                picks.append(len(keep) - 1)
+                ready.append(seq)
+            offset += count
+        device = self.device
+        flat = torch.cat(tokens).to(device)
+        longest = max([seq.cached + 1 for seq in singles] + [s + n for _, s, n in chunks])
+        layout = self._layout(torch.cat(slots).to(device), len(singles), decode[3].to(device), decode[4].to(device),
+                              chunks, -(-longest // self.block_size) * self.block_size)  # fmt: skip
+        attention.current = layout
+        self._adapt(singles, chunks)
+        sequences = singles + [seq for seq, _, _ in chunks]
+        with self._routing(sequences, (1, flat.shape[0])) as routed:
+            out = self.model(input_ids=flat[None], position_ids=torch.cat(positions).to(device)[None],
+                             use_cache=False, logits_to_keep=torch.tensor(keep, device=device))  # fmt: skip
+        logits = out.logits[0]
+        self._advance(singles, chunks, routed)
+        for seq, first, at, count in spans:
+            self._input_logprobs(seq, logits[at : at + count], first)
+        return ready, logits[picks]
+
+    def _advance(self, singles, chunks, routed) -> None:
+        """After a forward: positions counted as cached, full blocks registered, routing kept."""
+        spans = [(seq, seq.cached, 1) for seq in singles] + chunks
+        offset = 0
+        for seq, start, count in spans:
+            seq.cached = start + count
+            if seq.cached // self.block_size > len(seq.chain.hashes) and not seq.exact:
+                self.blocks.register(seq.chain, seq.tokens(0, seq.cached), seq.cached)
+            if routed and seq.return_routed_experts:
+                seq.routed_experts.append(routed[0][0, offset : offset + count].clone())
+            offset += count
+
+    def _input_logprobs(self, seq: Sequence, logits: torch.Tensor, first: int) -> None:
+        """SGLang's input_token_logprobs for positions first…: entry j is log p(prompt_j | before j)."""
+        prompt = seq.prompt_ids
+        end = min(first + logits.shape[0], len(prompt) - 1)
+        if end <= first:
+            return
+        targets = torch.tensor(prompt[first + 1 : end + 1], device=logits.device)
+        logprobs = torch.log_softmax(logits[: end - first].float(), -1).gather(1, targets[:, None])[:, 0]
+        seq.input_logprobs.extend(logprobs.tolist())
+
+    def _adapt(self, singles: list[Sequence], chunks) -> None:
+        """Which of the forward's tokens each LoRA adapter applies to (services/engine/lora.py)."""
+        if self.adapters is None:
+            return
+        spans, offset = {}, 0
+        for seq, count in [(seq, 1) for seq in singles] + [(seq, n) for seq, _, n in chunks]:
+            if seq.lora:
+                spans.setdefault(seq.lora, []).extend(range(offset, offset + count))
+            offset += count
+        self.adapters.tokens = {name: torch.tensor(index, device=self.device) for name, index in spans.items()}
 
     def _routing(self, sequences: list[Sequence], shape: tuple):
         """Captures the forward's routing only when a sequence in it asked for it (SGLang's return_routed_experts)."""
@@ -125,93 +340,28 @@ class Batcher:
             return contextlib.nullcontext([])
         return self.routing.forward(tuple(shape), any(seq.return_routed_experts for seq in sequences))
 
-    def drop(self, leaving: list[Sequence]) -> None:
-        """Removes finished (or retracted) rows from the batch: the last rows move into their places."""
-        gone = {id(seq) for seq in leaving}
-        count = sum(id(seq) not in gone for seq in self.rows)
-        if count == len(self.rows):
-            return
-        holes = [row for row in range(count) if id(self.rows[row]) in gone]
-        movers = [row for row in range(count, len(self.rows)) if id(self.rows[row]) not in gone]
-        self.cache.move(movers, holes)
-        for hole, mover in zip(holes, movers, strict=True):
-            self.rows[hole] = self.rows[mover]
-        del self.rows[count:]
 
-    def release(self) -> None:
-        """Frees the cache and the graphs (an idle engine releasing its GPU memory); both come back when needed."""
-        self._drop_graphs()
-        self.cache = SlotCache(self.device, self.graphs is not None)
+def _logprob_start(seq: Sequence) -> int:
+    prompt = len(seq.prompt_ids)
+    return prompt - 1 if seq.logprob_start_len < 0 else min(seq.logprob_start_len, prompt - 1)
 
 
-class SlotCache:
-    """The running sequences' keys and values: per layer one tensor [rows, kv heads, columns, head dim] for each,
-    each row a sequence's positions from column 0 on. Both sizes grow by doubling (the rows up to what a step needs,
-    or with CUDA graphs to the next power of two); the model's attention reads it as an HF cache (`update`)."""
+def _spare_bytes(device: torch.device, fraction: float) -> int:
+    """Memory the cache may still take: what is free beyond the (1 - fraction) share of the device kept for others
+    (activations, CUDA graphs, a colocated trainer)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        import os
 
-    def __init__(self, device: torch.device, buckets: bool):
-        self.device, self.buckets = device, buckets
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.slots = self.width = 0
-        self.columns = self.index = torch.arange(0, device=device)  # [width] for the mask, [slots] for the rows
-        self.inputs = torch.zeros(0, 2, dtype=torch.long, device=device)  # [slots, 2]: each row's next token, position
-        self.positions: torch.Tensor | None = None  # [rows]: the column each row writes in this decode step
-
-    def rows_for(self, count: int) -> int:
-        """The row count a decode step of `count` sequences runs with."""
-        return min(_bucket(count), self.slots) if self.buckets else count
-
-    def fit(self, rows: int, width: int, like=None) -> bool:
-        """Makes room for `rows` rows of `width` columns, the first time shaped and typed as the layers of `like` (an
-        HF cache); says whether the tensors were replaced."""
-        if rows <= self.slots and width <= self.width:
-            return False
-        slots, width = max(self.slots, _bucket(rows)), max(self.width, _bucket(width))
-        held = list(zip(self.keys, self.values, strict=True)) or [(layer.keys, layer.values) for layer in like.layers]
-        self.keys, self.values = [], []
-        for keys, values in held:
-            for grown, old in ((self.keys, keys), (self.values, values)):
-                tensor = old.new_zeros(slots, old.shape[1], width, old.shape[3])
-                if self.slots:
-                    tensor[: old.shape[0], :, : old.shape[2]] = old
-                grown.append(tensor)
-        self.slots, self.width = slots, width
-        self.columns = torch.arange(width, device=self.device)
-        self.index = torch.arange(slots, device=self.device)
-        self.inputs = torch.zeros(slots, 2, dtype=torch.long, device=self.device)
-        return True
-
-    def join(self, first: int, lengths: list[int], cache) -> None:
-        """Copies a prefill's rows (left-padded in `cache`, an HF cache) into rows first, first + 1, …; columns past
-        a row's length get copies of its last position, which the mask hides until decode steps overwrite them."""
-        width = cache.layers[0].keys.shape[2]
-        shift = torch.tensor([width - length for length in lengths], device=self.device)
-        index = (torch.arange(width, device=self.device) + shift[:, None]).clamp(max=width - 1)[:, None, :, None]
-        rows = slice(first, first + len(lengths))
-        for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
-            keys[rows, :, :width] = layer.keys.gather(2, index.expand_as(layer.keys))
-            values[rows, :, :width] = layer.values.gather(2, index.expand_as(layer.values))
-
-    def move(self, sources: list[int], targets: list[int]) -> None:
-        if not sources:
-            return
-        sources_t = torch.tensor(sources, device=self.device)
-        targets_t = torch.tensor(targets, device=self.device)
-        for tensor in [*self.keys, *self.values]:
-            tensor[targets_t] = tensor[sources_t]
-
-    # The HF cache interface a model's attention uses in a decode step
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        rows = keys.shape[0]
-        for target, new in ((self.keys[layer_idx], keys), (self.values[layer_idx], values)):
-            target[self.index[:rows], :, self.positions] = new[:, :, 0]
-        return self.keys[layer_idx][:rows], self.values[layer_idx][:rows]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.width
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(0, int(free - (1 - fraction) * total))
 
 
-def _bucket(count: int) -> int:
-    return 1 << max(count - 1, 0).bit_length()
+def _decode_kernel(device: torch.device):
+    if device.type != "cuda":
+        return None
+    from services.engine import paged_decode
+
+    return paged_decode.PagedDecode.make(device)

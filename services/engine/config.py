@@ -26,6 +26,17 @@ class EngineConfig(StrictModel):
     """Weights' dtype; auto is float32 on CPU and bfloat16 on CUDA."""
     max_running_requests: int = Field(64, ge=1)
     """Most sequences decoded together (SGLang's name); more wait for a free row."""
+    page_size: int = Field(16, ge=1, le=256)
+    """Positions a block of the KV cache holds (SGLang's option): the unit of the cache's allocation and of prefix
+    sharing; a power of two."""
+    chunked_prefill_size: int = Field(8192, ge=16)
+    """Most tokens one forward runs (SGLang's option): longer prompts are prefilled over several steps, beside the
+    sequences that decode."""
+    mem_fraction_static: float = Field(0.85, gt=0, lt=1)
+    """The KV cache grows as sequences need it while the device keeps 1 − this fraction of its memory free (SGLang's
+    option, as a bound on growth: a colocated trainer's memory stays its own)."""
+    max_total_tokens: int | None = Field(None, ge=16)
+    """Most positions the KV cache holds (SGLang's option); unset, --mem-fraction-static bounds it."""
     disable_cuda_graph: bool = False
     """Run each decode step eagerly (SGLang's option). By default a CUDA engine replays its decode step from CUDA
     graphs, one per batch row count (rounded up to a power of two, up to --max-running-requests)."""

@@ -30,6 +30,7 @@ class Engine:
         routing: RoutingCapture | None = None,
         adapters=None,
         graphs=None,
+        cache=None,
     ):
         self.model, self.tokenizer, self.device, self.routing = model, tokenizer, device, routing
         self.adapters = adapters  # LoRA adapters (services/engine/lora.py) under --enable-lora
@@ -37,7 +38,7 @@ class Engine:
         self.weight_version = weight_version
         self.max_context = int(getattr(model.config, "max_position_embeddings", 32768))
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.batcher = Batcher(model, device, routing, adapters, graphs)
+        self.batcher = Batcher(model, device, routing, adapters, graphs, max_batch_size, cache)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.listeners: dict[int, Listener] = {}
         self.paused: str | None = None
@@ -87,9 +88,13 @@ class Engine:
         """Running sequences go back to the front of the queue without their KV; they are prefilled again later."""
         rows = list(self.batcher.rows)
         self.batcher.drop(rows)
+        self._requeue(rows)
+
+    def _requeue(self, sequences: list[Sequence]) -> None:
         with self._wake:
-            for seq in reversed(rows):
+            for seq in reversed(sequences):
                 seq.num_retractions += 1
+                seq.cached = 0
                 seq.routed_experts = []  # the prefill that readmits it routes every position again
                 self.waiting.appendleft(seq)
 
@@ -109,12 +114,14 @@ class Engine:
                     future.set_result(function())
                 except Exception as e:  # the caller gets the error; the engine keeps serving
                     future.set_exception(e)
+            if commands:  # a command may have changed the weights: cached prefixes would be stale
+                self.batcher.forget_prefixes()
             if self.paused or not self._has_work():
                 continue
             try:
                 self._admit()
                 if self.batcher.rows:
-                    self._decode()
+                    self._step()
             except Exception as e:  # a failing step aborts what was running, not the server
                 log.exception("engine step failed")
                 self.abort(self.running(), f"engine error: {type(e).__name__}: {e}")
@@ -123,21 +130,32 @@ class Engine:
         return bool(self.waiting or self.batcher.rows)
 
     def _admit(self) -> None:
-        """Waiting sequences join the batch, prefilled together in one forward pass."""
+        """Waiting sequences join the batch in order while there is room; one whose prompt's blocks another is
+        computing waits for them (services/engine/blocks.py) and those behind it go first."""
         with self._wake:
-            room = self.max_batch_size - len(self.batcher.rows)
-            joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        if not joining:
-            return
-        prompt_logits = self.batcher.prefill(joining)
-        for seq, logits in zip(joining, prompt_logits, strict=True):
-            if seq.return_logprob and not seq.output_ids:
-                seq.input_logprobs = _input_logprobs(logits, seq.prompt_ids, seq.logprob_start_len)
-        self._advance(joining, torch.stack([logits[-1] for logits in prompt_logits]))
+            waiting = list(self.waiting)
+        joined = set()
+        for seq in waiting:
+            if len(self.batcher.rows) >= self.max_batch_size:
+                break
+            state = self.batcher.admit(seq)
+            if state == "joined":
+                joined.add(id(seq))
+            elif state == "full":
+                if not self.batcher.rows:  # an empty cache cannot hold it: it never will
+                    self.abort([seq], f"the prompt ({seq.length} tokens) does not fit in the KV cache")
+                break
+        if joined:
+            with self._wake:
+                self.waiting = collections.deque(seq for seq in self.waiting if id(seq) not in joined)
 
-    def _decode(self) -> None:
-        self.batch_sizes[len(self.batcher.rows)] += 1
-        self._advance(list(self.batcher.rows), self.batcher.step())
+    def _step(self) -> None:
+        result = self.batcher.step()
+        if result.retracted:
+            self._requeue(result.retracted)
+        if result.ready:
+            self.batch_sizes[len(result.ready)] += 1
+            self._advance(result.ready, result.logits)
 
     def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         """Picks each sequence's next token from its logits row [rows, vocab], applies the stop rules, and lets
@@ -201,14 +219,6 @@ class Engine:
             self.listeners.pop(id(seq), None)
         if listener is not None:
             listener(seq, finished)
-
-
-def _input_logprobs(logits: torch.Tensor, prompt: list[int], start: int) -> list[float | None]:
-    """Log-probs of the prompt tokens from position `start` on (-1: only the last one), as SGLang lists them: the
-    first entry has none, entry j is log p(token_j | tokens before j)."""
-    start = len(prompt) - 1 if start < 0 else min(start, len(prompt) - 1)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return [None, *(float(logprobs[j - 1, prompt[j]]) for j in range(start + 1, len(prompt)))]
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

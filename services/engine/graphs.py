@@ -19,6 +19,14 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def bucket(count: int) -> int:
+    """The batch size a decode step of `count` sequences runs at: a power of two up to 32, then a multiple of 32
+    (SGLang's buckets are alike), so that a few dozen graphs serve every size and padding wastes little."""
+    if count <= 32:
+        return 1 << max(count - 1, 0).bit_length()
+    return -(-count // 32) * 32
+
+
 class DecodeGraphs:
     def __init__(self, device: torch.device, max_rows: int):
         self.device, self.max_rows = device, max_rows

@@ -3,8 +3,8 @@ a peft adapter folder (adapter_config.json, adapter_model.safetensors) under a n
 adapter of each prompt in `lora_path`, and /unload_lora_adapter stops new requests from using one at once and frees
 it once the sequences using it finished.
 
-Each targeted linear layer of the model gets a forward hook that adds scale · B(A(x)) to the rows of the sequences
-that use an adapter, so that one batch mixes adapters (and rows with none). The base model keeps its modules and
+Each targeted linear layer of the model gets a forward hook that adds scale · B(A(x)) to the tokens of the sequences
+that use an adapter, so that one batch mixes adapters (and tokens with none). The base model keeps its modules and
 parameter names: full weight updates load into it as without LoRA."""
 
 import asyncio
@@ -42,13 +42,13 @@ class Adapter:
 
 
 class Adapters:
-    """The engine's adapters. `rows` is set by the batcher before each forward: the adapter name (or None) of each
-    row of its input."""
+    """The engine's adapters. `tokens` is set by the batcher before each forward: for each adapter in use, the
+    indices of the tokens of its flat input [1, tokens] that it applies to."""
 
     def __init__(self, model: torch.nn.Module, max_rank: int, target_modules: list[str]):
         self.model, self.max_rank, self.targets = model, max_rank, set(target_modules)
         self.loaded: dict[str, Adapter] = {}
-        self.rows: list[str | None] = []
+        self.tokens: dict[str, torch.Tensor] = {}
         self.lock = threading.Lock()  # `loaded` and the counts: requests arrive on the server's thread
         self._hooked: set[str] = set()
         self._linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -131,16 +131,13 @@ class Adapters:
 
     def _hook(self, module: str):
         def add_delta(_, inputs, output):
-            if not any(self.rows):
-                return output
-            x = inputs[0]
-            for name in set(filter(None, self.rows)):
+            x, out = inputs[0].flatten(0, -2), output.view(-1, output.shape[-1])
+            for name, index in self.tokens.items():
                 adapter = self.loaded.get(name)
                 if adapter is None or module not in adapter.weights:
                     continue
                 a, b = adapter.weights[module]
-                rows = torch.tensor([i for i, n in enumerate(self.rows) if n == name], device=x.device)
-                output[rows] += adapter.scale * (x[rows] @ a.T @ b.T)
+                out[index] += adapter.scale * (x[index] @ a.T @ b.T)
             return output
 
         return add_delta

@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 def load(config: EngineConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from services.engine import attention
+    from services.engine.batch import CacheConfig
     from services.engine.core import Engine
     from services.engine.routing import RoutingCapture
 
@@ -22,9 +24,13 @@ def load(config: EngineConfig):
         raise StartupError("--device cuda was asked for but CUDA is not available; pass --device cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.dtype)
     dtype = dtype or (torch.bfloat16 if config.device == "cuda" else torch.float32)
+    if config.page_size & (config.page_size - 1):
+        raise StartupError(f"--page-size must be a power of two, got {config.page_size}")
+    attention.register()
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype,
+                                                     attn_implementation=attention.NAME)  # fmt: skip
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot load a model from --model-path {config.model_path}: {e}") from None
     device = torch.device("cuda", config.base_gpu_id) if config.device == "cuda" else torch.device("cpu")
@@ -39,11 +45,13 @@ def load(config: EngineConfig):
         adapters = Adapters(model, config.max_lora_rank, config.lora_target_modules)
     graphs = None
     if device.type == "cuda" and not config.disable_cuda_graph:
-        from services.engine.graphs import DecodeGraphs
+        from services.engine.graphs import DecodeGraphs, bucket
 
-        graphs = DecodeGraphs(device, 1 << (config.max_running_requests - 1).bit_length())  # the rows' bucket
+        graphs = DecodeGraphs(device, bucket(config.max_running_requests))
+    cache = CacheConfig(config.page_size, config.chunked_prefill_size, config.max_total_tokens,
+                        config.mem_fraction_static)  # fmt: skip
     return Engine(model, tokenizer, device, config.max_running_requests, config.weight_version, routing, adapters,
-                  graphs)  # fmt: skip
+                  graphs, cache)  # fmt: skip
 
 
 def require_api_key(app, key: str):

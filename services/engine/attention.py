@@ -1,0 +1,136 @@
+"""Attention over the paged KV cache, as a transformers attention implementation (`paged`): the model runs
+unchanged on a flat batch [1, tokens] of every sequence's new tokens, and each layer's attention writes those
+tokens' keys and values into their slots of the pool, then reads, for each sequence, only the blocks it holds.
+
+What a forward's attention needs to know (the slots, the block tables, where each sequence's tokens lie in the flat
+batch) is set by the batcher in `Step` before the forward. The first `num_decode` tokens are sequences that add one
+token each (decoding): on a GPU one Triton kernel reads their blocks (services/engine/paged_decode.py); the rest
+are chunks of prompts, attended to in PyTorch (SDPA over each chunk's gathered blocks). Both paths run the same
+arithmetic in PyTorch on the CPU.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NAME = "paged"
+
+
+class KvPool:
+    """Every layer's keys and values, as [slots, kv heads, head dim] (slot = block × block_size + offset). Each
+    layer's tensors are made at its first forward, shaped as its keys and values; `resize` grows them all."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def layer(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.keys) <= index:
+            self.keys.append(keys.new_zeros(self.num_slots, *keys.shape[1:]))
+            self.values.append(values.new_zeros(self.num_slots, *values.shape[1:]))
+        return self.keys[index], self.values[index]
+
+    def resize(self, num_slots: int) -> None:
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                tensors[i] = torch.cat([old, old.new_zeros(num_slots - old.shape[0], *old.shape[1:])])
+        self.num_slots = num_slots
+
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+@dataclass
+class Step:
+    """One forward's layout. Tensors are on the model's device; `slots` [tokens] is where each new token's keys and
+    values go. Decoding rows (the first `num_decode` tokens): `rows` [num_decode] their rows of `tables`, `lengths`
+    [num_decode] their positions including the new one. Prefill chunks: `chunk_rows`, `chunk_starts` (the first
+    position of each chunk) and `chunk_lens`, as CPU lists."""
+
+    pool: KvPool
+    block_size: int
+    tables: torch.Tensor  # [max rows, max blocks a sequence] int32: each row's blocks
+    slots: torch.Tensor
+    num_decode: int
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    chunk_rows: list[int]
+    chunk_starts: list[int]
+    chunk_lens: list[int]
+    decode_kernel: object = None  # paged_decode.PagedDecode on a GPU, else None: PyTorch's path
+    width: int = 0  # PyTorch's decode path: positions it reads a row (a multiple of block_size, at least the longest)
+
+
+current: Step | None = None  # set by the batcher around each forward (only the engine thread runs forwards)
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' attention interface: query [1, heads, tokens, dim], key and value [1, kv heads, tokens, dim];
+    returns [1, tokens, heads, value dim]."""
+    step = current
+    keys, values = step.pool.layer(module.layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    keys.index_copy_(0, step.slots, key[0].transpose(0, 1))
+    values.index_copy_(0, step.slots, value[0].transpose(0, 1))
+    query = query[0].transpose(0, 1)  # [tokens, heads, dim]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    parts = []
+    if step.num_decode:
+        q = query[: step.num_decode]
+        if step.decode_kernel is not None and step.decode_kernel.supports(q, keys, values):
+            parts.append(step.decode_kernel(q, keys, values, step.tables, step.rows, step.lengths, step.block_size,
+                                            scale))  # fmt: skip
+        else:
+            parts.append(decode_reference(q, keys, values, step.tables, step.rows, step.lengths, step.block_size,
+                                          step.width, scale))  # fmt: skip
+    if step.chunk_lens:
+        parts.append(_chunks(query[step.num_decode :], keys, values, step, scale))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[None], None
+
+
+def decode_reference(query, keys, values, tables, rows, lengths, block_size: int, width: int, scale: float):
+    """Each decoding row's attention over its first `width` positions' blocks, in PyTorch: query [rows, heads, dim]
+    -> [rows, heads, v dim]."""
+    positions = torch.arange(width, device=query.device)
+    slots = tables[rows.long()][:, positions // block_size].long() * block_size + positions % block_size
+    visible = positions[None, :] < lengths[:, None]  # [rows, width]
+    return _attend(query[:, :, None], keys[slots], values[slots], visible[:, None, :], scale)[:, :, 0]
+
+
+def _chunks(query, keys, values, step: Step, scale: float) -> torch.Tensor:
+    """Prompt chunks [tokens, heads, dim], padded into one batch: each query sees its sequence's positions up to its
+    own (the cached ones before the chunk and the chunk's own)."""
+    device = query.device
+    num, longest = len(step.chunk_lens), max(step.chunk_lens)
+    starts = torch.tensor(step.chunk_starts, device=device)
+    lens = torch.tensor(step.chunk_lens, device=device)
+    width = int(max(s + n for s, n in zip(step.chunk_starts, step.chunk_lens, strict=True)))
+    offsets = torch.arange(longest, device=device)
+    flat = torch.cumsum(lens, 0) - lens  # each chunk's first token in `query`
+    index = (flat[:, None] + offsets).clamp(max=query.shape[0] - 1)  # [chunks, longest]
+    positions = torch.arange(width, device=device)
+    tables = step.tables[torch.tensor(step.chunk_rows, device=device)]
+    slots = tables[:, positions // step.block_size].long() * step.block_size + positions % step.block_size
+    visible = positions[None, None, :] <= (starts[:, None] + offsets)[:, :, None]  # [chunks, longest, width]
+    out = _attend(query[index].transpose(1, 2), keys[slots], values[slots], visible, scale)
+    keep = offsets[None, :] < lens[:, None]
+    return out.transpose(1, 2)[keep]
+
+
+def _attend(query, keys, values, visible, scale: float) -> torch.Tensor:
+    """query [n, heads, q, dim], keys and values [n, width, kv heads, dim], visible [n, q, width] -> [n, heads, q,
+    v dim]. The keys' heads are repeated for grouped-query attention (SDPA's kernels that take a mask do not all
+    take groups)."""
+    k, v = keys.transpose(1, 2), values.transpose(1, 2)
+    groups = query.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale)
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, paged_attention)
