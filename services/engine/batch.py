@@ -101,8 +101,9 @@ class Batcher:
         self._reset_cache()
 
     def _reset_cache(self) -> None:
-        self.blocks = Blocks(self.block_size, INITIAL_BLOCKS)
-        self.pool = attention.KvPool(INITIAL_BLOCKS * self.block_size)
+        initial = min(INITIAL_BLOCKS, self._max_blocks()) if self.config.max_total_tokens else INITIAL_BLOCKS
+        self.blocks = Blocks(self.block_size, initial)
+        self.pool = attention.KvPool(initial * self.block_size)
 
     # Admission
 
@@ -217,12 +218,10 @@ class Batcher:
         retracted while the cache cannot give them (SGLang's retraction)."""
         retracted: list[Sequence] = []
         for seq in singles:
-            while not self._reserve(seq, seq.length):
+            while seq not in retracted and not self._reserve(seq, seq.length):
                 victim = next(s for s in reversed(self.rows) if s not in retracted)
                 retracted.append(victim)
                 self.drop([victim])
-                if victim is seq:
-                    break
         return retracted
 
     def _graphable(self) -> bool:

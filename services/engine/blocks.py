@@ -97,8 +97,9 @@ class Blocks:
     def register(self, chain: Chain, tokens: list[int], computed: int) -> None:
         """Registers the full blocks of `tokens` within the first `computed` positions (their keys and values now in
         the cache) for later sequences to share."""
-        self.pending.difference_update(chain.pending)
-        chain.pending = []
+        done = computed // self.block_size - len(chain.hashes)
+        self.pending.difference_update(chain.pending[:done])
+        del chain.pending[:done]
         for index, key in zip(range(len(chain.hashes), computed // self.block_size),
                               self._hashes(chain, tokens, computed, extend=True), strict=False):  # fmt: skip
             block = chain.blocks[index]

@@ -1,13 +1,18 @@
-"""The engine's continuous batching (services/engine/batch.py): sequences that join, grow past the cache's size and
-leave mid-batch each get, at every decode step, the logits the model gives that sequence alone; on a GPU also when
-the step replays from CUDA graphs (services/engine/graphs.py)."""
+"""The engine's scheduler over the paged KV cache (services/engine/batch.py): sequences that join, are prefilled in
+chunks beside decoding ones, share a prompt's blocks, and leave mid-batch each get, at every step, the logits the
+model gives that sequence alone; on a GPU also when the step replays from CUDA graphs and attention runs in Triton.
+Through the whole engine: greedy output equals transformers' `generate` for 64 mixed-length prompts served at once,
+and the returned log-probs equal a forward pass."""
 
 import copy
+import threading
 
 import pytest
 import torch
 
-from services.engine.batch import Batcher, Sequence
+from services.engine import attention
+from services.engine.batch import Batcher, CacheConfig, Sequence
+from services.engine.core import Engine
 from services.engine.graphs import DecodeGraphs
 from services.engine.sampling import SamplingParams
 
@@ -18,31 +23,118 @@ MODES = [
 ]
 
 
+def paged(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    attention.register()
+    model = copy.deepcopy(model).to(device)
+    model.set_attn_implementation(attention.NAME)
+    return model
+
+
 @pytest.mark.parametrize(("device", "graphs"), MODES)
 def test_every_row_of_every_step_equals_its_sequence_alone(hf_model, device, graphs):
-    model = copy.deepcopy(hf_model[0]).to(device)
+    reference = copy.deepcopy(hf_model[0]).to(device)
     graphs = DecodeGraphs(torch.device(device), max_rows=8) if graphs else None
-    batcher = Batcher(model, torch.device(device), graphs=graphs)
-    prompts = [list(range(5, 5 + length)) for length in (3, 20, 7, 12, 5)]
+    cache = CacheConfig(page_size=4, chunked_prefill_size=16)  # prompts of 20 and 12 take several steps
+    batcher = Batcher(paged(hf_model[0], device), torch.device(device), graphs=graphs, max_rows=8, cache=cache)
+    prompts = [list(range(30 * i, 30 * i + length)) for i, length in enumerate((3, 20, 7, 12, 5))]
+    prompts.append(prompts[1])  # shares sequence 1's blocks
     sequences = [Sequence(rid=str(i), prompt_ids=p, params=SamplingParams()) for i, p in enumerate(prompts)]
 
-    def check(rows: list[Sequence], logits: torch.Tensor) -> None:
-        for seq, row in zip(rows, logits, strict=True):
-            alone = model(input_ids=torch.tensor([seq.prompt_ids + seq.output_ids], device=device)).logits[0, -1]
+    def step() -> list[Sequence]:
+        result = batcher.step()
+        assert not result.retracted
+        for seq, row in zip(result.ready, result.logits, strict=True):
+            with torch.no_grad():
+                alone = reference(input_ids=torch.tensor([seq.tokens(0, seq.length)], device=device)).logits[0, -1]
             torch.testing.assert_close(row, alone, atol=2e-4, rtol=1e-4)
             seq.output_ids.append(int(row.argmax()))
+        return result.ready
 
-    check(sequences[:3], torch.stack([logits[-1] for logits in batcher.prefill(sequences[:3])]))
-    with torch.no_grad():
-        for step in range(24):
-            if step == 2:  # two more join a running batch
-                check(sequences[3:], torch.stack([logits[-1] for logits in batcher.prefill(sequences[3:])]))
-            if step == 5:  # a row in the middle leaves: the last row takes its place
-                batcher.drop([sequences[1]])
-                assert batcher.rows == [sequences[0], sequences[4], sequences[2], sequences[3]]
-            check(list(batcher.rows), batcher.step())
-    assert batcher.cache.width == 64  # grew from 32 while rows ran (the longest is at 12 + 24 + 1 positions)
+    for seq in sequences[:3]:
+        assert batcher.admit(seq) == "joined"
+    ready = step()
+    assert sequences[0] in ready and sequences[1] not in ready  # 20 tokens: more than the step's budget
+    assert batcher.admit(sequences[5]) == "wait"  # its first blocks are sequence 1's, not yet computed
+    for number in range(24):
+        if number == 2:  # two more join a running batch
+            assert [batcher.admit(seq) for seq in sequences[3:5]] == ["joined", "joined"]
+        if number == 3:
+            assert batcher.admit(sequences[5]) == "joined"
+            assert sequences[5].cached == 16  # four blocks shared, the last (its final prompt token's) its own
+        if number == 6:  # a sequence in the middle leaves
+            batcher.drop([sequences[1]])
+        step()
+    assert len(sequences[5].output_ids) >= 20
     if device == "cuda":
-        assert graphs.captures >= 2 and not graphs.failed  # the rows' buckets 4 and 8
+        assert graphs.captures >= 2 and not graphs.failed
     batcher.drop(list(batcher.rows))
-    assert batcher.rows == []
+    assert batcher.rows == [] and batcher.blocks.num_free == batcher.blocks.num_blocks - 1
+
+
+def test_a_full_cache_retracts_the_latest_sequences(hf_model):
+    cache = CacheConfig(page_size=4, max_total_tokens=32)  # 8 blocks, one of them the scratch block
+    batcher = Batcher(paged(hf_model[0], "cpu"), torch.device("cpu"), max_rows=8, cache=cache)
+    sequences = [Sequence(rid=str(i), prompt_ids=list(range(20 * i, 20 * i + 7)), params=SamplingParams())
+                 for i in range(3)]  # fmt: skip
+    assert [batcher.admit(seq) for seq in sequences] == ["joined", "joined", "joined"]  # 2 blocks each, 6 of 7
+    retracted = []
+    for _ in range(6):
+        result = batcher.step()
+        retracted += result.retracted
+        for seq, row in zip(result.ready, result.logits, strict=True):
+            seq.output_ids.append(int(row.argmax()))
+    assert retracted == [sequences[2]] and sequences[2] not in batcher.rows
+
+
+def run_engine(model, tokenizer, sequences: list[Sequence], cache: CacheConfig) -> None:
+    engine = Engine(paged(model, "cpu"), tokenizer, torch.device("cpu"), 64, "v1", cache=cache)
+    done, finished = threading.Event(), []
+
+    def listener(seq: Sequence, last: bool) -> None:
+        if last:
+            finished.append(seq)
+            if len(finished) == len(sequences):
+                done.set()
+
+    try:
+        for seq in sequences:
+            engine.submit(seq, listener)
+        assert done.wait(300)
+    finally:
+        engine.stop()
+
+
+CACHES = [
+    pytest.param(CacheConfig(page_size=16, chunked_prefill_size=8192), False, id="whole-prompts"),
+    pytest.param(CacheConfig(page_size=4, chunked_prefill_size=48), True, id="shared-prefixes-chunked"),
+]
+
+
+@pytest.mark.parametrize(("cache", "shared"), CACHES)
+def test_greedy_output_equals_transformers_for_64_prompts_at_once(hf_model, cache, shared):
+    model, tokenizer = hf_model
+    generator = torch.Generator().manual_seed(0)
+    heads = [torch.randint(5, 400, (int(n),), generator=generator).tolist() for n in (9, 17, 30)]
+    prompts = []
+    for i in range(64):
+        tail = torch.randint(5, 400, (int(torch.randint(1, 60, (1,), generator=generator)),), generator=generator)
+        prompts.append((heads[i % 3] if shared else []) + tail.tolist())
+    if shared:  # GRPO groups: the same prompt several times
+        prompts[32:] = [prompts[i // 8] for i in range(32)]
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    sequences = [Sequence(rid=str(i), prompt_ids=p, params=params, return_logprob=i % 4 == 0)
+                 for i, p in enumerate(prompts)]  # fmt: skip
+    run_engine(model, tokenizer, sequences, cache)
+    for seq in sequences:
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([seq.prompt_ids]), max_new_tokens=16, do_sample=False)
+            expected = expected[0, len(seq.prompt_ids) :].tolist()
+            assert seq.output_ids == expected[: len(seq.output_ids)] and len(seq.output_ids) >= len(expected)
+            logits = model(torch.tensor([seq.tokens(0, seq.length)])).logits[0].float()
+        logprobs = torch.log_softmax(logits, -1)[len(seq.prompt_ids) - 1 : -1]
+        chosen = logprobs.gather(1, torch.tensor(seq.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(seq.output_logprobs), chosen, atol=1e-4, rtol=0)
+        if seq.return_logprob:  # the prompt's last position: every position from there on computed, none shared
+            assert seq.cached_tokens == 0 and len(seq.input_logprobs) == 1
+    if shared:
+        assert sum(seq.cached_tokens > 0 for seq in sequences) >= 32
