@@ -1,46 +1,120 @@
-"""Generation throughput of the reference engine against transformers `generate` on the same batch.
+"""Throughput of the reference engine on rollout workloads, in-process and through its HTTP API, against the
+workload's physical limit.
 
-For each concurrency c: c requests of --max-new-tokens tokens each (ignore_eos) are sent at once to a running
-`slipstream engine` process; the baseline is one `model.generate` call on the same c prompts (left-padded, greedy,
-the same number of new tokens), in this process on the same device.
+Workloads (each run once to warm up, which grows the KV cache and captures the CUDA graphs, then timed):
+- `nanovllm`: nano-vllm's benchmark. 256 prompts of random token ids, input and output lengths uniform in
+  [100, 1024], seed 0, EOS ignored; on Qwen3-0.6B's full shape (151,936 words) with random weights by default.
+- `grpo`: an RL step's rollout. 64 prompts (random ids, 64-256 tokens, seed 0) × 8 samples (one request with n = 8),
+  512 new tokens each at temperature 1, EOS ignored; on `--model` (the real model: SmolLM2-135M-Instruct converted
+  from the packaged GGUF).
+- `concurrency`: c requests at once for each c of `--concurrency`, `--max-new-tokens` each at temperature 1.
 
-Run (CPU, a tiny model built on the fly):   .venv/bin/python bench/engine.py
-Run (GPU, a ~0.5B Qwen3-shaped random model): python bench/engine.py --device cuda --size 0.5b
-Run (GPU, a real model sampled as in RL): python bench/engine.py --device cuda --model runs/real_model/model \
-    --temperature 1 --max-new-tokens 48 --concurrency 64
+The physical limit: every decode step must read the weights and each running sequence's keys and values once; the
+sum of those bytes over the workload's steps (all sequences running from the start), at `--bandwidth-tbs` (an H200's
+4.8 TB/s by default), is the least time the workload can take. Prefill and sampling are left out of the bound.
+
+Run (one H200):  python bench/engine.py --device cuda --workload nanovllm
+                 python bench/engine.py --device cuda --workload grpo --model /tmp/model
+                 python bench/engine.py --device cuda --workload concurrency --model /tmp/model
+Run (CPU):       .venv/bin/python bench/engine.py --workload concurrency --concurrency 1 8 --max-new-tokens 16
 """
 
 import argparse
 import asyncio
+import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import torch
 
 from services.common.processes import free_port
-from services.train.tiny_checkpoint import write_tiny_model
-
-# "0.5b" has Qwen3-0.6B's layers (the vocabulary is the test tokenizer's, so the embeddings are small).
-SIZES = {
-    "tiny": {"num_layers": 2, "hidden_size": 64},
-    "0.5b": {"num_layers": 28, "hidden_size": 1024, "intermediate_size": 3072},
-}
+from services.engine.batch import Sequence
+from services.engine.config import EngineConfig
+from services.engine.sampling import SamplingParams
+from services.engine.server import load
+from services.train.tiny_checkpoint import QWEN3_0_6B, write_tiny_model
 
 
-def start_engine(model: Path, device: str, max_batch: int) -> tuple[subprocess.Popen, str]:
+@dataclass
+class Request:
+    prompt: list[int]
+    new_tokens: int
+    temperature: float
+    n: int = 1
+
+
+def nanovllm(vocab: int) -> list[Request]:
+    rng = random.Random(0)
+    requests = []
+    for _ in range(256):
+        prompt = [rng.randint(0, min(10000, vocab - 1)) for _ in range(rng.randint(100, 1024))]
+        requests.append(Request(prompt, rng.randint(100, 1024), 0.6))  # nano-vllm's temperature
+    return requests
+
+
+def grpo(vocab: int) -> list[Request]:
+    rng = random.Random(0)
+    return [Request([rng.randint(0, min(10000, vocab - 1)) for _ in range(rng.randint(64, 256))], 512, 1.0, 8)
+            for _ in range(64)]  # fmt: skip
+
+
+def concurrency(vocab: int, count: int, new_tokens: int) -> list[Request]:
+    rng = random.Random(count)
+    return [Request([rng.randint(0, min(10000, vocab - 1)) for _ in range(rng.randint(32, 96))], new_tokens, 1.0)
+            for _ in range(count)]  # fmt: skip
+
+
+def in_process(engine, requests: list[Request]) -> float:
+    """Seconds for every request's sequences, submitted at once, to finish."""
+    total = sum(r.n for r in requests)
+    done, finished = threading.Event(), []
+
+    def listener(seq, last: bool) -> None:
+        if last:
+            finished.append(seq)
+            if len(finished) == total:
+                done.set()
+
+    started = time.perf_counter()
+    for i, r in enumerate(requests):
+        params = SamplingParams(max_new_tokens=r.new_tokens, temperature=r.temperature, ignore_eos=True)
+        for j in range(r.n):
+            engine.submit(Sequence(rid=f"{i}-{j}", prompt_ids=r.prompt, params=params), listener)
+    done.wait()
+    return time.perf_counter() - started
+
+
+async def over_http(url: str, requests: list[Request]) -> float:
+    def body(r: Request) -> dict:
+        sampling = {"max_new_tokens": r.new_tokens, "temperature": r.temperature, "ignore_eos": True, "n": r.n}
+        return {"input_ids": r.prompt, "sampling_params": sampling}
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        started = time.perf_counter()
+        replies = await asyncio.gather(*(client.post(f"{url}/generate", json=body(r)) for r in requests))
+        elapsed = time.perf_counter() - started
+    for reply in replies:
+        reply.raise_for_status()
+    return elapsed
+
+
+def start_engine(config: EngineConfig) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "services", "engine", "--model-path", str(model), "--port", str(port)]
-    cmd += ["--device", device, "--max-running-requests", str(max_batch)]
+    cmd = [sys.executable, "-m", "services", "engine", "--model-path", config.model_path, "--port", str(port),
+           "--device", config.device, "--max-running-requests", str(config.max_running_requests)]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=60).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.5)
@@ -48,79 +122,128 @@ def start_engine(model: Path, device: str, max_batch: int) -> tuple[subprocess.P
     raise SystemExit("the engine did not become healthy")
 
 
-def prompts(count: int) -> list[str]:
-    return [f"Question {i}: what is {i} + {2 * i}? Think step by step." for i in range(count)]
+def limit_seconds(model, requests: list[Request], bandwidth: float) -> float:
+    """The least time the decode steps take at `bandwidth` bytes/s: weights and every running sequence's cache
+    read once a step."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    sequences = [(len(r.prompt), r.new_tokens) for r in requests for _ in range(r.n)]
+    seconds = 0.0
+    for step in range(max(new for _, new in sequences)):
+        context = sum(prompt + step for prompt, new in sequences if new > step)
+        seconds += (weights + context * per_token) / bandwidth
+    return seconds
 
 
-async def engine_run(url: str, texts: list[str], new_tokens: int, temperature: float) -> float:
-    def body(text: str) -> dict:
-        sampling = {"max_new_tokens": new_tokens, "temperature": temperature, "ignore_eos": True}
-        return {"text": text, "sampling_params": sampling}
+def breakdown(engine) -> dict[str, float]:
+    """Wraps the engine's step phases to add up their seconds (benchmark-only instrumentation)."""
+    import collections
 
-    async with httpx.AsyncClient(timeout=600) as client:
-        start = time.perf_counter()
-        replies = await asyncio.gather(*(client.post(f"{url}/generate", json=body(t)) for t in texts))
-        elapsed = time.perf_counter() - start
-    assert all(len(r.json()["output_ids"]) == new_tokens for r in replies)
-    return elapsed
+    totals: dict[str, float] = collections.defaultdict(float)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+
+    def wrap(owner, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            sync()
+            started = time.perf_counter()
+            result = inner(*args, **kwargs)
+            sync()
+            totals[name] += time.perf_counter() - started
+            return result
+
+        setattr(owner, name, timed)
+
+    for owner, name in [(engine.batcher, "_replay"), (engine.batcher, "_eager"), (engine, "_advance")]:
+        wrap(owner, name)
+    return totals
 
 
-def hf_run(model, tokenizer, texts: list[str], new_tokens: int, device: str, temperature: float) -> float:
-    tokenizer.padding_side = "left"
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # a chat model may name none
-    batch = tokenizer(texts, return_tensors="pt", padding=True).to(device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {"do_sample": False}
-        model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling,
-                       pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+def random_model(path: Path, device: str) -> Path:
+    """Qwen3-0.6B's shape with its 151,936 words, random weights (on the CPU, a tiny model); the tokenizer is the
+    test one (it decodes ids past its own words as nothing)."""
+    if device == "cpu":
+        return write_tiny_model(path)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = write_tiny_model(path, dtype="bfloat16", **QWEN3_0_6B)
+    config = AutoConfig.from_pretrained(path)
+    config.vocab_size = 151936
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="concurrency", choices=["nanovllm", "grpo", "concurrency"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    parser.add_argument("--model", type=Path, help="an HF checkpoint folder to run instead of a random --size model")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled at this temperature")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--model", type=Path, help="an HF checkpoint folder (default: Qwen3-0.6B's shape, random)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="the concurrency workload's")
+    parser.add_argument("--bandwidth-tbs", type=float, default=4.8, help="the device's memory bandwidth")
+    parser.add_argument("--no-http", action="store_true", help="in-process only")
+    parser.add_argument("--breakdown", action="store_true", help="seconds in decode replays, eager steps and sampling "
+                        "(each synchronized, so a little slower)")  # fmt: skip
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = args.model or write_tiny_model(Path(tmp) / "model", **SIZES[args.size])
-        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        params = sum(p.numel() for p in model.parameters()) / 1e6
-        proc, url = start_engine(model_path, args.device, max(args.concurrency))
-        rows = []
-        try:
-            asyncio.run(engine_run(url, prompts(2), 4, args.temperature))  # warm-up
-            hf_run(model, tokenizer, prompts(2), 4, args.device, args.temperature)
-            for c in args.concurrency:
-                tokens = c * args.max_new_tokens
-                t_engine = asyncio.run(engine_run(url, prompts(c), args.max_new_tokens, args.temperature))
-                t_hf = hf_run(model, tokenizer, prompts(c), args.max_new_tokens, args.device, args.temperature)
-                rows.append((c, tokens / t_engine, tokens / t_hf))
-        finally:
-            proc.terminate()
-            proc.wait(30)
+        path = args.model or random_model(Path(tmp) / "model", args.device)
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(path).vocab_size
+        if args.workload == "concurrency":
+            workloads = [(f"c={c}", concurrency(vocab, c, args.max_new_tokens)) for c in args.concurrency]
+        else:
+            workloads = [(args.workload, {"nanovllm": nanovllm, "grpo": grpo}[args.workload](vocab))]
+        rows = max(sum(r.n for r in requests) for _, requests in workloads)
+        config = EngineConfig(model_path=str(path), device=args.device, max_running_requests=rows)
+        engine = load(config)
+        totals = breakdown(engine) if args.breakdown else None
+        results = []
+        for name, requests in workloads:
+            tokens = sum(r.new_tokens * r.n for r in requests)
+            in_process(engine, requests)  # warm-up: the cache grown, the graphs captured
+            if totals is not None:
+                totals.clear()
+            steps_before = sum(engine.batch_sizes.values())
+            seconds = in_process(engine, requests)
+            steps = sum(engine.batch_sizes.values()) - steps_before
+            limit = limit_seconds(engine.model, requests, args.bandwidth_tbs * 1e12)
+            results.append([name, tokens, tokens / seconds, 1000 * seconds / steps, tokens / limit, limit / seconds])
+        graphs = engine.batcher.graphs
+        print("decode: " + (f"CUDA graphs, {graphs.captures} captured" if graphs and not graphs.failed else "eager"))
+        if totals is not None:
+            print("seconds of the last timed run: " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items()))
+        model = engine.model
+        engine.stop()
+        del engine
+        if not args.no_http:
+            proc, url = start_engine(config)
+            try:
+                for (name, requests), row in zip(workloads, results, strict=True):
+                    asyncio.run(over_http(url, requests))
+                    row.append(row[1] / asyncio.run(over_http(url, requests)))
+            finally:
+                proc.terminate()
+                proc.wait(30)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    what = args.model.name if args.model else f"{args.size} Qwen3-shaped random model"
-    decoding = f"sampled at temperature {args.temperature}" if args.temperature else "greedy"
-    print(f"{what} ({params:.1f} M parameters), {args.max_new_tokens} new tokens per request, {decoding}; {device}")
-    print("concurrency | engine tokens/s | transformers generate tokens/s | engine / generate")
-    print("--- | --- | --- | ---")
-    for c, engine, hf in rows:
-        print(f"{c} | {engine:.0f} | {hf:.0f} | {engine / hf:.2f}")
-    concurrency = " ".join(map(str, args.concurrency))
-    model = f"--model {args.model}" if args.model else f"--size {args.size}"
-    print(f"\nReproduce: python bench/engine.py --device {args.device} {model} --temperature {args.temperature} "
-          f"--max-new-tokens {args.max_new_tokens} --concurrency {concurrency}")  # fmt: skip
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    what = args.model.name if args.model else "random weights"
+    print(f"{what} ({params:.0f} M parameters, vocabulary {model.config.vocab_size}), {device}")
+    print("workload | new tokens | in-process tokens/s | ms a step | physical limit tokens/s | share of the limit | "
+          "HTTP tokens/s | HTTP / in-process")  # fmt: skip
+    print("--- | --- | --- | --- | --- | --- | --- | ---")
+    for name, tokens, speed, step_ms, limit, share, *http in results:
+        via = f"{http[0]:.0f} | {http[0] / speed:.2f}" if http else "- | -"
+        print(f"{name} | {tokens} | {speed:.0f} | {step_ms:.2f} | {limit:.0f} | {100 * share:.0f} % | {via}")
+    extra = f" --model {args.model}" if args.model else ""
+    extra += f" --concurrency {' '.join(map(str, args.concurrency))} --max-new-tokens {args.max_new_tokens}" if (
+        args.workload == "concurrency") else ""  # fmt: skip
+    print(f"\nReproduce: python bench/engine.py --device {args.device} --workload {args.workload}{extra}"
+          + (" --no-http" if args.no_http else ""))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -109,17 +109,20 @@ def _verify(p: SamplingParams) -> None:
 def choose_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[tuple[int, float]]:
     """The next token of each row of `logits` [rows, vocab] and its log-prob. Greedy rows are decided in one pass and
     sampled rows in another; a row with its own generator (a `sampling_seed`) draws alone, from that generator."""
+    greedy, shared, seeded = [], [], []
+    for i, (p, generator) in enumerate(zip(params, generators, strict=True)):
+        (greedy if p.temperature < GREEDY_BELOW or p.top_k == 1 else shared if generator is None else seeded).append(i)
+    if len(shared) == len(params):  # the usual batch: one pass over all rows
+        return sample(logits, params)
     picked: list[tuple[int, float] | None] = [None] * len(params)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         rows = logits[greedy].float()
         tokens = rows.argmax(-1)
         logprobs = torch.log_softmax(rows, -1).gather(1, tokens[:, None])[:, 0]
         for i, token, logprob in zip(greedy, tokens.tolist(), logprobs.tolist(), strict=True):
             picked[i] = (token, logprob)
-    shared = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
     groups = [(shared, None)] if shared else []
-    groups += [([i], generators[i]) for i, p in enumerate(params) if not p.greedy and generators[i] is not None]
+    groups += [([i], generators[i]) for i in seeded]
     for rows, generator in groups:
         for i, choice in zip(rows, sample(logits[rows], [params[i] for i in rows], generator), strict=True):
             picked[i] = choice
@@ -128,12 +131,17 @@ def choose_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None = None):
     """Draws a token for each row [rows, vocab] from softmax(logits / temperature), cut by each row's top-k, top-p and
-    min-p, in one pass for all rows; returns (token, log-prob) pairs."""
+    min-p, in one pass for all rows; returns (token, log-prob) pairs. The draw is an exponential race (the argmax
+    of p / E with E ~ Exp(1), which picks each token with probability p): a few passes over the rows, where
+    `torch.multinomial` costs a scan per row."""
     logits = logits.float()
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    probs = truncate(logprobs.exp(), params)
-    tokens = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)
+    race = torch.empty_like(logprobs).exponential_(generator=generator)
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+        tokens = (truncate(logprobs.exp(), params) / race).argmax(-1, keepdim=True)
+    else:
+        tokens = (logprobs - race.log_()).argmax(-1, keepdim=True)
     chosen = logprobs.gather(1, tokens)[:, 0]
     return list(zip(tokens[:, 0].tolist(), chosen.tolist(), strict=True))
 

@@ -86,8 +86,9 @@ def test_a_full_cache_retracts_the_latest_sequences(hf_model):
     assert retracted == [sequences[2]] and sequences[2] not in batcher.rows
 
 
-def run_engine(model, tokenizer, sequences: list[Sequence], cache: CacheConfig) -> None:
-    engine = Engine(paged(model, "cpu"), tokenizer, torch.device("cpu"), 64, "v1", cache=cache)
+def run_engine(model, tokenizer, sequences: list[Sequence], cache: CacheConfig, device: str = "cpu") -> None:
+    graphs = DecodeGraphs(torch.device(device), 64) if device == "cuda" else None
+    engine = Engine(paged(model, device), tokenizer, torch.device(device), 64, "v1", graphs=graphs, cache=cache)
     done, finished = threading.Event(), []
 
     def listener(seq: Sequence, last: bool) -> None:
@@ -110,9 +111,7 @@ CACHES = [
 ]
 
 
-@pytest.mark.parametrize(("cache", "shared"), CACHES)
-def test_greedy_output_equals_transformers_for_64_prompts_at_once(hf_model, cache, shared):
-    model, tokenizer = hf_model
+def mixed_prompts(shared: bool) -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
     heads = [torch.randint(5, 400, (int(n),), generator=generator).tolist() for n in (9, 17, 30)]
     prompts = []
@@ -121,6 +120,13 @@ def test_greedy_output_equals_transformers_for_64_prompts_at_once(hf_model, cach
         prompts.append((heads[i % 3] if shared else []) + tail.tolist())
     if shared:  # GRPO groups: the same prompt several times
         prompts[32:] = [prompts[i // 8] for i in range(32)]
+    return prompts
+
+
+@pytest.mark.parametrize(("cache", "shared"), CACHES)
+def test_greedy_output_equals_transformers_for_64_prompts_at_once(hf_model, cache, shared):
+    model, tokenizer = hf_model
+    prompts = mixed_prompts(shared)
     params = SamplingParams(max_new_tokens=16, temperature=0)
     sequences = [Sequence(rid=str(i), prompt_ids=p, params=params, return_logprob=i % 4 == 0)
                  for i, p in enumerate(prompts)]  # fmt: skip
@@ -138,3 +144,19 @@ def test_greedy_output_equals_transformers_for_64_prompts_at_once(hf_model, cach
             assert seq.cached_tokens == 0 and len(seq.input_logprobs) == 1
     if shared:
         assert sum(seq.cached_tokens > 0 for seq in sequences) >= 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("cache", "shared"), CACHES)
+def test_in_bf16_on_a_gpu_the_first_32_tokens_agree_for_most_prompts(hf_model, cache, shared):
+    model, tokenizer = copy.deepcopy(hf_model[0]).to("cuda", torch.bfloat16), hf_model[1]
+    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    sequences = [Sequence(rid=str(i), prompt_ids=p, params=params) for i, p in enumerate(mixed_prompts(shared))]
+    run_engine(model, tokenizer, sequences, cache, "cuda")
+    agree = 0
+    for seq in sequences:
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([seq.prompt_ids], device="cuda"), max_new_tokens=32,
+                                      min_new_tokens=32, do_sample=False, eos_token_id=None)  # fmt: skip
+        agree += seq.output_ids == expected[0, len(seq.prompt_ids) :].tolist()
+    assert agree >= 0.95 * len(sequences)
