@@ -158,7 +158,8 @@ def breakdown(engine) -> dict[str, float]:
 
         setattr(owner, name, timed)
 
-    for owner, name in [(engine.batcher, "_replay"), (engine.batcher, "_eager"), (engine, "_advance")]:
+    phases = [(engine.batcher, "_replay"), (engine.batcher, "_eager"), (engine.model, "forward"), (engine, "_advance")]
+    for owner, name in phases:  # the model's forward: that of the eager steps (a replay runs no Python)
         wrap(owner, name)
     return totals
 

@@ -22,6 +22,11 @@ from services.engine.server import load
 from services.train.tiny_checkpoint import write_tiny_model
 
 
+# SmolLM2-135M-Instruct's layers (its config.json), with the test tokenizer's small vocabulary.
+SMOLLM2_135M = dict(num_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
+
+
 def generate(engine, count: int, new_tokens: int, temperature: float) -> float:
     """Seconds for `count` sequences submitted at once to finish."""
     done, finished = threading.Event(), []
@@ -44,6 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--model", type=Path, help="an HF checkpoint folder (default: a tiny random model)")
+    parser.add_argument("--smollm2-shape", action="store_true", help="a random model of SmolLM2-135M's layers")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -51,7 +57,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="how many ops to list")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.model or write_tiny_model(Path(tmp) / "model")
+        shape = SMOLLM2_135M if args.smollm2_shape else {}
+        path = args.model or write_tiny_model(Path(tmp) / "model", arch="llama" if shape else "qwen3",
+                                              dtype="bfloat16" if shape else "float32", **shape)  # fmt: skip
         config = EngineConfig(model_path=str(path), device=args.device, max_running_requests=args.concurrency)
         engine = load(config.model_copy(update={"disable_cuda_graph": args.disable_cuda_graph}))
         generate(engine, 2, 4, args.temperature)  # warm-up
@@ -76,6 +84,7 @@ def main() -> None:
     print("decode: " + (f"CUDA graphs, {graphs.captures} captured" if graphs and not graphs.failed else "eager"))
     sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     print(events.table(sort_by=sort, row_limit=args.top))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
     model = f" --model {args.model}" if args.model else ""
     print(f"Reproduce: python bench/engine_step.py --device {args.device}{model} --concurrency {args.concurrency} "
           f"--max-new-tokens {args.max_new_tokens} --temperature {args.temperature}"

@@ -96,7 +96,9 @@ class Batcher:
         self.tables = torch.zeros(max_rows + 1, -(-max_context // self.block_size) + 1, dtype=torch.int32,
                                   device=device)  # fmt: skip  # row 0: padded rows' (block 0 only)
         self.free_rows = list(range(max_rows, 0, -1))
+        self.table_updates: list[tuple[int, int, int]] = []  # (row, column, block) not yet in `tables`
         self.static = torch.zeros(5, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
+        self.feed = torch.zeros_like(self.static, device="cpu", pin_memory=device.type == "cuda")
         self.decode_kernel = _decode_kernel(device)
         self._reset_cache()
 
@@ -154,9 +156,15 @@ class Batcher:
         return (have + _spare_bytes(self.device, self.config.mem_fraction_static)) // per_block
 
     def _write_table(self, seq: Sequence, first: int) -> None:
-        blocks = seq.chain.blocks[first:]
-        if blocks:
-            self.tables[seq.row, first : first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        """Queues the chain's blocks from `first` on for its table row; `_flush_table` writes them all at once."""
+        for column, block in enumerate(seq.chain.blocks[first:], first):
+            self.table_updates.append((seq.row, column, block))
+
+    def _flush_table(self) -> None:
+        if self.table_updates:  # one copy to the device a step, not one a sequence
+            rows, columns, blocks = torch.tensor(self.table_updates, dtype=torch.int32).T.to(self.device)
+            self.tables[rows.long(), columns.long()] = blocks
+            self.table_updates = []
 
     def _reserve(self, seq: Sequence, positions: int) -> bool:
         need = self.blocks.needed(positions, seq.chain)
@@ -230,13 +238,14 @@ class Batcher:
     def _replay(self, singles: list[Sequence]) -> torch.Tensor:
         count = len(singles)
         rows = bucket(count)
-        feed = torch.zeros(5, rows, dtype=torch.long)
+        feed = self.feed[:, :rows]  # page-locked: the last step's copy from it ended with that step's sync
+        feed.zero_()
         feed[4] = 1  # padded rows: token 0 at position 0 of block 0 (the scratch block), table row 0
         feed[:, :count] = torch.tensor(self._decode_inputs(singles)).T
         self.static[:, :rows].copy_(feed, non_blocking=True)
+        self._flush_table()
         logits = self.graphs.run(rows, lambda: self._decode_forward(rows))
-        for seq in singles:
-            seq.cached += 1
+        self._advance(singles, [], None)
         return logits[:count]
 
     def _decode_inputs(self, singles: list[Sequence]) -> list[tuple[int, int, int, int, int]]:
@@ -284,6 +293,7 @@ class Batcher:
                 ready.append(seq)
             offset += count
         device = self.device
+        self._flush_table()
         flat = torch.cat(tokens).to(device)
         longest = max([seq.cached + 1 for seq in singles] + [s + n for _, s, n in chunks])
         layout = self._layout(torch.cat(slots).to(device), len(singles), decode[3].to(device), decode[4].to(device),
