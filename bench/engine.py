@@ -142,7 +142,7 @@ def breakdown(engine) -> dict[str, float]:
     """Wraps the engine's step phases to add up their seconds (benchmark-only instrumentation)."""
     import collections
 
-    totals: dict[str, float] = collections.defaultdict(float)
+    totals: dict[str, float] = collections.defaultdict(int)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
 
     def wrap(owner, name: str) -> None:
@@ -154,6 +154,7 @@ def breakdown(engine) -> dict[str, float]:
             result = inner(*args, **kwargs)
             sync()
             totals[name] += time.perf_counter() - started
+            totals[f"{name} calls"] += 1
             return result
 
         setattr(owner, name, timed)
@@ -217,7 +218,8 @@ def main() -> None:
         graphs = engine.batcher.graphs
         print("decode: " + (f"CUDA graphs, {graphs.captures} captured" if graphs and not graphs.failed else "eager"))
         if totals is not None:
-            print("seconds of the last timed run: " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items()))
+            print("the last timed run: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                     for k, v in totals.items()))  # fmt: skip
         model = engine.model
         engine.stop()
         del engine

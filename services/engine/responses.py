@@ -49,7 +49,7 @@ def generate_output(seq: Sequence, text: str, version: str, return_logprob: bool
             [lp, tok, None] for lp, tok in zip(seq.output_logprobs, seq.output_ids, strict=True)
         ]
         meta["output_token_logprobs_length"] = len(seq.output_ids)
-    meta.update(reasoning_tokens=0, completion_tokens=len(seq.output_ids), cached_tokens=0)
+    meta.update(reasoning_tokens=0, completion_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens)
     if finished:
         meta["weight_versions"] = version_spans(seq)
         if seq.return_routed_experts and seq.routed_experts:  # none for one aborted before its prefill

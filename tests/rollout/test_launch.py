@@ -50,10 +50,10 @@ def test_gateway_launches_engines_and_routes_through_the_router(services, servic
 
 def test_an_engine_that_cannot_start_stops_the_gateway_with_its_log(services, service_process, tiny_model, tmp_path):
     proc = service_process("rollout", *services, "--rollout-num-gpus", "1", "--hf-checkpoint", str(tiny_model),
-                           "--engine-log-dir", str(tmp_path / "e"), "--sglang-mem-fraction-static", "0.8")  # fmt: skip
+                           "--engine-log-dir", str(tmp_path / "e"), "--sglang-enable-memory-saver")  # fmt: skip
     assert proc.wait(timeout_s=120) != 0
     assert "engine-0 exited with code" in proc.log and "engine-0.log" in proc.log
-    assert "unknown option --mem-fraction-static" in proc.log
+    assert "unknown option --enable-memory-saver" in proc.log
 
 
 def test_launch_settings_are_checked_first(service_process, tmp_path):
