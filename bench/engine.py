@@ -149,6 +149,8 @@ def breakdown(engine) -> dict[str, float]:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            if engine.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return inner(*args, **kwargs)  # a CUDA graph's capture: no synchronizing inside it
             sync()
             started = time.perf_counter()
             result = inner(*args, **kwargs)
@@ -160,7 +162,7 @@ def breakdown(engine) -> dict[str, float]:
         setattr(owner, name, timed)
 
     phases = [(engine.batcher, "_replay"), (engine.batcher, "_eager"), (engine.model, "forward"), (engine, "_advance")]
-    for owner, name in phases:  # the model's forward: that of the eager steps (a replay runs no Python)
+    for owner, name in phases:  # the model's forward: the eager steps' (a replay runs no Python), and captures untimed
         wrap(owner, name)
     return totals
 

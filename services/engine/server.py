@@ -18,7 +18,6 @@ def load(config: EngineConfig):
     from services.engine import attention
     from services.engine.batch import CacheConfig
     from services.engine.core import Engine
-    from services.engine.fused import fuse_norms
     from services.engine.routing import RoutingCapture
 
     if config.device == "cuda" and not torch.cuda.is_available():
@@ -37,7 +36,6 @@ def load(config: EngineConfig):
     device = torch.device("cuda", config.base_gpu_id) if config.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":  # this thread's work (the load, the weight routes' copies) on the engine's GPU too
         torch.cuda.set_device(device)
-    fuse_norms(model)
     routing = RoutingCapture(model) if config.enable_return_routed_experts else None
     model = model.to(device).eval()
     adapters = None
