@@ -4,7 +4,7 @@ workload's physical limit.
 Workloads (each run once to warm up, which grows the KV cache and captures the CUDA graphs, then timed):
 - `nanovllm`: nano-vllm's benchmark. 256 prompts of random token ids, input and output lengths uniform in
   [100, 1024], seed 0, EOS ignored; on Qwen3-0.6B's full shape (151,936 words) with random weights by default.
-- `grpo`: an RL step's rollout. 64 prompts (random ids, 64-256 tokens, seed 0) × 8 samples (one request with n = 8),
+- `grpo`: an RL step's rollout. 64 prompts (random ids, 64-256 tokens, seed 0) x 8 samples (one request with n = 8),
   512 new tokens each at temperature 1, EOS ignored; on `--model` (the real model: SmolLM2-135M-Instruct converted
   from the packaged GGUF).
 - `concurrency`: c requests at once for each c of `--concurrency`, `--max-new-tokens` each at temperature 1.
@@ -228,7 +228,7 @@ def main() -> None:
         if not args.no_http:
             proc, url = start_engine(config)
             try:
-                for (name, requests), row in zip(workloads, results, strict=True):
+                for (_, requests), row in zip(workloads, results, strict=True):
                     asyncio.run(over_http(url, requests))
                     row.append(row[1] / asyncio.run(over_http(url, requests)))
             finally:

@@ -21,10 +21,17 @@ from services.engine.sampling import SamplingParams
 from services.engine.server import load
 from services.train.tiny_checkpoint import write_tiny_model
 
-
 # SmolLM2-135M-Instruct's layers (its config.json), with the test tokenizer's small vocabulary.
-SMOLLM2_135M = dict(num_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                    num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
+SMOLLM2_135M = dict(
+    num_layers=30,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
 
 
 def generate(engine, count: int, new_tokens: int, temperature: float) -> float:

@@ -40,8 +40,8 @@ def main() -> None:
     for tile, warps, stages, waves in itertools.product([32, 64, 128], [4, 8], [1, 2, 3], [2, 8]):
         kernel = PagedDecode(device, tile, warps, stages, waves)
         try:
-            ms = triton.testing.do_bench(lambda: kernel(query, keys, values, tables, rows, lengths, args.block_size,
-                                                        0.1))  # fmt: skip
+            ms = triton.testing.do_bench(lambda k=kernel: k(query, keys, values, tables, rows, lengths, args.block_size,
+                                                              0.1))  # fmt: skip
         except Exception as e:  # a configuration that does not compile (shared memory)
             print(f"{tile} | {warps} | {stages} | {waves} | - | failed: {type(e).__name__} | -")
             continue

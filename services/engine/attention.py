@@ -18,7 +18,7 @@ NAME = "paged"
 
 
 class KvPool:
-    """Every layer's keys and values, as [slots, kv heads, head dim] (slot = block × block_size + offset). Each
+    """Every layer's keys and values, as [slots, kv heads, head dim] (slot = block * block_size + offset). Each
     layer's tensors are made at its first forward, shaped as its keys and values; `resize` grows them all."""
 
     def __init__(self, num_slots: int):
@@ -103,7 +103,7 @@ def _chunks(query, keys, values, step: Step, scale: float) -> torch.Tensor:
     """Prompt chunks [tokens, heads, dim], padded into one batch: each query sees its sequence's positions up to its
     own (the cached ones before the chunk and the chunk's own)."""
     device = query.device
-    num, longest = len(step.chunk_lens), max(step.chunk_lens)
+    longest = max(step.chunk_lens)
     starts = torch.tensor(step.chunk_starts, device=device)
     lens = torch.tensor(step.chunk_lens, device=device)
     width = int(max(s + n for s, n in zip(step.chunk_starts, step.chunk_lens, strict=True)))

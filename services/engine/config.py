@@ -33,7 +33,7 @@ class EngineConfig(StrictModel):
     """Most tokens one forward runs (SGLang's option): longer prompts are prefilled over several steps, beside the
     sequences that decode."""
     mem_fraction_static: float = Field(0.85, gt=0, lt=1)
-    """The KV cache grows as sequences need it while the device keeps 1 − this fraction of its memory free (SGLang's
+    """The KV cache grows as sequences need it while the device keeps 1 - this fraction of its memory free (SGLang's
     option, as a bound on growth: a colocated trainer's memory stays its own)."""
     max_total_tokens: int | None = Field(None, ge=16)
     """Most positions the KV cache holds (SGLang's option); unset, --mem-fraction-static bounds it."""
