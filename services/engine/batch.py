@@ -299,7 +299,7 @@ class Batcher:
         layout = self._layout(torch.cat(slots).to(device), len(singles), decode[3].to(device), decode[4].to(device),
                               chunks, -(-longest // self.block_size) * self.block_size)  # fmt: skip
         attention.current = layout
-        self._adapt(singles, chunks)
+        self._adapt(singles, chunks, keep)
         sequences = singles + [seq for seq, _, _ in chunks]
         with self._routing(sequences, (1, flat.shape[0])) as routed:
             out = self.model(input_ids=flat[None], position_ids=torch.cat(positions).to(device)[None],
@@ -332,16 +332,21 @@ class Batcher:
         logprobs = torch.log_softmax(logits[: end - first].float(), -1).gather(1, targets[:, None])[:, 0]
         seq.input_logprobs.extend(logprobs.tolist())
 
-    def _adapt(self, singles: list[Sequence], chunks) -> None:
-        """Which of the forward's tokens each LoRA adapter applies to (services/engine/lora.py)."""
+    def _adapt(self, singles: list[Sequence], chunks, keep: list[int]) -> None:
+        """Which of the forward's tokens, and of the positions whose logits it keeps, each LoRA adapter applies to
+        (services/engine/lora.py)."""
         if self.adapters is None:
             return
-        spans, offset = {}, 0
-        for seq, count in [(seq, 1) for seq in singles] + [(seq, n) for seq, _, n in chunks]:
-            if seq.lora:
-                spans.setdefault(seq.lora, []).extend(range(offset, offset + count))
-            offset += count
-        self.adapters.tokens = {name: torch.tensor(index, device=self.device) for name, index in spans.items()}
+        names = [seq.lora for seq in singles] + [seq.lora for seq, _, n in chunks for _ in range(n)]
+
+        def where(positions: list[int]) -> dict[str, torch.Tensor]:
+            found: dict[str, list[int]] = {}
+            for i, position in enumerate(positions):
+                if names[position]:
+                    found.setdefault(names[position], []).append(i)
+            return {name: torch.tensor(index, device=self.device) for name, index in found.items()}
+
+        self.adapters.select(where(range(len(names))), where(keep))
 
     def _routing(self, sequences: list[Sequence], shape: tuple):
         """Captures the forward's routing only when a sequence in it asked for it (SGLang's return_routed_experts)."""

@@ -42,18 +42,25 @@ class Adapter:
 
 
 class Adapters:
-    """The engine's adapters. `tokens` is set by the batcher before each forward: for each adapter in use, the
-    indices of the tokens of its flat input [1, tokens] that it applies to."""
+    """The engine's adapters. `select` is called by the batcher before each forward: for each adapter in use, the
+    indices of the tokens of its flat input [1, tokens] that it applies to, and of the positions whose logits the
+    forward keeps (what the output layer sees)."""
 
     def __init__(self, model: torch.nn.Module, max_rank: int, target_modules: list[str]):
         self.model, self.max_rank, self.targets = model, max_rank, set(target_modules)
         self.loaded: dict[str, Adapter] = {}
         self.tokens: dict[str, torch.Tensor] = {}
+        self.kept: dict[str, torch.Tensor] = {}
         self.lock = threading.Lock()  # `loaded` and the counts: requests arrive on the server's thread
         self._hooked: set[str] = set()
         self._linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        output = model.get_output_embeddings()
+        self.output_layer = next((n for n, m in self._linears.items() if m is output), None)  # sees kept positions
 
     # On the engine thread (between steps)
+
+    def select(self, tokens: dict[str, torch.Tensor], kept: dict[str, torch.Tensor]) -> None:
+        self.tokens, self.kept = tokens, kept
 
     def load(self, name: str, path: str) -> None:
         if name in self.loaded:
@@ -132,7 +139,7 @@ class Adapters:
     def _hook(self, module: str):
         def add_delta(_, inputs, output):
             x, out = inputs[0].flatten(0, -2), output.view(-1, output.shape[-1])
-            for name, index in self.tokens.items():
+            for name, index in (self.kept if module == self.output_layer else self.tokens).items():
                 adapter = self.loaded.get(name)
                 if adapter is None or module not in adapter.weights:
                     continue

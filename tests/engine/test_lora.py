@@ -14,19 +14,22 @@ from tests.engine.test_weights import post
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
 
 
-def write_adapter(model_path, folder, seed: int, rank: int = 4):
-    """A peft adapter on every linear layer of the model at `model_path`, with random (non-zero) A and B."""
+def write_adapter(model_path, folder, seed: int, rank: int = 4, output_layer: bool = False):
+    """A peft adapter on every linear layer of the model at `model_path` (with `output_layer`, the output layer
+    too, which sees only the positions whose logits are kept), with random (non-zero) A and B."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    targets = targets if output_layer else "all-linear"
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn_like(param) * 0.2)
-    peft_model.save_pretrained(folder)
+    peft_model.save_pretrained(folder, save_embedding_layers=False)  # the adapter alone, as the trainer writes it
     return peft_model
 
 
@@ -46,7 +49,8 @@ def logprobs_of(peft_model, adapter: bool, prompt: list[int], output: list[int])
 @pytest.fixture
 def adapters(tiny_model, tmp_path):
     root = tmp_path / "weights"
-    return root, {name: write_adapter(tiny_model, root / name, seed) for name, seed in (("a", 1), ("b", 2))}
+    return root, {name: write_adapter(tiny_model, root / name, seed, output_layer=name == "b")
+                  for name, seed in (("a", 1), ("b", 2))}  # fmt: skip
 
 
 def generate(url: str, lora_path, prompts=PROMPTS, max_new_tokens: int = 6, **extra) -> httpx.Response:
