@@ -33,9 +33,13 @@ class KvPool:
         return self.keys[index], self.values[index]
 
     def resize(self, num_slots: int) -> None:
+        """Grows every tensor to `num_slots`, one at a time (at most one old tensor beside the new ones)."""
         for tensors in (self.keys, self.values):
             for i, old in enumerate(tensors):
-                tensors[i] = torch.cat([old, old.new_zeros(num_slots - old.shape[0], *old.shape[1:])])
+                grown = old.new_zeros(num_slots, *old.shape[1:])  # zeros: padded reads are masked, never NaN
+                grown[: old.shape[0]].copy_(old)
+                tensors[i] = grown
+                del old
         self.num_slots = num_slots
 
     def bytes_per_slot(self) -> int:
