@@ -69,7 +69,7 @@ def main() -> None:
                                               dtype="bfloat16" if shape else "float32", **shape)  # fmt: skip
         config = EngineConfig(model_path=str(path), device=args.device, max_running_requests=args.concurrency)
         engine = load(config.model_copy(update={"disable_cuda_graph": args.disable_cuda_graph}))
-        generate(engine, 2, 4, args.temperature)  # warm-up
+        generate(engine, args.concurrency, args.max_new_tokens, args.temperature)  # warm-up: cache, graphs, kernels
         steps_before = sum(engine.batch_sizes.values())
         seconds = generate(engine, args.concurrency, args.max_new_tokens, args.temperature)
         steps = sum(engine.batch_sizes.values()) - steps_before
