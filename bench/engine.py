@@ -1,7 +1,8 @@
 """Throughput of the reference engine on rollout workloads, in-process and through its HTTP API, against the
 workload's physical limit.
 
-Workloads (each run once to warm up, which grows the KV cache and captures the CUDA graphs, then timed):
+Workloads (each run twice to warm up, which grows the KV cache, compiles the kernels and captures the CUDA graph of
+every batch size it meets, at a size's second use; then timed):
 - `nanovllm`: nano-vllm's benchmark. 256 prompts of random token ids, input and output lengths uniform in
   [100, 1024], seed 0, EOS ignored; on Qwen3-0.6B's full shape (151,936 words) with random weights by default.
 - `grpo`: an RL step's rollout. 64 prompts (random ids, 64-256 tokens, seed 0) x 8 samples (one request with n = 8),
@@ -209,7 +210,8 @@ def main() -> None:
         results = []
         for name, requests in workloads:
             tokens = sum(r.new_tokens * r.n for r in requests)
-            in_process(engine, requests)  # warm-up: the cache grown, the graphs captured
+            for _ in range(2):  # warm-up: the cache grown, the graphs captured
+                in_process(engine, requests)
             if totals is not None:
                 totals.clear()
             steps_before = sum(engine.batch_sizes.values())
@@ -229,7 +231,8 @@ def main() -> None:
             proc, url = start_engine(config)
             try:
                 for (_, requests), row in zip(workloads, results, strict=True):
-                    asyncio.run(over_http(url, requests))
+                    for _ in range(2):  # requests arriving over HTTP meet other batch sizes than in-process
+                        asyncio.run(over_http(url, requests))
                     row.append(row[1] / asyncio.run(over_http(url, requests)))
             finally:
                 proc.terminate()
