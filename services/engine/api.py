@@ -236,6 +236,7 @@ class EngineAPI:
     async def flush_cache(self, request: Request) -> Response:
         if self.engine.running():
             return PlainTextResponse("Cache not flushed because there are pending requests.", status_code=400)
+        await asyncio.wrap_future(self.engine.call(self.engine.batcher.forget_prefixes))  # the prefix cache
         message = (
             "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
             "requests, the operation will not be performed.)\n"

@@ -78,6 +78,18 @@ def test_info_routes(engine_url):
     assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
 
 
+def test_a_prompt_seen_before_comes_from_the_prefix_cache_until_it_is_flushed(engine_url):
+    body = {"input_ids": list(range(3, 60)), "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+
+    def cached() -> int:
+        return httpx.post(f"{engine_url}/generate", json=body, timeout=60).json()["meta_info"]["cached_tokens"]
+
+    cached()
+    assert cached() == 48  # three full blocks of 16; the block of the last prompt token is computed again
+    assert httpx.post(f"{engine_url}/flush_cache").status_code == 200
+    assert cached() == 0
+
+
 def test_sglang_router_routes_to_two_engines(start_engine, free_port):
     urls = start_engine.many([(), ()], [None, None])
     port = free_port()
