@@ -224,6 +224,8 @@ def main() -> None:
         if totals is not None:
             print("the last timed run: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                      for k, v in totals.items()))  # fmt: skip
+            if totals["_replay calls"]:
+                print(f"a replayed decode step: {1000 * totals['_replay'] / totals['_replay calls']:.2f} ms")
         model = engine.model
         engine.stop()
         del engine
