@@ -213,7 +213,10 @@ class Batcher:
                     break
                 chunks.append((seq, seq.cached, count))
                 budget -= count
-        if not singles and not chunks:
+        if not singles and not chunks:  # every row is a prefill the cache cannot take a chunk of: one goes back
+            if self.rows:
+                retracted.append(self.rows[-1])
+                self.drop([self.rows[-1]])
             return Result([], None, retracted)
         if chunks or not self._graphable():
             ready, logits = self._eager(singles, chunks)
@@ -249,10 +252,14 @@ class Batcher:
         return logits[:count]
 
     def _decode_inputs(self, singles: list[Sequence]) -> list[tuple[int, int, int, int, int]]:
-        size, prompt = self.block_size, len
-        return [(seq.prompt_ids[p] if p < prompt(seq.prompt_ids) else seq.output_ids[p - prompt(seq.prompt_ids)], p,
-                 seq.chain.blocks[p // size] * size + p % size, seq.row, p + 1)
-                for seq in singles for p in (seq.cached,)]  # fmt: skip
+        """Each decoding sequence's (token, position, slot, table row, length)."""
+        size, inputs = self.block_size, []
+        for seq in singles:
+            position, prompt = seq.cached, len(seq.prompt_ids)
+            token = seq.prompt_ids[position] if position < prompt else seq.output_ids[position - prompt]
+            slot = seq.chain.blocks[position // size] * size + position % size
+            inputs.append((token, position, slot, seq.row, position + 1))
+        return inputs
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
         """The decode forward over `rows` rows read from `static` (what a CUDA graph captures)."""

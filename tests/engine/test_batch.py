@@ -12,6 +12,7 @@ import torch
 
 from services.engine import attention
 from services.engine.batch import Batcher, CacheConfig, Sequence
+from services.engine.blocks import Chain
 from services.engine.core import Engine
 from services.engine.graphs import DecodeGraphs
 from services.engine.sampling import SamplingParams
@@ -84,6 +85,17 @@ def test_a_full_cache_retracts_the_latest_sequences(hf_model):
         for seq, row in zip(result.ready, result.logits, strict=True):
             seq.output_ids.append(int(row.argmax()))
     assert retracted == [sequences[2]] and sequences[2] not in batcher.rows
+
+
+def test_prefills_the_cache_cannot_take_go_back_one_at_a_time(hf_model):
+    cache = CacheConfig(page_size=4, max_total_tokens=32)
+    batcher = Batcher(paged(hf_model[0], "cpu"), torch.device("cpu"), max_rows=8, cache=cache)
+    first, second = (Sequence(rid=str(i), prompt_ids=list(range(30 * i, 30 * i + 20)), params=SamplingParams())
+                     for i in range(2))  # fmt: skip
+    assert [batcher.admit(first), batcher.admit(second)] == ["joined", "joined"]  # 6 blocks each of 7: admitted
+    batcher.blocks.extend(Chain(), 5)  # another holder takes most of the cache: neither prompt fits now
+    assert batcher.step().retracted == [second]
+    assert batcher.step().retracted == [first] and batcher.rows == []
 
 
 def run_engine(model, tokenizer, sequences: list[Sequence], cache: CacheConfig, device: str = "cpu") -> None:
