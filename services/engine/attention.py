@@ -9,7 +9,7 @@ are chunks of prompts, attended to in PyTorch (SDPA over each chunk's gathered b
 arithmetic in PyTorch on the CPU.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,12 @@ class Step:
     chunk_lens: list[int]
     decode_kernel: object = None  # paged_decode.PagedDecode on a GPU, else None: PyTorch's path
     width: int = 0  # PyTorch's decode path: positions it reads a row (a multiple of block_size, at least the longest)
+    plans: dict = field(default_factory=dict)  # what every layer's attention gathers by, worked out at the first
+
+    def plan(self, kind: str, make):
+        if kind not in self.plans:
+            self.plans[kind] = make()
+        return self.plans[kind]
 
 
 current: Step | None = None  # set by the batcher around each forward (only the engine thread runs forwards)
@@ -86,10 +92,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, **k
             parts.append(step.decode_kernel(q, keys, values, step.tables, step.rows, step.lengths, step.block_size,
                                             scale))  # fmt: skip
         else:
-            parts.append(decode_reference(q, keys, values, step.tables, step.rows, step.lengths, step.block_size,
-                                          step.width, scale))  # fmt: skip
+            plan = step.plan("decode", lambda: decode_plan(step.tables, step.rows, step.lengths, step.block_size,
+                                                           step.width))  # fmt: skip
+            parts.append(_attend(q[:, :, None], keys, values, *plan, scale)[:, :, 0])
     if step.chunk_lens:
-        parts.append(_chunks(query[step.num_decode :], keys, values, step, scale))
+        index, slots, visible, keep = step.plan("chunks", lambda: chunk_plan(step, query.device))
+        out = _attend(query[step.num_decode :][index].transpose(1, 2), keys, values, slots, visible, scale)
+        parts.append(out.transpose(1, 2).flatten(0, 1)[keep])
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out[None], None
 
@@ -97,37 +106,40 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, **k
 def decode_reference(query, keys, values, tables, rows, lengths, block_size: int, width: int, scale: float):
     """Each decoding row's attention over its first `width` positions' blocks, in PyTorch: query [rows, heads, dim]
     -> [rows, heads, v dim]."""
-    positions = torch.arange(width, device=query.device)
+    plan = decode_plan(tables, rows, lengths, block_size, width)
+    return _attend(query[:, :, None], keys, values, *plan, scale)[:, :, 0]
+
+
+def decode_plan(tables, rows, lengths, block_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots each decoding row reads [rows, width] and which of them it sees [rows, 1, width]."""
+    positions = torch.arange(width, device=tables.device)
     slots = tables[rows.long()][:, positions // block_size].long() * block_size + positions % block_size
-    visible = positions[None, :] < lengths[:, None]  # [rows, width]
-    return _attend(query[:, :, None], keys[slots], values[slots], visible[:, None, :], scale)[:, :, 0]
+    return slots, (positions[None, :] < lengths[:, None])[:, None, :]
 
 
-def _chunks(query, keys, values, step: Step, scale: float) -> torch.Tensor:
-    """Prompt chunks [tokens, heads, dim], padded into one batch: each query sees its sequence's positions up to its
-    own (the cached ones before the chunk and the chunk's own)."""
-    device = query.device
-    longest = max(step.chunk_lens)
-    starts = torch.tensor(step.chunk_starts, device=device)
-    lens = torch.tensor(step.chunk_lens, device=device)
-    width = int(max(s + n for s, n in zip(step.chunk_starts, step.chunk_lens, strict=True)))
-    offsets = torch.arange(longest, device=device)
-    flat = torch.cumsum(lens, 0) - lens  # each chunk's first token in `query`
-    index = (flat[:, None] + offsets).clamp(max=query.shape[0] - 1)  # [chunks, longest]
-    positions = torch.arange(width, device=device)
+def chunk_plan(step: Step, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Prompt chunks padded into one batch [chunks, longest]: each padded query's token among the step's chunk
+    tokens, the slots each chunk reads [chunks, width], which of them each query sees (its sequence's positions up to
+    its own: the cached ones before the chunk and the chunk's own) and the padded batch's rows that are real tokens,
+    in order. Made on the CPU and moved once a step."""
+    longest, width = max(step.chunk_lens), max(s + n for s, n in zip(step.chunk_starts, step.chunk_lens, strict=True))
+    starts, lens = torch.tensor(step.chunk_starts), torch.tensor(step.chunk_lens)
+    offsets = torch.arange(longest)
+    index = ((torch.cumsum(lens, 0) - lens)[:, None] + offsets).clamp(max=int(lens.sum()) - 1)
+    positions = torch.arange(width)
+    visible = positions[None, None, :] <= (starts[:, None] + offsets)[:, :, None]
+    keep = (offsets[None, :] < lens[:, None]).flatten().nonzero()[:, 0]
+    index, positions, visible, keep = (t.to(device) for t in (index, positions, visible, keep))
     tables = step.tables[torch.tensor(step.chunk_rows, device=device)]
     slots = tables[:, positions // step.block_size].long() * step.block_size + positions % step.block_size
-    visible = positions[None, None, :] <= (starts[:, None] + offsets)[:, :, None]  # [chunks, longest, width]
-    out = _attend(query[index].transpose(1, 2), keys[slots], values[slots], visible, scale)
-    keep = offsets[None, :] < lens[:, None]
-    return out.transpose(1, 2)[keep]
+    return index, slots, visible, keep
 
 
-def _attend(query, keys, values, visible, scale: float) -> torch.Tensor:
-    """query [n, heads, q, dim], keys and values [n, width, kv heads, dim], visible [n, q, width] -> [n, heads, q,
-    v dim]. The keys' heads are repeated for grouped-query attention (SDPA's kernels that take a mask do not all
-    take groups)."""
-    k, v = keys.transpose(1, 2), values.transpose(1, 2)
+def _attend(query, keys, values, slots, visible, scale: float) -> torch.Tensor:
+    """query [n, heads, q, dim] over the pool's `keys` and `values` at `slots` [n, width], `visible` [n, q, width]
+    -> [n, heads, q, v dim]. The keys' heads are repeated for grouped-query attention (SDPA's kernels that take a
+    mask do not all take groups)."""
+    k, v = keys[slots].transpose(1, 2), values[slots].transpose(1, 2)
     groups = query.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
