@@ -168,12 +168,13 @@ class Batcher:
 
     def _reserve(self, seq: Sequence, positions: int) -> bool:
         need = self.blocks.needed(positions, seq.chain)
-        if need and not self._room(need):
+        if not need:
+            return True
+        if not self._room(need):
             return False
-        if need:
-            first = len(seq.chain.blocks)
-            self.blocks.extend(seq.chain, need)
-            self._write_table(seq, first)
+        first = len(seq.chain.blocks)
+        self.blocks.extend(seq.chain, need)
+        self._write_table(seq, first)
         return True
 
     # Leaving
@@ -207,7 +208,7 @@ class Batcher:
         for seq in self.rows:
             if budget <= 0:
                 break
-            if seq.cached < seq.length - 1 and seq not in retracted:
+            if seq.cached < seq.length - 1:
                 count = min(seq.length - seq.cached, budget)
                 if not self._reserve(seq, seq.cached + count):
                     break
@@ -230,7 +231,7 @@ class Batcher:
         retracted: list[Sequence] = []
         for seq in singles:
             while seq not in retracted and not self._reserve(seq, seq.length):
-                victim = next(s for s in reversed(self.rows) if s not in retracted)
+                victim = self.rows[-1]  # the retracted have left `rows` already
                 retracted.append(victim)
                 self.drop([victim])
         return retracted

@@ -94,7 +94,6 @@ class Engine:
         with self._wake:
             for seq in reversed(sequences):
                 seq.num_retractions += 1
-                seq.cached = 0
                 seq.routed_experts = []  # the prefill that readmits it routes every position again
                 self.waiting.appendleft(seq)
 
