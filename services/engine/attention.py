@@ -79,12 +79,20 @@ current: Step | None = None  # set by the batcher around each forward (only the 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers' attention interface: query [1, heads, tokens, dim], key and value [1, kv heads, tokens, dim];
     returns [1, tokens, heads, value dim]."""
-    step = current
-    keys, values = step.pool.layer(module.layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    keys.index_copy_(0, step.slots, key[0].transpose(0, 1))
-    values.index_copy_(0, step.slots, value[0].transpose(0, 1))
-    query = query[0].transpose(0, 1)  # [tokens, heads, dim]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))
+    return torch.ops.slipstream.paged_attention(query, key, value, module.layer_idx, scale)[None], None
+
+
+@torch.library.custom_op("slipstream::paged_attention", mutates_args=())
+def _paged(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """One layer's attention for the step in `current`: query [tokens, heads, dim], key and value [tokens, kv heads,
+    dim] -> [tokens, heads, value dim]. An operator of its own, opaque to torch.compile (which compiles the rest of
+    the model, services/engine/compiled.py): it reads the step's layout and writes the pool, which no graph holds."""
+    step = current
+    keys, values = step.pool.layer(layer, key, value)
+    keys.index_copy_(0, step.slots, key)
+    values.index_copy_(0, step.slots, value)
     parts = []
     if step.num_decode:
         q = query[: step.num_decode]
@@ -99,8 +107,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, **k
         index, slots, visible, keep = step.plan("chunks", lambda: chunk_plan(step, query.device))
         out = _attend(query[step.num_decode :][index].transpose(1, 2), keys, values, slots, visible, scale)
         parts.append(out.transpose(1, 2).flatten(0, 1)[keep])
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out[None], None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@_paged.register_fake
+def _(query, key, value, layer, scale):
+    return query.new_empty(*query.shape[:2], value.shape[-1])
 
 
 def decode_reference(query, keys, values, tables, rows, lengths, block_size: int, width: int, scale: float):

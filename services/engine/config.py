@@ -40,6 +40,10 @@ class EngineConfig(StrictModel):
     disable_cuda_graph: bool = False
     """Run each decode step eagerly (SGLang's option). By default a CUDA engine replays its decode step from CUDA
     graphs, one per batch row count (rounded up to a power of two, up to --max-running-requests)."""
+    enable_torch_compile: bool = False
+    """Compile the model's layers with torch.compile (SGLang's option): their elementwise work fused into a few
+    kernels a layer, which a small model's decode step is bound by. The first steps wait for the compilation (about
+    a minute on a GPU); models served with LoRA adapters or routed-expert capture run as written."""
     weight_update_timeout_s: float = Field(300.0, gt=0)
     """Deadline of one bucket's receive in a weight update: a broadcast that has not arrived by then (its sender
     stalled or died) is aborted and the update fails, so the engine never waits on a dead weight group."""

@@ -43,6 +43,10 @@ def load(config: EngineConfig):
         from services.engine.lora import Adapters
 
         adapters = Adapters(model, config.max_lora_rank, config.lora_target_modules)
+    if config.enable_torch_compile and adapters is None and routing is None:
+        from services.engine.compiled import compile_decoder
+
+        compile_decoder(model)
     graphs = None
     if device.type == "cuda" and not config.disable_cuda_graph:
         from services.engine.graphs import DecodeGraphs, bucket
