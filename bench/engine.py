@@ -166,7 +166,8 @@ def breakdown(engine) -> dict[str, float]:
 
         setattr(owner, name, timed)
 
-    phases = [(engine.batcher, "_replay"), (engine.batcher, "_eager"), (engine.model, "forward"), (engine, "_advance")]
+    phases = [(engine.batcher, "_replay"), (engine.batcher, "_eager"), (engine.model, "forward"), (engine, "_choose"),
+              (engine, "_read")]
     for owner, name in phases:  # the model's forward: the eager steps' (a replay runs no Python), and captures untimed
         wrap(owner, name)
     return totals

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from services.engine.transfer import to_device
+
 NAME = "paged"
 
 
@@ -141,8 +143,9 @@ def chunk_plan(step: Step, device: torch.device) -> tuple[torch.Tensor, ...]:
     positions = torch.arange(width)
     visible = positions[None, None, :] <= (starts[:, None] + offsets)[:, :, None]
     keep = (offsets[None, :] < lens[:, None]).flatten().nonzero()[:, 0]
-    index, positions, visible, keep = (t.to(device) for t in (index, positions, visible, keep))
-    tables = step.tables[torch.tensor(step.chunk_rows, device=device)]
+    index, positions, visible, keep, rows = (to_device(t, device) for t in (index, positions, visible, keep,
+                                                                             torch.tensor(step.chunk_rows)))  # fmt: skip
+    tables = step.tables[rows]
     slots = tables[:, positions // step.block_size].long() * step.block_size + positions % step.block_size
     return index, slots, visible, keep
 

@@ -18,6 +18,7 @@ from services.engine.blocks import Blocks, Chain
 from services.engine.graphs import DecodeGraphs, bucket
 from services.engine.routing import RoutingCapture
 from services.engine.sampling import SamplingParams
+from services.engine.transfer import to_device
 
 INITIAL_BLOCKS = 64
 
@@ -47,6 +48,7 @@ class Sequence:
     lora: str | None = None  # the LoRA adapter it is generated with (lora_path), None for the base model
     chain: Chain = field(default_factory=Chain)
     row: int = 0  # its row of the block tables while running
+    pending: int = 0  # tokens sampled on the device that the engine thread has not read yet (services/engine/core.py)
 
     @property
     def length(self) -> int:
@@ -55,6 +57,16 @@ class Sequence:
     def tokens(self, start: int, end: int) -> list[int]:
         prompt = len(self.prompt_ids)
         return self.prompt_ids[start:end] + self.output_ids[max(start - prompt, 0) : max(end - prompt, 0)]
+
+    @property
+    def full_length(self) -> int:
+        """Its length once its pending tokens are read: what the next step feeds and where."""
+        return self.length + self.pending
+
+    @property
+    def reached_length(self) -> bool:
+        """Its sampled tokens reach max_new_tokens: it finishes when they are read, and takes no further step."""
+        return self.pending > 0 and len(self.output_ids) + self.pending >= self.params.max_new_tokens
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -97,8 +109,9 @@ class Batcher:
                                   device=device)  # fmt: skip  # row 0: padded rows' (block 0 only)
         self.free_rows = list(range(max_rows, 0, -1))
         self.table_updates: list[tuple[int, int, int]] = []  # (row, column, block) not yet in `tables`
-        self.static = torch.zeros(5, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
-        self.feed = torch.zeros_like(self.static, device="cpu", pin_memory=device.type == "cuda")
+        self.last_tokens = torch.zeros(max_rows + 1, dtype=torch.long, device=device)  # each row's next input
+        self.token_updates: list[tuple[int, int]] = []  # (row, token) not yet in `last_tokens`
+        self.static = torch.zeros(4, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
         self.decode_kernel = _decode_kernel(device)
         self._reset_cache()
 
@@ -161,10 +174,24 @@ class Batcher:
             self.table_updates.append((seq.row, column, block))
 
     def _flush_table(self) -> None:
-        if self.table_updates:  # one copy to the device a step, not one a sequence
-            rows, columns, blocks = torch.tensor(self.table_updates, dtype=torch.int32).T.to(self.device)
+        """Writes the queued table entries and input tokens: one copy to the device a step, not one a sequence."""
+        if self.table_updates:
+            rows, columns, blocks = self._to_device(torch.tensor(self.table_updates, dtype=torch.int32).T)
             self.tables[rows.long(), columns.long()] = blocks
             self.table_updates = []
+        if self.token_updates:
+            rows, tokens = self._to_device(torch.tensor(self.token_updates).T)
+            self.last_tokens[rows] = tokens
+            self.token_updates = []
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return to_device(host, self.device)
+
+    def sampled(self, ready: list[Sequence], tokens: torch.Tensor) -> None:
+        """The tokens just sampled for `ready` [ready] on the device: the inputs of their next step, read there."""
+        self.last_tokens[self._to_device(torch.tensor([seq.row for seq in ready]))] = tokens
+        for seq in ready:
+            seq.pending += 1
 
     def _reserve(self, seq: Sequence, positions: int) -> bool:
         need = self.blocks.needed(positions, seq.chain)
@@ -201,23 +228,28 @@ class Batcher:
 
     @torch.no_grad()
     def step(self) -> Result:
-        singles = [seq for seq in self.rows if seq.cached == seq.length - 1]
+        """Queues the step's forward on the device. A decoding sequence's input is its last token, which the step
+        before may have sampled on the device (`last_tokens`): a step is queued before the last one's tokens are
+        read. Sequences whose sampled tokens already reach their max_new_tokens sit the step out."""
+        singles = [seq for seq in self.rows if seq.cached == seq.full_length - 1 and not seq.reached_length]
         retracted = self._make_room(singles)
         singles = [seq for seq in singles if seq not in retracted]
+        self.token_updates += [(seq.row, seq.tokens(seq.cached, seq.length)[0]) for seq in singles if not seq.pending]
         chunks, budget = [], self.config.chunked_prefill_size - len(singles)
         for seq in self.rows:
             if budget <= 0:
                 break
-            if seq.cached < seq.length - 1:
+            if seq.cached < seq.full_length - 1:
                 count = min(seq.length - seq.cached, budget)
                 if not self._reserve(seq, seq.cached + count):
                     break
                 chunks.append((seq, seq.cached, count))
                 budget -= count
-        if not singles and not chunks:  # every row is a prefill the cache cannot take a chunk of: one goes back
-            if self.rows:
-                retracted.append(self.rows[-1])
-                self.drop([self.rows[-1]])
+        if not singles and not chunks:
+            prefills = [seq for seq in self.rows if seq.cached < seq.full_length - 1]
+            if prefills:  # every one is a prefill the cache cannot take a chunk of: the latest goes back
+                retracted.append(prefills[-1])
+                self.drop([prefills[-1]])
             return Result([], None, retracted)
         if chunks or not self._graphable():
             ready, logits = self._eager(singles, chunks)
@@ -230,7 +262,7 @@ class Batcher:
         retracted while the cache cannot give them (SGLang's retraction)."""
         retracted: list[Sequence] = []
         for seq in singles:
-            while seq not in retracted and not self._reserve(seq, seq.length):
+            while seq not in retracted and not self._reserve(seq, seq.cached + 1):
                 victim = self.rows[-1]  # the retracted have left `rows` already
                 retracted.append(victim)
                 self.drop([victim])
@@ -242,9 +274,9 @@ class Batcher:
     def _replay(self, singles: list[Sequence]) -> torch.Tensor:
         count = len(singles)
         rows = bucket(count)
-        feed = self.feed[:, :rows]  # page-locked: the last step's copy from it ended with that step's sync
+        feed = self._feed()[:, :rows]
         feed.zero_()
-        feed[4] = 1  # padded rows: token 0 at position 0 of block 0 (the scratch block), table row 0
+        feed[3] = 1  # padded rows: position 0 of block 0 (the scratch block), table row 0 (its last token is 0)
         feed[:, :count] = torch.tensor(self._decode_inputs(singles)).T
         self.static[:, :rows].copy_(feed, non_blocking=True)
         self._flush_table()
@@ -252,19 +284,26 @@ class Batcher:
         self._advance(singles, [], None)
         return logits[:count]
 
-    def _decode_inputs(self, singles: list[Sequence]) -> list[tuple[int, int, int, int, int]]:
-        """Each decoding sequence's (token, position, slot, table row, length)."""
+    def _feed(self) -> torch.Tensor:
+        """A page-locked staging tensor for the graph's inputs, two in turn: the copy from one may still be queued
+        behind the step before while the next step's inputs are written."""
+        self.feeds = self.feeds[::-1] if hasattr(self, "feeds") else [
+            torch.zeros_like(self.static, device="cpu", pin_memory=self.device.type == "cuda") for _ in range(2)]
+        return self.feeds[0]
+
+    def _decode_inputs(self, singles: list[Sequence]) -> list[tuple[int, int, int, int]]:
+        """Each decoding sequence's (position, slot, table row, length); its token is `last_tokens[row]`."""
         size, inputs = self.block_size, []
         for seq in singles:
-            position, prompt = seq.cached, len(seq.prompt_ids)
-            token = seq.prompt_ids[position] if position < prompt else seq.output_ids[position - prompt]
-            slot = seq.chain.blocks[position // size] * size + position % size
-            inputs.append((token, position, slot, seq.row, position + 1))
+            position = seq.cached
+            inputs.append((position, seq.chain.blocks[position // size] * size + position % size, seq.row,
+                           position + 1))  # fmt: skip
         return inputs
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
         """The decode forward over `rows` rows read from `static` (what a CUDA graph captures)."""
-        tokens, positions, slots, table_rows, lengths = self.static[:, :rows]
+        positions, slots, table_rows, lengths = self.static[:, :rows]
+        tokens = self.last_tokens[table_rows]
         width = self.tables.shape[1] * self.block_size  # a graph is replayed at every length: the table's width
         if self.device.type == "cpu":  # no graph: the longest row's
             width = -(-int(lengths.max()) // self.block_size) * self.block_size
@@ -277,8 +316,8 @@ class Batcher:
                               self.decode_kernel, width)  # fmt: skip
 
     def _eager(self, singles: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
-        decode = torch.tensor(self._decode_inputs(singles), dtype=torch.long).reshape(-1, 5).T
-        tokens, positions, slots = [decode[0]], [decode[1]], [decode[2]]
+        decode = torch.tensor(self._decode_inputs(singles), dtype=torch.long).reshape(-1, 4).T
+        tokens, positions, slots = [], [decode[0]], [decode[1]]
         keep = list(range(len(singles)))  # the flat positions whose logits are computed
         picks, ready = list(range(len(singles))), list(singles)  # the kept rows sampled from, for `ready`
         spans = []  # (sequence, first prompt position, its first kept row, count) for input log-probs
@@ -300,23 +339,24 @@ class Batcher:
                 picks.append(len(keep) - 1)
                 ready.append(seq)
             offset += count
-        device = self.device
         self._flush_table()
-        flat = torch.cat(tokens).to(device)
+        table_rows = self._to_device(decode[2])
+        flat = torch.cat([self.last_tokens[table_rows], *(self._to_device(t) for t in tokens)])
         longest = max([seq.cached + 1 for seq in singles] + [s + n for _, s, n in chunks])
-        layout = self._layout(torch.cat(slots).to(device), len(singles), decode[3].to(device), decode[4].to(device),
-                              chunks, -(-longest // self.block_size) * self.block_size)  # fmt: skip
+        layout = self._layout(self._to_device(torch.cat(slots)), len(singles), table_rows,
+                              self._to_device(decode[3]), chunks,
+                              -(-longest // self.block_size) * self.block_size)  # fmt: skip
         attention.current = layout
         self._adapt(singles, chunks, keep)
         sequences = singles + [seq for seq, _, _ in chunks]
         with self._routing(sequences, (1, flat.shape[0])) as routed:
-            out = self.model(input_ids=flat[None], position_ids=torch.cat(positions).to(device)[None],
-                             use_cache=False, logits_to_keep=torch.tensor(keep, device=device))  # fmt: skip
+            out = self.model(input_ids=flat[None], position_ids=self._to_device(torch.cat(positions))[None],
+                             use_cache=False, logits_to_keep=self._to_device(torch.tensor(keep)))  # fmt: skip
         logits = out.logits[0]
         self._advance(singles, chunks, routed)
         for seq, first, at, count in spans:
             self._input_logprobs(seq, logits[at : at + count], first)
-        return ready, logits[picks]
+        return ready, logits[self._to_device(torch.tensor(picks))]
 
     def _advance(self, singles, chunks, routed) -> None:
         """After a forward: positions counted as cached, full blocks registered, routing kept."""
@@ -324,8 +364,9 @@ class Batcher:
         offset = 0
         for seq, start, count in spans:
             seq.cached = start + count
-            if seq.cached // self.block_size > len(seq.chain.hashes) and not seq.exact:
-                self.blocks.register(seq.chain, seq.tokens(0, seq.cached), seq.cached)
+            known = min(seq.cached, seq.length)  # a block whose last token is pending is registered a step later
+            if known // self.block_size > len(seq.chain.hashes) and not seq.exact:
+                self.blocks.register(seq.chain, seq.tokens(0, known), known)
             if routed and seq.return_routed_experts:
                 seq.routed_experts.append(routed[0][0, offset : offset + count].clone())
             offset += count

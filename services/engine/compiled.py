@@ -4,15 +4,33 @@ transformers' layers run as written launch about forty kernels a layer (an RMSNo
 so a small model's decode step is bound by kernel count, not by the bytes it reads. Compiled, each layer's
 elementwise work fuses into a few Triton kernels beside its matrix products, and a CUDA graph captures the fused
 step (services/engine/graphs.py). Attention stays our own operator (services/engine/attention.py), opaque to the
-compiler. Shapes are dynamic: one compilation serves every batch bucket and prefill size (a one-token batch gets one
-of its own). The output layer runs as written: it is one matrix product, and its LoRA adapter reads the step's
-kept positions.
+compiler. The token count is an unbacked size, so that one compilation serves every batch bucket and prefill size,
+one token included. The output layer runs as written: it is one matrix product, and its LoRA adapter reads the
+step's kept positions. A model the compiler fails on runs as written, with a warning.
 """
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def compile_decoder(model: torch.nn.Module) -> None:
     """Replaces the decoder's forward (embeddings, layers, final norm) with its compiled form, in place."""
     decoder = model.get_decoder()
-    decoder.forward = torch.compile(decoder.forward, dynamic=True)
+    written = decoder.forward
+    compiled = torch.compile(written, dynamic=True)
+
+    def forward(*args, input_ids=None, position_ids=None, **kwargs):
+        input_ids, position_ids = input_ids.clone(), position_ids.clone()  # not views: a view's base is guarded too
+        for tensor in (input_ids, position_ids):
+            torch._dynamo.decorators.mark_unbacked(tensor, 1)
+        try:
+            return compiled(*args, input_ids=input_ids, position_ids=position_ids, **kwargs)
+        except Exception as e:  # the compiler's errors: the model as written is exact
+            log.warning("the model runs without torch.compile: compiling it failed (%s: %s)", type(e).__name__, e)
+            decoder.forward = written
+            return written(*args, input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+    decoder.forward = forward

@@ -1,5 +1,11 @@
 """The engine thread: admits waiting sequences, runs decode steps, applies stop rules, and runs control commands
 (pause, abort, weight loads) between steps, so a weight update never lands in the middle of a forward pass.
+
+The thread queues each step on the device before it reads the step before's tokens (SGLang's overlap scheduling):
+while the GPU runs step n + 1, whose decoding sequences read their input tokens from step n's samples on the device
+(services/engine/batch.py), the thread appends step n's tokens, applies the stop rules and answers the requests. A
+sequence that stops at step n has run one step too many; that step's token is dropped. Commands wait for the queued
+step to be read.
 """
 
 import collections
@@ -7,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +24,15 @@ from services.engine.sampling import choose_batch
 log = logging.getLogger(__name__)
 
 Listener = Callable[[Sequence, bool], None]  # called after each new token; the flag says the sequence finished
+
+
+@dataclass
+class Queued:
+    """A queued step's sampled tokens and log-probs for `ready`, on their way to the host ([2, ready])."""
+
+    ready: list[Sequence]
+    host: torch.Tensor
+    done: torch.cuda.Event | None
 
 
 class Engine:
@@ -44,6 +60,7 @@ class Engine:
         self.paused: str | None = None
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # decode steps by batch size
         self._commands: collections.deque[tuple[Callable, Future]] = collections.deque()
+        self._queued: Queued | None = None
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -102,27 +119,33 @@ class Engine:
             torch.cuda.set_device(self.device)
         while True:
             with self._wake:
-                while not self._stopped and not self._commands and (self.paused or not self._has_work()):
+                while (not self._stopped and not self._commands and self._queued is None
+                       and (self.paused or not self._has_work())):  # fmt: skip
                     self._wake.wait()
                 if self._stopped:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
-            for function, future in commands:
-                try:
-                    future.set_result(function())
-                except Exception as e:  # the caller gets the error; the engine keeps serving
-                    future.set_exception(e)
-            if commands:  # a command may have changed the weights: cached prefixes would be stale
-                self.batcher.forget_prefixes()
-            if self.paused or not self._has_work():
-                continue
             try:
+                if commands:
+                    self._read()
+                for function, future in commands:
+                    try:
+                        future.set_result(function())
+                    except Exception as e:  # the caller gets the error; the engine keeps serving
+                        future.set_exception(e)
+                if commands:  # a command may have changed the weights: cached prefixes would be stale
+                    self.batcher.forget_prefixes()
+                if self.paused or not self._has_work():
+                    self._read()
+                    continue
                 self._admit()
-                if self.batcher.rows:
-                    self._step()
+                queued = self._step() if self.batcher.rows else None
+                self._read()
+                self._queued = queued
             except Exception as e:  # a failing step aborts what was running, not the server
                 log.exception("engine step failed")
+                self._queued = None
                 self.abort(self.running(), f"engine error: {type(e).__name__}: {e}")
 
     def _has_work(self) -> bool:
@@ -135,6 +158,9 @@ class Engine:
             waiting = list(self.waiting)
         joined = set()
         for seq in waiting:
+            if seq.finish is not None:  # its last token was read after it was retracted: it leaves the queue
+                joined.add(id(seq))
+                continue
             if len(self.batcher.rows) >= self.max_batch_size:
                 break
             state = self.batcher.admit(seq)
@@ -148,27 +174,47 @@ class Engine:
             with self._wake:
                 self.waiting = collections.deque(seq for seq in self.waiting if id(seq) not in joined)
 
-    def _step(self) -> None:
+    def _step(self) -> Queued | None:
+        """Queues a step and the choice of its next tokens on the device; their copy to the host is queued too."""
         result = self.batcher.step()
         if result.retracted:
             self._requeue(result.retracted)
-        if result.ready:
-            self.batch_sizes[len(result.ready)] += 1
-            self._advance(result.ready, result.logits)
+        if not result.ready:
+            return None
+        self.batch_sizes[len(result.ready)] += 1
+        tokens, logprobs = self._choose(result.ready, result.logits)
+        self.batcher.sampled(result.ready, tokens)
+        host = torch.stack([tokens.double(), logprobs.double()]).to("cpu", non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Queued(result.ready, host, done)
 
-    def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
-        """Picks each sequence's next token from its logits row [rows, vocab], applies the stop rules, and lets
-        finished sequences leave the batch."""
+    def _choose(self, sequences: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's next token and its log-prob from its logits row [rows, vocab], on the device."""
         for row, seq in enumerate(sequences):
-            if len(seq.output_ids) < seq.params.min_new_tokens and not seq.params.ignore_eos:
+            if len(seq.output_ids) + seq.pending < seq.params.min_new_tokens and not seq.params.ignore_eos:
                 logits[row, list(self.eos_ids)] = float("-inf")
-        picked = choose_batch(logits, [s.params for s in sequences], [s.generator for s in sequences])
-        done = []
-        for seq, (token, logprob) in zip(sequences, picked, strict=True):
-            self._append(seq, token, logprob)
-            if seq.finish:
-                done.append(seq)
-        self.batcher.drop(done)
+        return choose_batch(logits, [s.params for s in sequences], [s.generator for s in sequences])
+
+    def _read(self) -> None:
+        """Reads the queued step's tokens: appends them, applies the stop rules, and lets finished sequences leave
+        the batch (a sequence that finished a step earlier drops its token)."""
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return
+        if queued.done is not None:
+            queued.done.synchronize()
+        tokens, logprobs = queued.host.tolist()
+        finished = []
+        for seq, token, logprob in zip(queued.ready, tokens, logprobs, strict=True):
+            seq.pending -= 1
+            if seq.finish is None:
+                self._append(seq, int(token), logprob)
+                if seq.finish:
+                    finished.append(seq)
+        self.batcher.drop(finished)
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         params = seq.params

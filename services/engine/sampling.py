@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.transfer import to_device
+
 GREEDY_BELOW = 1e-6
 # Keys SGLang accepts; the ones this engine implements are fields of SamplingParams below.
 IGNORED_DEFAULTS = {
@@ -106,62 +108,71 @@ def _verify(p: SamplingParams) -> None:
             raise BadRequest(message)
 
 
-def choose_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[tuple[int, float]]:
-    """The next token of each row of `logits` [rows, vocab] and its log-prob. Greedy rows are decided in one pass and
-    sampled rows in another; a row with its own generator (a `sampling_seed`) draws alone, from that generator."""
+def choose_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> tuple[torch.Tensor, ...]:
+    """The next token of each row of `logits` [rows, vocab] and its log-prob, as two tensors [rows] on the logits'
+    device (read by the engine thread later: no sync here). Greedy rows are decided in one pass and sampled rows in
+    another; a row with its own generator (a `sampling_seed`) draws alone, from that generator."""
     greedy, shared, seeded = [], [], []
     for i, (p, generator) in enumerate(zip(params, generators, strict=True)):
         (greedy if p.temperature < GREEDY_BELOW or p.top_k == 1 else shared if generator is None else seeded).append(i)
     if len(shared) == len(params):  # the usual batch: one pass over all rows
         return sample(logits, params)
-    picked: list[tuple[int, float] | None] = [None] * len(params)
+    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(len(params), dtype=torch.float32, device=logits.device)
     if greedy:
-        rows = logits[greedy].float()
-        tokens = rows.argmax(-1)
-        logprobs = torch.log_softmax(rows, -1).gather(1, tokens[:, None])[:, 0]
-        for i, token, logprob in zip(greedy, tokens.tolist(), logprobs.tolist(), strict=True):
-            picked[i] = (token, logprob)
+        index = column(greedy, logits.device, torch.long)[:, 0]
+        rows = logits[index].float()
+        tokens[index] = best = rows.argmax(-1)
+        logprobs[index] = torch.log_softmax(rows, -1).gather(1, best[:, None])[:, 0]
     groups = [(shared, None)] if shared else []
     groups += [([i], generators[i]) for i in seeded]
     for rows, generator in groups:
-        for i, choice in zip(rows, sample(logits[rows], [params[i] for i in rows], generator), strict=True):
-            picked[i] = choice
-    return picked
+        index = column(rows, logits.device, torch.long)[:, 0]
+        tokens[index], logprobs[index] = sample(logits[index], [params[i] for i in rows], generator)
+    return tokens, logprobs
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None = None):
     """Draws a token for each row [rows, vocab] from softmax(logits / temperature), cut by each row's top-k, top-p and
-    min-p, in one pass for all rows; returns (token, log-prob) pairs. The draw is an exponential race (the argmax
-    of p / E with E ~ Exp(1), which picks each token with probability p): a few passes over the rows, where
-    `torch.multinomial` costs a scan per row."""
+    min-p, in one pass for all rows; returns the tokens and their log-probs [rows]. The draw is an exponential race
+    (the argmax of p / E with E ~ Exp(1), which picks each token with probability p): a few passes over the rows,
+    where `torch.multinomial` costs a scan per row."""
     logits = logits.float()
-    temperature = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    temperature = column([p.temperature for p in params], logits.device)
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    race = torch.empty_like(logprobs).exponential_(generator=generator)
+    if generator is None:
+        race = torch.empty_like(logprobs).exponential_()
+    else:  # a request's own generator lives on the CPU
+        race = torch.empty(logprobs.shape, device=generator.device).exponential_(generator=generator)
+        race = race.to(logprobs.device)
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
         tokens = (truncate(logprobs.exp(), params) / race).argmax(-1, keepdim=True)
     else:
         tokens = (logprobs - race.log_()).argmax(-1, keepdim=True)
-    chosen = logprobs.gather(1, tokens)[:, 0]
-    return list(zip(tokens[:, 0].tolist(), chosen.tolist(), strict=True))
+    return tokens[:, 0], logprobs.gather(1, tokens)[:, 0]
+
+
+def column(values: list, device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    """`values` as a column [rows, 1] on `device` (services/engine/transfer.py)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)[:, None]
 
 
 def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Each row's probabilities [rows, vocab] with what its top-k, top-p and min-p leave out set to zero."""
 
-    def column(values, dtype=torch.float32):
-        return torch.tensor(values, dtype=dtype, device=probs.device)[:, None]
+    def rows(values, dtype=torch.float32):
+        return column(values, probs.device, dtype)
 
     vocab = probs.shape[-1]
     if any(p.top_k > 0 for p in params):
-        k = column([min(p.top_k, vocab) if p.top_k > 0 else 1 for p in params], torch.long)
-        kth = torch.topk(probs, int(k.max()), dim=-1).values.gather(1, k - 1)
-        probs = torch.where((probs < kth) & column([p.top_k > 0 for p in params], torch.bool), 0.0, probs)
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else 1 for p in params]
+        kth = torch.topk(probs, max(ks), dim=-1).values.gather(1, rows(ks, torch.long) - 1)
+        probs = torch.where((probs < kth) & rows([p.top_k > 0 for p in params], torch.bool), 0.0, probs)
     if any(p.top_p < 1.0 for p in params):
         ordered, index = torch.sort(probs, dim=-1, descending=True)
-        outside = torch.cumsum(ordered, -1) - ordered > column([p.top_p for p in params]) * ordered.sum(-1, True)
-        outside &= column([p.top_p < 1.0 for p in params], torch.bool)
+        outside = torch.cumsum(ordered, -1) - ordered > rows([p.top_p for p in params]) * ordered.sum(-1, True)
+        outside &= rows([p.top_p < 1.0 for p in params], torch.bool)
         probs = probs.scatter(-1, index, torch.where(outside, 0.0, ordered))
     if any(p.min_p > 0 for p in params):
-        probs = torch.where(probs < column([p.min_p for p in params]) * probs.amax(-1, True), 0.0, probs)
+        probs = torch.where(probs < rows([p.min_p for p in params]) * probs.amax(-1, True), 0.0, probs)
     return probs

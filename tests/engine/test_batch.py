@@ -1,6 +1,7 @@
 """The engine's scheduler over the paged KV cache (services/engine/batch.py): sequences that join, are prefilled in
 chunks beside decoding ones, share a prompt's blocks, and leave mid-batch each get, at every step, the logits the
-model gives that sequence alone; on a GPU also when the step replays from CUDA graphs and attention runs in Triton.
+model gives that sequence alone; on a GPU also when the step replays from CUDA graphs and attention runs in Triton,
+and with the decoder compiled.
 Through the whole engine: greedy output equals transformers' `generate` for 64 mixed-length prompts served at once,
 and the returned log-probs equal a forward pass."""
 
@@ -13,30 +14,36 @@ import torch
 from services.engine import attention
 from services.engine.batch import Batcher, CacheConfig, Sequence
 from services.engine.blocks import Chain
+from services.engine.compiled import compile_decoder
 from services.engine.core import Engine
 from services.engine.graphs import DecodeGraphs
 from services.engine.sampling import SamplingParams
 
 MODES = [
-    pytest.param("cpu", False, id="cpu"),
-    pytest.param("cpu", True, id="cpu-row-buckets"),  # the graphs' shapes, run eagerly: no CUDA here
-    pytest.param("cuda", True, id="cuda-graphs", marks=pytest.mark.gpu),
+    pytest.param("cpu", False, False, id="cpu"),
+    pytest.param("cpu", True, False, id="cpu-row-buckets"),  # the graphs' shapes, run eagerly: no CUDA here
+    pytest.param("cpu", False, True, id="cpu-compiled"),
+    pytest.param("cuda", True, False, id="cuda-graphs", marks=pytest.mark.gpu),
+    pytest.param("cuda", True, True, id="cuda-graphs-compiled", marks=pytest.mark.gpu),
 ]
 
 
-def paged(model: torch.nn.Module, device: str) -> torch.nn.Module:
+def paged(model: torch.nn.Module, device: str, compiled: bool = False) -> torch.nn.Module:
     attention.register()
     model = copy.deepcopy(model).to(device)
     model.set_attn_implementation(attention.NAME)
+    if compiled:
+        compile_decoder(model)
     return model
 
 
-@pytest.mark.parametrize(("device", "graphs"), MODES)
-def test_every_row_of_every_step_equals_its_sequence_alone(hf_model, device, graphs):
+@pytest.mark.parametrize(("device", "graphs", "compiled"), MODES)
+def test_every_row_of_every_step_equals_its_sequence_alone(hf_model, device, graphs, compiled):
     reference = copy.deepcopy(hf_model[0]).to(device)
     graphs = DecodeGraphs(torch.device(device), max_rows=8) if graphs else None
     cache = CacheConfig(page_size=4, chunked_prefill_size=16)  # prompts of 20 and 12 take several steps
-    batcher = Batcher(paged(hf_model[0], device), torch.device(device), graphs=graphs, max_rows=8, cache=cache)
+    model = paged(hf_model[0], device, compiled)
+    batcher = Batcher(model, torch.device(device), graphs=graphs, max_rows=8, cache=cache)
     prompts = [list(range(30 * i, 30 * i + length)) for i, length in enumerate((3, 20, 7, 12, 5))]
     prompts.append(prompts[1])  # shares sequence 1's blocks
     sequences = [Sequence(rid=str(i), prompt_ids=p, params=SamplingParams()) for i, p in enumerate(prompts)]
@@ -100,7 +107,7 @@ def test_prefills_the_cache_cannot_take_go_back_one_at_a_time(hf_model):
 
 def run_engine(model, tokenizer, sequences: list[Sequence], cache: CacheConfig, device: str = "cpu") -> None:
     graphs = DecodeGraphs(torch.device(device), 64) if device == "cuda" else None
-    engine = Engine(paged(model, device), tokenizer, torch.device(device), 64, "v1", graphs=graphs, cache=cache)
+    engine = Engine(paged(model, device, compiled=device == "cuda"), tokenizer, torch.device(device), 64, "v1", graphs=graphs, cache=cache)
     done, finished = threading.Event(), []
 
     def listener(seq: Sequence, last: bool) -> None:

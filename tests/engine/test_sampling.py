@@ -34,7 +34,7 @@ def test_a_batch_mixes_greedy_sampled_and_seeded_rows_with_sglangs_log_probs():
     ]
     seeded = torch.Generator().manual_seed(7)
     generators = [None, None, None, None, seeded, None]
-    picked = choose_batch(logits.clone(), params, generators)
+    picked = list(zip(*(t.tolist() for t in choose_batch(logits.clone(), params, generators)), strict=True))
     assert [token for token, _ in picked[:2]] == logits[:2].argmax(-1).tolist()
     for row, ((token, logprob), p) in enumerate(zip(picked, params, strict=True)):
         temperature = 1.0 if p.greedy else p.temperature
@@ -42,7 +42,8 @@ def test_a_batch_mixes_greedy_sampled_and_seeded_rows_with_sglangs_log_probs():
         assert abs(logprob - float(expected)) < 1e-5  # before truncation, as SGLang reports it
     assert picked[2][0] in torch.topk(logits[2], 3).indices.tolist()
     for _ in range(20):  # a seeded row draws the same token again from a generator seeded alike
-        again = choose_batch(logits.clone(), params, [None, None, None, None, torch.Generator().manual_seed(7), None])
+        generators[4] = torch.Generator().manual_seed(7)
+        again = list(zip(*(t.tolist() for t in choose_batch(logits.clone(), params, generators)), strict=True))
         assert again[4][0] == picked[4][0]
         probs = torch.softmax(logits[3], -1)
         assert probs[again[3][0]] >= probs.max() - 1e-6 or probs.max() < 0.3  # top_p 0.3 keeps the top token alone
