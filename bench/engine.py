@@ -144,32 +144,35 @@ def limit_seconds(model, requests: list[Request], bandwidth: float) -> float:
 
 
 def breakdown(engine) -> dict[str, float]:
-    """Wraps the engine's step phases to add up their seconds (benchmark-only instrumentation)."""
+    """Adds up the engine thread's seconds in each phase of a step, and those it waits for the GPU (reading a queued
+    step's tokens), without synchronizing: the overlap of the two stays as it runs. Little waiting means the thread
+    is what bounds the steps (benchmark-only instrumentation)."""
     import collections
 
-    totals: dict[str, float] = collections.defaultdict(int)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    from services.engine import core
 
-    def wrap(owner, name: str) -> None:
+    totals: dict[str, float] = collections.defaultdict(int)
+
+    def wrap(owner, name: str, label: str | None = None) -> None:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            if engine.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return inner(*args, **kwargs)  # a CUDA graph's capture: no synchronizing inside it
-            sync()
             started = time.perf_counter()
             result = inner(*args, **kwargs)
-            sync()
-            totals[name] += time.perf_counter() - started
-            totals[f"{name} calls"] += 1
+            totals[label or name] += time.perf_counter() - started
+            totals[f"{label or name} calls"] += 1
             return result
 
         setattr(owner, name, timed)
 
-    phases = [(engine.batcher, "_replay"), (engine.batcher, "_eager"), (engine.model, "forward"), (engine, "_choose"),
-              (engine, "_read")]
-    for owner, name in phases:  # the model's forward: the eager steps' (a replay runs no Python), and captures untimed
+    phases = [(engine.batcher, "_replay"), (engine.batcher, "_eager"), (engine, "_choose"), (engine, "_read"),
+              (engine, "_step"), (engine, "_admit")]
+    for owner, name in phases:
         wrap(owner, name)
+    if engine.device.type == "cuda":
+        waits = type("Waited", (torch.cuda.Event,), {})  # the queued steps' events: waiting for the GPU
+        wrap(waits, "synchronize", "waiting for the GPU")
+        core.torch.cuda.Event = waits
     return totals
 
 
@@ -197,8 +200,8 @@ def main() -> None:
     parser.add_argument("--bandwidth-tbs", type=float, default=4.8, help="the device's memory bandwidth")
     parser.add_argument("--enable-torch-compile", action="store_true", help="the engine's option: compiled layers")
     parser.add_argument("--no-http", action="store_true", help="in-process only")
-    parser.add_argument("--breakdown", action="store_true", help="seconds in decode replays, eager steps and sampling "
-                        "(each synchronized, so a little slower)")  # fmt: skip
+    parser.add_argument("--breakdown", action="store_true", help="the engine thread's seconds in each phase of a step "
+                        "and waiting for the GPU")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_model(Path(tmp) / "model", args.device)
@@ -231,8 +234,9 @@ def main() -> None:
         if totals is not None:
             print("the last timed run: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                      for k, v in totals.items()))  # fmt: skip
-            if totals["_replay calls"]:
-                print(f"a replayed decode step: {1000 * totals['_replay'] / totals['_replay calls']:.2f} ms")
+            if totals["_step calls"]:
+                per_step = {k: f"{1000 * v / totals['_step calls']:.2f}" for k, v in totals.items() if "calls" not in k}
+                print("ms a step on the engine thread: " + ", ".join(f"{k} {v}" for k, v in per_step.items()))
         model = engine.model
         engine.stop()
         del engine

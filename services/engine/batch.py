@@ -94,6 +94,7 @@ class Result:
     ready: list[Sequence]
     logits: torch.Tensor | None
     retracted: list[Sequence]
+    rows: torch.Tensor | None = None  # the ready sequences' table rows, on the device
 
 
 class Batcher:
@@ -187,10 +188,11 @@ class Batcher:
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         return to_device(host, self.device)
 
-    def sampled(self, ready: list[Sequence], tokens: torch.Tensor) -> None:
-        """The tokens just sampled for `ready` [ready] on the device: the inputs of their next step, read there."""
-        self.last_tokens[self._to_device(torch.tensor([seq.row for seq in ready]))] = tokens
-        for seq in ready:
+    def sampled(self, result: Result, tokens: torch.Tensor) -> None:
+        """The tokens just sampled for the step's ready sequences [ready] on the device: the inputs of their next
+        step, read there."""
+        self.last_tokens[result.rows] = tokens
+        for seq in result.ready:
             seq.pending += 1
 
     def _reserve(self, seq: Sequence, positions: int) -> bool:
@@ -208,6 +210,8 @@ class Batcher:
 
     def drop(self, leaving: list[Sequence]) -> None:
         """Removes finished, aborted or retracted sequences: their blocks and table rows are free again."""
+        if not leaving:
+            return
         gone = {id(seq) for seq in leaving}
         for seq in self.rows:
             if id(seq) in gone:
@@ -231,37 +235,45 @@ class Batcher:
         """Queues the step's forward on the device. A decoding sequence's input is its last token, which the step
         before may have sampled on the device (`last_tokens`): a step is queued before the last one's tokens are
         read. Sequences whose sampled tokens already reach their max_new_tokens sit the step out."""
-        singles = [seq for seq in self.rows if seq.cached == seq.full_length - 1 and not seq.reached_length]
+        singles, prefills = [], []
+        for seq in self.rows:  # one pass, inlined: it runs for every sequence every step
+            ahead = seq.full_length - 1 - seq.cached
+            if ahead > 0:
+                prefills.append(seq)
+            elif not seq.reached_length:
+                singles.append(seq)
         retracted = self._make_room(singles)
-        singles = [seq for seq in singles if seq not in retracted]
+        if retracted:
+            singles = [seq for seq in singles if seq not in retracted]
+            prefills = [seq for seq in prefills if seq not in retracted]
         self.token_updates += [(seq.row, seq.tokens(seq.cached, seq.length)[0]) for seq in singles if not seq.pending]
         chunks, budget = [], self.config.chunked_prefill_size - len(singles)
-        for seq in self.rows:
+        for seq in prefills:
             if budget <= 0:
                 break
-            if seq.cached < seq.full_length - 1:
-                count = min(seq.length - seq.cached, budget)
-                if not self._reserve(seq, seq.cached + count):
-                    break
-                chunks.append((seq, seq.cached, count))
-                budget -= count
+            count = min(seq.length - seq.cached, budget)
+            if not self._reserve(seq, seq.cached + count):
+                break
+            chunks.append((seq, seq.cached, count))
+            budget -= count
         if not singles and not chunks:
-            prefills = [seq for seq in self.rows if seq.cached < seq.full_length - 1]
             if prefills:  # every one is a prefill the cache cannot take a chunk of: the latest goes back
                 retracted.append(prefills[-1])
                 self.drop([prefills[-1]])
             return Result([], None, retracted)
         if chunks or not self._graphable():
             ready, logits = self._eager(singles, chunks)
-        else:
-            ready, logits = singles, self._replay(singles)
-        return Result(ready, logits, retracted)
+            return Result(ready, logits, retracted, self._to_device(torch.tensor([seq.row for seq in ready])))
+        return Result(singles, self._replay(singles), retracted, self.static[2, : len(singles)])
 
     def _make_room(self, singles: list[Sequence]) -> list[Sequence]:
         """A block for each decoding sequence whose new position starts one; the latest admitted sequences are
         retracted while the cache cannot give them (SGLang's retraction)."""
         retracted: list[Sequence] = []
+        size = self.block_size
         for seq in singles:
+            if seq.cached < len(seq.chain.blocks) * size:  # its blocks hold the new position: the usual case
+                continue
             while seq not in retracted and not self._reserve(seq, seq.cached + 1):
                 victim = self.rows[-1]  # the retracted have left `rows` already
                 retracted.append(victim)
@@ -277,7 +289,7 @@ class Batcher:
         feed = self._feed()[:, :rows]
         feed.zero_()
         feed[3] = 1  # padded rows: position 0 of block 0 (the scratch block), table row 0 (its last token is 0)
-        feed[:, :count] = torch.tensor(self._decode_inputs(singles)).T
+        feed[:, :count] = torch.tensor(self._decode_inputs(singles))
         self.static[:, :rows].copy_(feed, non_blocking=True)
         self._flush_table()
         logits = self.graphs.run(rows, lambda: self._decode_forward(rows))
@@ -291,14 +303,13 @@ class Batcher:
             torch.zeros_like(self.static, device="cpu", pin_memory=self.device.type == "cuda") for _ in range(2)]
         return self.feeds[0]
 
-    def _decode_inputs(self, singles: list[Sequence]) -> list[tuple[int, int, int, int]]:
-        """Each decoding sequence's (position, slot, table row, length); its token is `last_tokens[row]`."""
-        size, inputs = self.block_size, []
-        for seq in singles:
-            position = seq.cached
-            inputs.append((position, seq.chain.blocks[position // size] * size + position % size, seq.row,
-                           position + 1))  # fmt: skip
-        return inputs
+    def _decode_inputs(self, singles: list[Sequence]) -> list[list[int]]:
+        """The decoding sequences' positions, slots, table rows and lengths (four lists: a tensor is made from
+        them faster than from a tuple a sequence); a sequence's token is `last_tokens[row]`."""
+        size = self.block_size
+        positions = [seq.cached for seq in singles]
+        slots = [seq.chain.blocks[p // size] * size + p % size for seq, p in zip(singles, positions, strict=True)]
+        return [positions, slots, [seq.row for seq in singles], [p + 1 for p in positions]]
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
         """The decode forward over `rows` rows read from `static` (what a CUDA graph captures)."""
@@ -316,7 +327,7 @@ class Batcher:
                               self.decode_kernel, width)  # fmt: skip
 
     def _eager(self, singles: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
-        decode = torch.tensor(self._decode_inputs(singles), dtype=torch.long).reshape(-1, 4).T
+        decode = torch.tensor(self._decode_inputs(singles), dtype=torch.long).reshape(4, -1)
         tokens, positions, slots = [], [decode[0]], [decode[1]]
         keep = list(range(len(singles)))  # the flat positions whose logits are computed
         picks, ready = list(range(len(singles))), list(singles)  # the kept rows sampled from, for `ready`
@@ -361,15 +372,18 @@ class Batcher:
     def _advance(self, singles, chunks, routed) -> None:
         """After a forward: positions counted as cached, full blocks registered, routing kept."""
         spans = [(seq, seq.cached, 1) for seq in singles] + chunks
-        offset = 0
+        size = self.block_size
         for seq, start, count in spans:
             seq.cached = start + count
             known = min(seq.cached, seq.length)  # a block whose last token is pending is registered a step later
-            if known // self.block_size > len(seq.chain.hashes) and not seq.exact:
+            if known // size > len(seq.chain.hashes) and not seq.exact:
                 self.blocks.register(seq.chain, seq.tokens(0, known), known)
-            if routed and seq.return_routed_experts:
-                seq.routed_experts.append(routed[0][0, offset : offset + count].clone())
-            offset += count
+        if routed:
+            offset = 0
+            for seq, _, count in spans:
+                if seq.return_routed_experts:
+                    seq.routed_experts.append(routed[0][0, offset : offset + count].clone())
+                offset += count
 
     def _input_logprobs(self, seq: Sequence, logits: torch.Tensor, first: int) -> None:
         """SGLang's input_token_logprobs for positions first…: entry j is log p(prompt_j | before j)."""

@@ -183,7 +183,7 @@ class Engine:
             return None
         self.batch_sizes[len(result.ready)] += 1
         tokens, logprobs = self._choose(result.ready, result.logits)
-        self.batcher.sampled(result.ready, tokens)
+        self.batcher.sampled(result, tokens)
         host = torch.stack([tokens.double(), logprobs.double()]).to("cpu", non_blocking=True)
         done = None
         if self.device.type == "cuda":

@@ -2,6 +2,7 @@
 
 import hmac
 import logging
+import sys
 
 import torch
 
@@ -10,6 +11,7 @@ from services.common.weight_group import apply_nccl_settings
 from services.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
+SWITCH_INTERVAL_S = 0.0005
 
 
 def load(config: EngineConfig):
@@ -96,6 +98,10 @@ def serve(config: EngineConfig) -> int:
         "base_gpu_id": config.base_gpu_id,
         "gpu_id_step": 1,
     }
+    # The engine thread runs Python between the steps it queues and rarely blocks; at Python's default switch
+    # interval (5 ms) the server's thread would wait up to that long for each turn with the GIL, so requests that
+    # arrive while it decodes would be read slowly.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = EngineAPI(engine, info, config.weight_update_timeout_s, config.weight_disk_dir).app()
     if config.api_key:
         app = require_api_key(app, config.api_key)

@@ -74,7 +74,7 @@ def test_every_row_of_every_step_equals_its_sequence_alone(hf_model, device, gra
         step()
     assert len(sequences[5].output_ids) >= 20
     if device == "cuda":
-        assert graphs.captures >= 2 and not graphs.failed
+        assert graphs.captures >= 1 and not graphs.failed  # bucket 8 (bucket 4 runs once: eagerly)
     batcher.drop(list(batcher.rows))
     assert batcher.rows == [] and batcher.blocks.num_free == batcher.blocks.num_blocks - 1
 
