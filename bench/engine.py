@@ -165,14 +165,14 @@ def breakdown(engine) -> dict[str, float]:
 
         setattr(owner, name, timed)
 
-    phases = [(engine.batcher, "_replay"), (engine.batcher, "_eager"), (engine, "_choose"), (engine, "_read"),
-              (engine, "_step"), (engine, "_admit")]
-    for owner, name in phases:
+    for owner, name in [(engine.batcher, "_replay"), (engine.batcher, "_eager")]:
         wrap(owner, name)
+    for name in ("_choose", "_read", "_step", "_admit"):
+        wrap(engine, name)
     if engine.device.type == "cuda":
         waits = type("Waited", (torch.cuda.Event,), {})  # the queued steps' events: waiting for the GPU
         wrap(waits, "synchronize", "waiting for the GPU")
-        core.torch.cuda.Event = waits
+        core.torch.cuda.Event = waits  # the process's torch.cuda.Event: this process only benchmarks
     return totals
 
 

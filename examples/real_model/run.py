@@ -133,7 +133,8 @@ def run_slipstream(args, settings: Settings, model: Path, train: Path, held_out:
     if args.cpu:
         flags += ["--num-data-workers", "0"]
     else:
-        flags += ["--bf16", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1", "--sglang-enable-torch-compile"]
+        flags += ["--bf16", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1"]
+        flags += ["--sglang-enable-torch-compile"]  # the engine's layers fused: its decode step is bound by kernels
         flags += ["--colocate"] if args.colocate else []
     code = train_main(flags + args.extra)
     if code != 0:  # what it trained and evaluated is still reported

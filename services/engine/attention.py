@@ -143,8 +143,8 @@ def chunk_plan(step: Step, device: torch.device) -> tuple[torch.Tensor, ...]:
     positions = torch.arange(width)
     visible = positions[None, None, :] <= (starts[:, None] + offsets)[:, :, None]
     keep = (offsets[None, :] < lens[:, None]).flatten().nonzero()[:, 0]
-    index, positions, visible, keep, rows = (to_device(t, device) for t in (index, positions, visible, keep,
-                                                                             torch.tensor(step.chunk_rows)))  # fmt: skip
+    rows = torch.tensor(step.chunk_rows)
+    index, positions, visible, keep, rows = (to_device(t, device) for t in (index, positions, visible, keep, rows))
     tables = step.tables[rows]
     slots = tables[:, positions // step.block_size].long() * step.block_size + positions % step.block_size
     return index, slots, visible, keep

@@ -113,6 +113,7 @@ class Batcher:
         self.last_tokens = torch.zeros(max_rows + 1, dtype=torch.long, device=device)  # each row's next input
         self.token_updates: list[tuple[int, int]] = []  # (row, token) not yet in `last_tokens`
         self.static = torch.zeros(4, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
+        self.feeds = [torch.zeros_like(self.static, device="cpu", pin_memory=device.type == "cuda") for _ in range(2)]
         self.decode_kernel = _decode_kernel(device)
         self._reset_cache()
 
@@ -299,8 +300,7 @@ class Batcher:
     def _feed(self) -> torch.Tensor:
         """A page-locked staging tensor for the graph's inputs, two in turn: the copy from one may still be queued
         behind the step before while the next step's inputs are written."""
-        self.feeds = self.feeds[::-1] if hasattr(self, "feeds") else [
-            torch.zeros_like(self.static, device="cpu", pin_memory=self.device.type == "cuda") for _ in range(2)]
+        self.feeds.reverse()
         return self.feeds[0]
 
     def _decode_inputs(self, singles: list[Sequence]) -> list[list[int]]:

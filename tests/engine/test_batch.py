@@ -107,7 +107,8 @@ def test_prefills_the_cache_cannot_take_go_back_one_at_a_time(hf_model):
 
 def run_engine(model, tokenizer, sequences: list[Sequence], cache: CacheConfig, device: str = "cpu") -> None:
     graphs = DecodeGraphs(torch.device(device), 64) if device == "cuda" else None
-    engine = Engine(paged(model, device, compiled=device == "cuda"), tokenizer, torch.device(device), 64, "v1", graphs=graphs, cache=cache)
+    model = paged(model, device, compiled=device == "cuda")
+    engine = Engine(model, tokenizer, torch.device(device), 64, "v1", graphs=graphs, cache=cache)
     done, finished = threading.Event(), []
 
     def listener(seq: Sequence, last: bool) -> None:
@@ -179,3 +180,33 @@ def test_in_bf16_on_a_gpu_the_first_32_tokens_agree_for_most_prompts(hf_model, c
                                       min_new_tokens=32, do_sample=False, eos_token_id=None)  # fmt: skip
         agree += seq.output_ids == expected[0, len(seq.prompt_ids) :].tolist()
     assert agree >= 0.95 * len(sequences)
+
+
+def test_a_step_is_queued_before_the_last_ones_tokens_are_read_and_no_row_runs_past_its_length(hf_model):
+    """The engine thread queues step n + 1 before it reads step n's tokens (core.py); a decoding sequence's input is
+    then its last sample on the device. A sequence whose pending samples reach max_new_tokens sits the step out, so
+    the steps' batch sizes are exactly those of the lengths asked for; the greedy tokens are still transformers'."""
+    model, tokenizer = hf_model
+    engine = Engine(paged(model, "cpu"), tokenizer, torch.device("cpu"), 8, "v1", cache=CacheConfig(page_size=4))
+    prompts, lengths = [[5, 6, 7], [8, 9, 10, 11, 12]], (5, 9)
+    sequences = [Sequence(rid=str(i), prompt_ids=p, params=SamplingParams(max_new_tokens=n, temperature=0,
+                                                                          ignore_eos=True))
+                 for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]  # fmt: skip
+    read_when_queued = []  # the longer sequence's tokens read when each step was queued
+    queue = engine._step
+    engine._step = lambda: read_when_queued.append(len(sequences[1].output_ids)) or queue()
+    done = threading.Event()
+    engine.paused = "in_place"  # both join the first step
+    try:
+        for seq in sequences:
+            engine.submit(seq, lambda seq, last: last and all(s.finish for s in sequences) and done.set())
+        engine.call(lambda: setattr(engine, "paused", None))
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert dict(engine.batch_sizes) == {2: 5, 1: 4}
+    assert read_when_queued[:9] == [0, 0, 1, 2, 3, 4, 5, 6, 7]
+    for seq, n in zip(sequences, lengths, strict=True):
+        expected = model.generate(torch.tensor([seq.prompt_ids]), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, eos_token_id=None)[0, len(seq.prompt_ids):].tolist()  # fmt: skip
+        assert seq.output_ids == expected and seq.pending == 0
