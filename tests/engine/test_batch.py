@@ -128,6 +128,7 @@ def run_engine(model, tokenizer, sequences: list[Sequence], cache: CacheConfig, 
 CACHES = [
     pytest.param(CacheConfig(page_size=16, chunked_prefill_size=8192), False, id="whole-prompts"),
     pytest.param(CacheConfig(page_size=4, chunked_prefill_size=48), True, id="shared-prefixes-chunked"),
+    pytest.param(CacheConfig(page_size=4, max_total_tokens=384), True, id="retracting"),  # a third of what they need
 ]
 
 
@@ -164,6 +165,8 @@ def test_greedy_output_equals_transformers_for_64_prompts_at_once(hf_model, cach
             assert seq.cached_tokens == 0 and len(seq.input_logprobs) == 1
     if shared:
         assert sum(seq.cached_tokens > 0 for seq in sequences) >= 32
+    if cache.max_total_tokens:  # sequences went back to the queue with a token still pending, and came back
+        assert any(seq.num_retractions for seq in sequences)
 
 
 @pytest.mark.gpu
