@@ -22,12 +22,15 @@ Run (CPU):       .venv/bin/python bench/engine.py --workload concurrency --concu
 
 import argparse
 import asyncio
+import contextlib
 import random
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,6 +179,34 @@ def breakdown(engine) -> dict[str, float]:
     return totals
 
 
+@contextlib.contextmanager
+def sync_debug(on: bool):
+    """Reports each place that makes the host wait for the GPU (torch.cuda.set_sync_debug_mode), once, with its stack:
+    such a wait in the engine thread's step undoes the overlap of the thread and the GPU (benchmark-only)."""
+    if not on or not torch.cuda.is_available():
+        yield
+        return
+    seen = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=12)[:-2])
+        if (filename, lineno, stack) not in seen:
+            seen.add((filename, lineno, stack))
+            print(f"a synchronizing call: {message}\n{stack}", file=sys.stderr)
+
+    previous = warnings.showwarning
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = previous
+        print(f"{len(seen)} synchronizing places in the timed run", file=sys.stderr)
+
+
 def random_model(path: Path, device: str) -> Path:
     """Qwen3-0.6B's shape with its 151,936 words, random weights (on the CPU, a tiny model); the tokenizer is the
     test one (it decodes ids past its own words as nothing)."""
@@ -199,6 +230,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48, help="the concurrency workload's")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.8, help="the device's memory bandwidth")
     parser.add_argument("--enable-torch-compile", action="store_true", help="the engine's option: compiled layers")
+    parser.add_argument("--sync-debug", action="store_true", help="report each call that waits for the GPU in the "
+                        "timed in-process run, with its stack (CUDA)")  # fmt: skip
     parser.add_argument("--no-http", action="store_true", help="in-process only")
     parser.add_argument("--breakdown", action="store_true", help="the engine thread's seconds in each phase of a step "
                         "and waiting for the GPU")  # fmt: skip
@@ -225,7 +258,8 @@ def main() -> None:
             if totals is not None:
                 totals.clear()
             steps_before = sum(engine.batch_sizes.values())
-            seconds = in_process(engine, requests)
+            with sync_debug(args.sync_debug):
+                seconds = in_process(engine, requests)
             steps = sum(engine.batch_sizes.values()) - steps_before
             limit = limit_seconds(engine.model, requests, args.bandwidth_tbs * 1e12)
             results.append([name, tokens, tokens / seconds, 1000 * seconds / steps, tokens / limit, limit / seconds])
