@@ -112,7 +112,7 @@ class Batcher:
         self.table_updates: list[tuple[int, int, int]] = []  # (row, column, block) not yet in `tables`
         self.last_tokens = torch.zeros(max_rows + 1, dtype=torch.long, device=device)  # each row's next input
         self.token_updates: list[tuple[int, int]] = []  # (row, token) not yet in `last_tokens`
-        self.static = torch.zeros(4, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
+        self.static = torch.zeros(2, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
         self.feeds = [torch.zeros_like(self.static, device="cpu", pin_memory=device.type == "cuda") for _ in range(2)]
         self.decode_kernel = _decode_kernel(device)
         self._reset_cache()
@@ -265,7 +265,7 @@ class Batcher:
         if chunks or not self._graphable():
             ready, logits = self._eager(singles, chunks)
             return Result(ready, logits, retracted, self._to_device(torch.tensor([seq.row for seq in ready])))
-        return Result(singles, self._replay(singles), retracted, self.static[2, : len(singles)])
+        return Result(singles, self._replay(singles), retracted, self.static[1, : len(singles)])
 
     def _make_room(self, singles: list[Sequence]) -> list[Sequence]:
         """A block for each decoding sequence whose new position starts one; the latest admitted sequences are
@@ -288,9 +288,8 @@ class Batcher:
         count = len(singles)
         rows = bucket(count)
         feed = self._feed()[:, :rows]
-        feed.zero_()
-        feed[3] = 1  # padded rows: position 0 of block 0 (the scratch block), table row 0 (its last token is 0)
-        feed[:, :count] = torch.tensor(self._decode_inputs(singles))
+        feed.zero_()  # padded rows: position 0 of table row 0, whose block 0 is the scratch block and last token 0
+        feed[:, :count] = torch.tensor([[seq.cached for seq in singles], [seq.row for seq in singles]])
         self.static[:, :rows].copy_(feed, non_blocking=True)
         self._flush_table()
         logits = self.graphs.run(rows, lambda: self._decode_forward(rows))
@@ -303,18 +302,17 @@ class Batcher:
         self.feeds.reverse()
         return self.feeds[0]
 
-    def _decode_inputs(self, singles: list[Sequence]) -> list[list[int]]:
-        """The decoding sequences' positions, slots, table rows and lengths (four lists: a tensor is made from
-        them faster than from a tuple a sequence); a sequence's token is `last_tokens[row]`."""
+    def _decode_rows(self, positions: torch.Tensor, table_rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Decoding rows' tokens (each row's last), slots and lengths, from their positions and table rows, on the
+        device (inside a CUDA graph for a replayed step)."""
         size = self.block_size
-        positions = [seq.cached for seq in singles]
-        slots = [seq.chain.blocks[p // size] * size + p % size for seq, p in zip(singles, positions, strict=True)]
-        return [positions, slots, [seq.row for seq in singles], [p + 1 for p in positions]]
+        slots = self.tables[table_rows, positions // size].long() * size + positions % size
+        return self.last_tokens[table_rows], slots, positions + 1
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
         """The decode forward over `rows` rows read from `static` (what a CUDA graph captures)."""
-        positions, slots, table_rows, lengths = self.static[:, :rows]
-        tokens = self.last_tokens[table_rows]
+        positions, table_rows = self.static[:, :rows]
+        tokens, slots, lengths = self._decode_rows(positions, table_rows)
         width = self.tables.shape[1] * self.block_size  # a graph is replayed at every length: the table's width
         if self.device.type == "cpu":  # no graph: the longest row's
             width = -(-int(lengths.max()) // self.block_size) * self.block_size
@@ -327,8 +325,8 @@ class Batcher:
                               self.decode_kernel, width)  # fmt: skip
 
     def _eager(self, singles: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
-        decode = torch.tensor(self._decode_inputs(singles), dtype=torch.long).reshape(4, -1)
-        tokens, positions, slots = [], [decode[0]], [decode[1]]
+        decode = torch.tensor([[seq.cached for seq in singles], [seq.row for seq in singles]], dtype=torch.long)
+        tokens, positions, slots = [], [], []
         keep = list(range(len(singles)))  # the flat positions whose logits are computed
         picks, ready = list(range(len(singles))), list(singles)  # the kept rows sampled from, for `ready`
         spans = []  # (sequence, first prompt position, its first kept row, count) for input log-probs
@@ -351,18 +349,20 @@ class Batcher:
                 ready.append(seq)
             offset += count
         self._flush_table()
-        table_rows = self._to_device(decode[2])
-        flat = torch.cat([self.last_tokens[table_rows], *(self._to_device(t) for t in tokens)])
+        decode_positions, table_rows = self._to_device(decode)
+        decode_tokens, decode_slots, lengths = self._decode_rows(decode_positions, table_rows)
+        flat = torch.cat([decode_tokens, *(self._to_device(t) for t in tokens)])
+        slots = torch.cat([decode_slots, *(self._to_device(t) for t in slots)])
         longest = max([seq.cached + 1 for seq in singles] + [s + n for _, s, n in chunks])
-        layout = self._layout(self._to_device(torch.cat(slots)), len(singles), table_rows,
-                              self._to_device(decode[3]), chunks,
+        layout = self._layout(slots, len(singles), table_rows, lengths, chunks,
                               -(-longest // self.block_size) * self.block_size)  # fmt: skip
         attention.current = layout
         self._adapt(singles, chunks, keep)
         sequences = singles + [seq for seq, _, _ in chunks]
+        positions = torch.cat([decode_positions, *(self._to_device(t) for t in positions)])
         with self._routing(sequences, (1, flat.shape[0])) as routed:
-            out = self.model(input_ids=flat[None], position_ids=self._to_device(torch.cat(positions))[None],
-                             use_cache=False, logits_to_keep=self._to_device(torch.tensor(keep)))  # fmt: skip
+            out = self.model(input_ids=flat[None], position_ids=positions[None], use_cache=False,
+                             logits_to_keep=self._to_device(torch.tensor(keep)))  # fmt: skip
         logits = out.logits[0]
         self._advance(singles, chunks, routed)
         for seq, first, at, count in spans:
@@ -375,9 +375,10 @@ class Batcher:
         size = self.block_size
         for seq, start, count in spans:
             seq.cached = start + count
-            known = min(seq.cached, seq.length)  # a block whose last token is pending is registered a step later
-            if known // size > len(seq.chain.hashes) and not seq.exact:
-                self.blocks.register(seq.chain, seq.tokens(0, known), known)
+            if seq.cached // size > len(seq.chain.hashes):  # a block filled: rare, the rest skipped for most rows
+                known = min(seq.cached, seq.length)  # a block whose last token is pending is registered a step later
+                if known // size > len(seq.chain.hashes) and not seq.exact:
+                    self.blocks.register(seq.chain, seq.tokens(0, known), known)
         if routed:
             offset = 0
             for seq, _, count in spans:
