@@ -62,7 +62,7 @@ class EngineAPI:
         start = time.monotonic()
         stream = bool(body.get("stream"))
         for index, seq in enumerate(requests):
-            self.engine.submit(seq, _listener(loop, queue, index, stream))
+            self.engine.submit(seq, _listener(loop, queue, index), every_token=stream)
         return_logprob = bool(body.get("return_logprob"))
         version = self.engine.weight_version
         if stream:
@@ -186,7 +186,7 @@ class EngineAPI:
         seq = Sequence(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], parse_sampling({"max_new_tokens": 1, "temperature": 0}))
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
-        self.engine.submit(seq, lambda s, finished: loop.call_soon_threadsafe(done.set))
+        self.engine.submit(seq, lambda s, finished: loop.call_soon_threadsafe(done.set), every_token=False)
         try:
             await asyncio.wait_for(done.wait(), HEALTH_TIMEOUT_S)
         except TimeoutError:
@@ -323,14 +323,13 @@ class EngineAPI:
         return Starlette(routes=self.routes(), lifespan=lifespan)
 
 
-def _listener(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, stream: bool):
+def _listener(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
     """Forwards the engine thread's notifications to the request's queue, with how many tokens the sequence had
-    then (it may have advanced by the time a streamed chunk is built); a request that is not streamed hears only of
-    the end, so the server's thread is not woken for every token."""
+    then (it may have advanced by the time a streamed chunk is built); a request that is not streamed is submitted
+    to hear only of the end, so the server's thread is not woken for every token."""
 
     def notify(seq: Sequence, finished: bool) -> None:
-        if finished or stream:
-            loop.call_soon_threadsafe(queue.put_nowait, (index, finished, len(seq.output_ids)))
+        loop.call_soon_threadsafe(queue.put_nowait, (index, finished, len(seq.output_ids)))
 
     return notify
 

@@ -57,6 +57,7 @@ class Engine:
         self.batcher = Batcher(model, device, routing, adapters, graphs, max_batch_size, cache)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.listeners: dict[int, Listener] = {}
+        self.every_token: set[int] = set()  # the sequences whose listener hears of each token (a streamed request)
         self.paused: str | None = None
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # decode steps by batch size
         self._commands: collections.deque[tuple[Callable, Future]] = collections.deque()
@@ -68,9 +69,12 @@ class Engine:
 
     # Called from other threads
 
-    def submit(self, seq: Sequence, listener: Listener) -> None:
+    def submit(self, seq: Sequence, listener: Listener, every_token: bool = True) -> None:
+        """Queues `seq`; `listener` hears of its end, and of each new token unless `every_token` is False."""
         with self._wake:
             self.listeners[id(seq)] = listener
+            if every_token:
+                self.every_token.add(id(seq))
             self.waiting.append(seq)
             self._wake.notify()
 
@@ -259,9 +263,12 @@ class Engine:
         self._notify(seq, True)
 
     def _notify(self, seq: Sequence, finished: bool) -> None:
+        if not finished and id(seq) not in self.every_token:
+            return
         listener = self.listeners.get(id(seq))
         if finished:
             self.listeners.pop(id(seq), None)
+            self.every_token.discard(id(seq))
         if listener is not None:
             listener(seq, finished)
 

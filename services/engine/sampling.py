@@ -112,11 +112,12 @@ def choose_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     """The next token of each row of `logits` [rows, vocab] and its log-prob, as two tensors [rows] on the logits'
     device (read by the engine thread later: no sync here). Greedy rows are decided in one pass and sampled rows in
     another; a row with its own generator (a `sampling_seed`) draws alone, from that generator."""
+    distinct = {id(p): p for p in params}.values()  # a request's samples share theirs: a few objects a batch
+    if not any(p.greedy for p in distinct) and not any(generators):  # the usual batch: one pass over all rows
+        return sample(logits, params, cut=any(_cuts(p) for p in distinct))
     greedy, shared, seeded = [], [], []
     for i, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        (greedy if p.temperature < GREEDY_BELOW or p.top_k == 1 else shared if generator is None else seeded).append(i)
-    if len(shared) == len(params):  # the usual batch: one pass over all rows
-        return sample(logits, params)
+        (greedy if p.greedy else shared if generator is None else seeded).append(i)
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     logprobs = torch.empty(len(params), dtype=torch.float32, device=logits.device)
     if greedy:
@@ -132,11 +133,13 @@ def choose_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     return tokens, logprobs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None = None):
+def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None = None,
+           cut: bool | None = None):  # fmt: skip
     """Draws a token for each row [rows, vocab] from softmax(logits / temperature), cut by each row's top-k, top-p and
     min-p, in one pass for all rows; returns the tokens and their log-probs [rows]. The draw is an exponential race
     (the argmax of p / E with E ~ Exp(1), which picks each token with probability p): a few passes over the rows,
-    where `torch.multinomial` costs a scan per row."""
+    where `torch.multinomial` costs a scan per row. `cut`: whether any row has a top-k, top-p or min-p (worked out
+    here when not given)."""
     logits = logits.float()
     temperature = column([p.temperature for p in params], logits.device)
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
@@ -145,11 +148,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.
     else:  # a request's own generator lives on the CPU
         race = torch.empty(logprobs.shape, device=generator.device).exponential_(generator=generator)
         race = race.to(logprobs.device)
-    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+    if cut if cut is not None else any(_cuts(p) for p in params):
         tokens = (truncate(logprobs.exp(), params) / race).argmax(-1, keepdim=True)
     else:
         tokens = (logprobs - race.log_()).argmax(-1, keepdim=True)
     return tokens[:, 0], logprobs.gather(1, tokens)[:, 0]
+
+
+def _cuts(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0
 
 
 def column(values: list, device: torch.device, dtype=torch.float32) -> torch.Tensor:
