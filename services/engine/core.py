@@ -130,27 +130,33 @@ class Engine:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
-            try:
-                if commands:
-                    self._read()
+            if commands:
+                self._guarded(self._read)  # what the queued step produced, before a command changes anything
                 for function, future in commands:
                     try:
                         future.set_result(function())
                     except Exception as e:  # the caller gets the error; the engine keeps serving
                         future.set_exception(e)
-                if commands:  # a command may have changed the weights: cached prefixes would be stale
-                    self.batcher.forget_prefixes()
-                if self.paused or not self._has_work():
-                    self._read()
-                    continue
-                self._admit()
-                queued = self._step() if self.batcher.rows else None
-                self._read()
-                self._queued = queued
-            except Exception as e:  # a failing step aborts what was running, not the server
-                log.exception("engine step failed")
-                self._queued = None
-                self.abort(self.running(), f"engine error: {type(e).__name__}: {e}")
+                self.batcher.forget_prefixes()  # a command may have changed the weights: cached prefixes are stale
+            if self.paused or not self._has_work():
+                self._guarded(self._read)
+                continue
+            self._guarded(self._iterate)
+
+    def _iterate(self) -> None:
+        self._admit()
+        queued = self._step() if self.batcher.rows else None
+        self._read()
+        self._queued = queued
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        """Runs `work`; if it fails, what was running is aborted, not the server (nor the commands waiting)."""
+        try:
+            work()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._queued = None
+            self.abort(self.running(), f"engine error: {type(e).__name__}: {e}")
 
     def _has_work(self) -> bool:
         return bool(self.waiting or self.batcher.rows)

@@ -213,3 +213,30 @@ def test_a_step_is_queued_before_the_last_ones_tokens_are_read_and_no_row_runs_p
         expected = model.generate(torch.tensor([seq.prompt_ids]), max_new_tokens=n, min_new_tokens=n,
                                   do_sample=False, eos_token_id=None)[0, len(seq.prompt_ids):].tolist()  # fmt: skip
         assert seq.output_ids == expected and seq.pending == 0
+
+
+def test_a_failing_step_aborts_what_runs_and_the_engine_keeps_serving(hf_model):
+    """An error in a step (here a listener's, while the thread reads a queued step's tokens) aborts the running
+    sequences with its message; commands still get their answers and new requests are served."""
+    model, tokenizer = hf_model
+    engine = Engine(paged(model, "cpu"), tokenizer, torch.device("cpu"), 8, "v1", cache=CacheConfig(page_size=4))
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    failing = Sequence(rid="0", prompt_ids=[5, 6, 7], params=params)
+    ended = threading.Event()
+
+    def listener(seq: Sequence, last: bool) -> None:
+        if last:
+            ended.set()
+        elif len(seq.output_ids) == 3:
+            raise RuntimeError("a listener's bug")
+
+    try:
+        engine.submit(failing, listener)
+        assert ended.wait(60)
+        assert failing.finish["type"] == "abort" and "a listener's bug" in failing.finish["message"]
+        assert engine.call(lambda: 42).result(timeout=60) == 42
+        served, done = Sequence(rid="1", prompt_ids=[5, 6, 7], params=params), threading.Event()
+        engine.submit(served, lambda seq, last: last and done.set())
+        assert done.wait(60) and served.finish["type"] == "length" and len(served.output_ids) == 40
+    finally:
+        engine.stop()
