@@ -326,7 +326,7 @@ class Batcher:
 
     def _eager(self, singles: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
         decode = torch.tensor([[seq.cached for seq in singles], [seq.row for seq in singles]], dtype=torch.long)
-        tokens, positions, slots = [], [], []
+        tokens, positions, slots = ([torch.empty(0, dtype=torch.long)] for _ in range(3))  # the chunks', on the host
         keep = list(range(len(singles)))  # the flat positions whose logits are computed
         picks, ready = list(range(len(singles))), list(singles)  # the kept rows sampled from, for `ready`
         spans = []  # (sequence, first prompt position, its first kept row, count) for input log-probs
@@ -351,15 +351,16 @@ class Batcher:
         self._flush_table()
         decode_positions, table_rows = self._to_device(decode)
         decode_tokens, decode_slots, lengths = self._decode_rows(decode_positions, table_rows)
-        flat = torch.cat([decode_tokens, *(self._to_device(t) for t in tokens)])
-        slots = torch.cat([decode_slots, *(self._to_device(t) for t in slots)])
+        tokens, positions, slots = (self._to_device(torch.cat(t)) for t in (tokens, positions, slots))  # a copy each
+        flat = torch.cat([decode_tokens, tokens])
+        slots = torch.cat([decode_slots, slots])
         longest = max([seq.cached + 1 for seq in singles] + [s + n for _, s, n in chunks])
         layout = self._layout(slots, len(singles), table_rows, lengths, chunks,
                               -(-longest // self.block_size) * self.block_size)  # fmt: skip
         attention.current = layout
         self._adapt(singles, chunks, keep)
         sequences = singles + [seq for seq, _, _ in chunks]
-        positions = torch.cat([decode_positions, *(self._to_device(t) for t in positions)])
+        positions = torch.cat([decode_positions, positions])
         with self._routing(sequences, (1, flat.shape[0])) as routed:
             out = self.model(input_ids=flat[None], position_ids=positions[None], use_cache=False,
                              logits_to_keep=self._to_device(torch.tensor(keep)))  # fmt: skip
