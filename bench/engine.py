@@ -207,6 +207,31 @@ def sync_debug(on: bool):
         print(f"{len(seen)} synchronizing places in the timed run", file=sys.stderr)
 
 
+def profile(engine, requests: list[Request], steps: int) -> None:
+    """Runs the workload once more and records the GPU's kernels over `steps` decode steps from a quarter of the way
+    in (torch.profiler, benchmark-only): prints the GPU's busy time a step and the kernels that take most of it."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as record
+
+    runner = threading.Thread(target=in_process, args=(engine, requests))
+    count = lambda: sum(engine.batch_sizes.values())  # noqa: E731
+    start = count() + max(steps, sum(r.new_tokens for r in requests) // len(requests) // 4)
+    runner.start()
+    while count() < start:
+        time.sleep(0.001)
+    with record(activities=[ProfilerActivity.CUDA]) as prof:
+        first, began = count(), time.perf_counter()
+        while count() < first + steps and runner.is_alive():
+            time.sleep(0.001)
+        done, wall = count() - first, time.perf_counter() - began
+    runner.join()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    busy = sum(e.device_time_total for e in kernels) / done / 1000
+    print(f"profile: {done} steps, {1000 * wall / done:.2f} ms a step, the GPU busy {busy:.2f} ms a step")
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:15]:
+        print(f"  {e.device_time_total / done / 1000:7.3f} ms {e.count / done:6.1f} calls  {e.key[:100]}")
+
+
 def random_model(path: Path, device: str) -> Path:
     """Qwen3-0.6B's shape with its 151,936 words, random weights (on the CPU, a tiny model); the tokenizer is the
     test one (it decodes ids past its own words as nothing)."""
@@ -235,6 +260,8 @@ def main() -> None:
     parser.add_argument("--no-http", action="store_true", help="in-process only")
     parser.add_argument("--breakdown", action="store_true", help="the engine thread's seconds in each phase of a step "
                         "and waiting for the GPU")  # fmt: skip
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS", help="after the timed run, the GPU's "
+                        "kernels over STEPS decode steps of another run (CUDA)")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_model(Path(tmp) / "model", args.device)
@@ -263,6 +290,8 @@ def main() -> None:
             steps = sum(engine.batch_sizes.values()) - steps_before
             limit = limit_seconds(engine.model, requests, args.bandwidth_tbs * 1e12)
             results.append([name, tokens, tokens / seconds, 1000 * seconds / steps, tokens / limit, limit / seconds])
+            if args.profile and args.device == "cuda":
+                profile(engine, requests, args.profile)
         graphs = engine.batcher.graphs
         print("decode: " + (f"CUDA graphs, {graphs.captures} captured" if graphs and not graphs.failed else "eager"))
         if totals is not None:
