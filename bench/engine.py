@@ -130,6 +130,10 @@ def start_engine(config: EngineConfig) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the engine did not become healthy")
 
 
+def server_states(url: str) -> dict:
+    return httpx.get(f"{url}/server_info", timeout=60).json()["internal_states"][0]
+
+
 def limit_seconds(model, requests: list[Request], bandwidth: float) -> float:
     """The least time the decode steps take at `bandwidth` bytes/s: weights and every running sequence's cache
     read once a step."""
@@ -170,6 +174,8 @@ def breakdown(engine) -> dict[str, float]:
 
     for owner, name in [(engine.batcher, "_replay"), (engine.batcher, "_eager")]:
         wrap(owner, name)
+    if engine.batcher.graphs is not None:
+        wrap(engine.batcher.graphs, "run", "graph launch")  # inside _replay
     for name in ("_choose", "_read", "_step", "_admit"):
         wrap(engine, name)
     if engine.device.type == "cuda":
@@ -309,7 +315,12 @@ def main() -> None:
                 for (_, requests), row in zip(workloads, results, strict=True):
                     for _ in range(2):  # requests arriving over HTTP meet other batch sizes than in-process
                         asyncio.run(over_http(url, requests))
+                    before = server_states(url)
                     row.append(row[1] / asyncio.run(over_http(url, requests)))
+                    after = server_states(url)
+                    steps = sum(after["batch_sizes"].values()) - sum(before["batch_sizes"].values())
+                    captures = after["cuda_graph_captures"] - before["cuda_graph_captures"]
+                    print(f"{row[0]} over HTTP: {steps} decode steps, {captures} CUDA graphs captured in the timed run")
             finally:
                 proc.terminate()
                 proc.wait(30)

@@ -215,6 +215,7 @@ class EngineAPI:
             "batch_sizes": {str(k): v for k, v in sorted(self.engine.batch_sizes.items())},  # decode steps by size
             "num_running_reqs": len(self.engine.batcher.rows),
             "num_waiting_reqs": len(self.engine.waiting),
+            "cuda_graph_captures": graphs.captures if (graphs := self.engine.batcher.graphs) else 0,
         }
         return json_response(
             {

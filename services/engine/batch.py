@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine import attention
+from services.engine import attention, sampling
 from services.engine.blocks import Blocks, Chain
 from services.engine.graphs import DecodeGraphs, bucket
 from services.engine.routing import RoutingCapture
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import SamplingParams, pick_temperature
 from services.engine.transfer import to_device
 
 INITIAL_BLOCKS = 64
@@ -49,6 +49,7 @@ class Sequence:
     chain: Chain = field(default_factory=Chain)
     row: int = 0  # its row of the block tables while running
     pending: int = 0  # tokens sampled on the device that the engine thread has not read yet (services/engine/core.py)
+    plain: bool = True  # its tokens are drawn by the step itself (sampling.plain), set when it joins
 
     @property
     def length(self) -> int:
@@ -57,16 +58,6 @@ class Sequence:
     def tokens(self, start: int, end: int) -> list[int]:
         prompt = len(self.prompt_ids)
         return self.prompt_ids[start:end] + self.output_ids[max(start - prompt, 0) : max(end - prompt, 0)]
-
-    @property
-    def full_length(self) -> int:
-        """Its length once its pending tokens are read: what the next step feeds and where."""
-        return self.length + self.pending
-
-    @property
-    def reached_length(self) -> bool:
-        """Its sampled tokens reach max_new_tokens: it finishes when they are read, and takes no further step."""
-        return self.pending > 0 and len(self.output_ids) + self.pending >= self.params.max_new_tokens
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -89,18 +80,20 @@ class CacheConfig:
 @dataclass
 class Result:
     """A step's outcome: the sequences whose next token is due, with their logits rows [ready, vocab], and those
-    retracted for want of cache (back to the queue, without their cache)."""
+    retracted for want of cache (back to the queue, without their cache). Where every running sequence is plain,
+    `picked` [ready, 2] holds their next tokens and log-probs (float64, on the device), drawn by the step."""
 
     ready: list[Sequence]
     logits: torch.Tensor | None
     retracted: list[Sequence]
     rows: torch.Tensor | None = None  # the ready sequences' table rows, on the device
+    picked: torch.Tensor | None = None
 
 
 class Batcher:
     def __init__(self, model: torch.nn.Module, device: torch.device, routing: RoutingCapture | None = None,
                  adapters=None, graphs: DecodeGraphs | None = None, max_rows: int = 64,
-                 cache: CacheConfig | None = None):  # fmt: skip
+                 cache: CacheConfig | None = None, pick=None):  # fmt: skip
         self.model, self.device, self.routing, self.adapters, self.graphs = model, device, routing, adapters, graphs
         self.config = cache or CacheConfig()
         self.block_size = self.config.page_size
@@ -112,6 +105,10 @@ class Batcher:
         self.table_updates: list[tuple[int, int, int]] = []  # (row, column, block) not yet in `tables`
         self.last_tokens = torch.zeros(max_rows + 1, dtype=torch.long, device=device)  # each row's next input
         self.token_updates: list[tuple[int, int]] = []  # (row, token) not yet in `last_tokens`
+        self.temperatures = torch.ones(max_rows + 1, device=device)  # each plain row's (sampling.pick), 0 greedy
+        self.temperature_updates: list[tuple[int, float]] = []  # (row, temperature) not yet in `temperatures`
+        self.pick = pick or sampling.pick  # compiled under --enable-torch-compile (services/engine/compiled.py)
+        self.unplain = 0  # running sequences that are not plain: while there are any, the engine draws every token
         self.static = torch.zeros(2, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
         self.feeds = [torch.zeros_like(self.static, device="cpu", pin_memory=device.type == "cuda") for _ in range(2)]
         self.decode_kernel = _decode_kernel(device)
@@ -136,6 +133,9 @@ class Batcher:
         if not self._room(self.blocks.needed(seq.length + 1, Chain(blocks=shared)) + len(shared)):
             return "full"
         seq.row = self.free_rows.pop()
+        seq.plain = sampling.plain(seq.params, seq.generator)
+        self.unplain += not seq.plain
+        self.temperature_updates.append((seq.row, pick_temperature(seq.params)))
         self.blocks.share(seq.chain, shared, hashes)
         self._write_table(seq, 0)
         seq.cached = len(shared) * self.block_size
@@ -185,16 +185,18 @@ class Batcher:
             rows, tokens = self._to_device(torch.tensor(self.token_updates).T)
             self.last_tokens[rows] = tokens
             self.token_updates = []
+        if self.temperature_updates:
+            rows, temperatures = self._to_device(torch.tensor(self.temperature_updates).T)
+            self.temperatures[rows.long()] = temperatures
+            self.temperature_updates = []
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         return to_device(host, self.device)
 
     def sampled(self, result: Result, tokens: torch.Tensor) -> None:
-        """The tokens just sampled for the step's ready sequences [ready] on the device: the inputs of their next
-        step, read there."""
+        """The tokens the engine drew for the step's ready sequences [ready] on the device (a step without
+        `picked`): the inputs of their next step, read there."""
         self.last_tokens[result.rows] = tokens
-        for seq in result.ready:
-            seq.pending += 1
 
     def _reserve(self, seq: Sequence, positions: int) -> bool:
         need = self.blocks.needed(positions, seq.chain)
@@ -218,6 +220,7 @@ class Batcher:
             if id(seq) in gone:
                 self.blocks.release(seq.chain)
                 self.free_rows.append(seq.row)
+                self.unplain -= not seq.plain
         self.rows = [seq for seq in self.rows if id(seq) not in gone]
 
     def release(self) -> None:
@@ -237,11 +240,11 @@ class Batcher:
         before may have sampled on the device (`last_tokens`): a step is queued before the last one's tokens are
         read. Sequences whose sampled tokens already reach their max_new_tokens sit the step out."""
         singles, prefills = [], []
-        for seq in self.rows:  # one pass, inlined: it runs for every sequence every step
-            ahead = seq.full_length - 1 - seq.cached
-            if ahead > 0:
+        for seq in self.rows:  # one pass, inlined: it runs for every row every step
+            made = len(seq.output_ids) + seq.pending  # its tokens once the pending ones are read
+            if len(seq.prompt_ids) + made - 1 > seq.cached:
                 prefills.append(seq)
-            elif not seq.reached_length:
+            elif not seq.pending or made < seq.params.max_new_tokens:
                 singles.append(seq)
         retracted = self._make_room(singles)
         if retracted:
@@ -264,8 +267,10 @@ class Batcher:
             return Result([], None, retracted)
         if chunks or not self._graphable():
             ready, logits = self._eager(singles, chunks)
-            return Result(ready, logits, retracted, self._to_device(torch.tensor([seq.row for seq in ready])))
-        return Result(singles, self._replay(singles), retracted, self.static[1, : len(singles)])
+            rows = self._to_device(torch.tensor([seq.row for seq in ready]))
+            return Result(ready, logits, retracted, rows, None if self.unplain else self._pick(logits, rows))
+        logits, picked = self._replay(singles)
+        return Result(singles, logits, retracted, self.static[1, : len(singles)], None if self.unplain else picked)
 
     def _make_room(self, singles: list[Sequence]) -> list[Sequence]:
         """A block for each decoding sequence whose new position starts one; the latest admitted sequences are
@@ -292,9 +297,9 @@ class Batcher:
         feed[:, :count] = torch.tensor([[seq.cached for seq in singles], [seq.row for seq in singles]])
         self.static[:, :rows].copy_(feed, non_blocking=True)
         self._flush_table()
-        logits = self.graphs.run(rows, lambda: self._decode_forward(rows))
+        logits, picked = self.graphs.run(rows, lambda: self._decode_forward(rows))
         self._advance(singles, [], None)
-        return logits[:count]
+        return logits[:count], picked[:count]
 
     def _feed(self) -> torch.Tensor:
         """A page-locked staging tensor for the graph's inputs, two in turn: the copy from one may still be queued
@@ -309,15 +314,24 @@ class Batcher:
         slots = self.tables[table_rows, positions // size].long() * size + positions % size
         return self.last_tokens[table_rows], slots, positions + 1
 
-    def _decode_forward(self, rows: int) -> torch.Tensor:
-        """The decode forward over `rows` rows read from `static` (what a CUDA graph captures)."""
+    def _decode_forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode forward over `rows` rows read from `static`, and its plain draw (what a CUDA graph captures):
+        logits [rows, vocab] and picked [rows, 2]."""
         positions, table_rows = self.static[:, :rows]
         tokens, slots, lengths = self._decode_rows(positions, table_rows)
         width = self.tables.shape[1] * self.block_size  # a graph is replayed at every length: the table's width
         if self.device.type == "cpu":  # no graph: the longest row's
             width = -(-int(lengths.max()) // self.block_size) * self.block_size
         attention.current = self._layout(slots, rows, table_rows, lengths, [], width)
-        return self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False).logits[0]
+        logits = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False).logits[0]
+        return logits, self._pick(logits, table_rows)
+
+    def _pick(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's next token and its log-prob [rows, 2] as plain sequences draw them (sampling.pick), on the
+        device; the tokens become the rows' next inputs (a step whose batch is not all plain overwrites them)."""
+        tokens, logprobs = self.pick(logits, self.temperatures[rows])
+        self.last_tokens[rows] = tokens
+        return torch.stack([tokens.double(), logprobs.double()], 1)
 
     def _layout(self, slots, num_decode, table_rows, lengths, chunks, width: int) -> attention.Step:
         return attention.Step(self.pool, self.block_size, self.tables, slots, num_decode, table_rows, lengths,
@@ -372,20 +386,27 @@ class Batcher:
 
     def _advance(self, singles, chunks, routed) -> None:
         """After a forward: positions counted as cached, full blocks registered, routing kept."""
-        spans = [(seq, seq.cached, 1) for seq in singles] + chunks
         size = self.block_size
-        for seq, start, count in spans:
-            seq.cached = start + count
+        for seq in singles:  # each row: kept lean
+            seq.cached += 1
             if seq.cached // size > len(seq.chain.hashes):  # a block filled: rare, the rest skipped for most rows
-                known = min(seq.cached, seq.length)  # a block whose last token is pending is registered a step later
-                if known // size > len(seq.chain.hashes) and not seq.exact:
-                    self.blocks.register(seq.chain, seq.tokens(0, known), known)
+                self._register(seq)
+        for seq, start, count in chunks:
+            seq.cached = start + count
+            self._register(seq)
         if routed:
             offset = 0
-            for seq, _, count in spans:
+            for seq, count in [(seq, 1) for seq in singles] + [(seq, count) for seq, _, count in chunks]:
                 if seq.return_routed_experts:
                     seq.routed_experts.append(routed[0][0, offset : offset + count].clone())
                 offset += count
+
+    def _register(self, seq: Sequence) -> None:
+        """Offers the sequence's full blocks to the prefix cache; a block whose last token is pending is offered a
+        step later."""
+        known = min(seq.cached, seq.length)
+        if known // self.block_size > len(seq.chain.hashes) and not seq.exact:
+            self.blocks.register(seq.chain, seq.tokens(0, known), known)
 
     def _input_logprobs(self, seq: Sequence, logits: torch.Tensor, first: int) -> None:
         """SGLang's input_token_logprobs for positions first…: entry j is log p(prompt_j | before j)."""

@@ -3,7 +3,8 @@
 transformers' layers run as written launch about forty kernels a layer (an RMSNorm is seven, rotary embedding ten),
 so a small model's decode step is bound by kernel count, not by the bytes it reads. Compiled, each layer's
 elementwise work fuses into a few Triton kernels beside its matrix products, and a CUDA graph captures the fused
-step (services/engine/graphs.py). Attention stays our own operator (services/engine/attention.py), opaque to the
+step (services/engine/graphs.py); so does the step's draw of the next tokens (sampling.pick: a few passes over
+the logits instead of seven). Attention stays our own operator (services/engine/attention.py), opaque to the
 compiler. The token count is an unbacked size, so that one compilation serves every batch bucket and prefill size,
 one token included. The output layer runs as written: it is one matrix product, and its LoRA adapter reads the
 step's kept positions. A model the compiler fails on runs as written, with a warning.
@@ -34,3 +35,22 @@ def compile_decoder(model: torch.nn.Module) -> None:
             return written(*args, input_ids=input_ids, position_ids=position_ids, **kwargs)
 
     decoder.forward = forward
+
+
+def compile_pick(pick):
+    """`sampling.pick` compiled (the rows a dynamic size: one compilation serves every batch of two rows or more), or
+    as written where the compiler fails on it."""
+    compiled = torch.compile(pick, dynamic=True)
+    failed = False
+
+    def run(logits: torch.Tensor, temperatures: torch.Tensor):
+        nonlocal failed
+        if not failed:
+            try:
+                return compiled(logits, temperatures)
+            except Exception as e:
+                log.warning("sampling runs without torch.compile: compiling it failed (%s: %s)", type(e).__name__, e)
+                failed = True
+        return pick(logits, temperatures)
+
+    return run

@@ -28,7 +28,7 @@ Listener = Callable[[Sequence, bool], None]  # called after each new token; the 
 
 @dataclass
 class Queued:
-    """A queued step's sampled tokens and log-probs for `ready`, on their way to the host ([2, ready])."""
+    """A queued step's sampled tokens and log-probs for `ready`, on their way to the host ([ready, 2])."""
 
     ready: list[Sequence]
     host: torch.Tensor
@@ -47,6 +47,7 @@ class Engine:
         adapters=None,
         graphs=None,
         cache=None,
+        pick=None,
     ):
         self.model, self.tokenizer, self.device, self.routing = model, tokenizer, device, routing
         self.adapters = adapters  # LoRA adapters (services/engine/lora.py) under --enable-lora
@@ -54,7 +55,7 @@ class Engine:
         self.weight_version = weight_version
         self.max_context = int(getattr(model.config, "max_position_embeddings", 32768))
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.batcher = Batcher(model, device, routing, adapters, graphs, max_batch_size, cache)
+        self.batcher = Batcher(model, device, routing, adapters, graphs, max_batch_size, cache, pick)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.listeners: dict[int, Listener] = {}
         self.every_token: set[int] = set()  # the sequences whose listener hears of each token (a streamed request)
@@ -192,9 +193,14 @@ class Engine:
         if not result.ready:
             return None
         self.batch_sizes[len(result.ready)] += 1
-        tokens, logprobs = self._choose(result.ready, result.logits)
-        self.batcher.sampled(result, tokens)
-        host = torch.stack([tokens.double(), logprobs.double()]).to("cpu", non_blocking=True)
+        picked = result.picked  # drawn by the step itself (every running sequence is plain)
+        if picked is None:
+            tokens, logprobs = self._choose(result.ready, result.logits)
+            self.batcher.sampled(result, tokens)
+            picked = torch.stack([tokens.double(), logprobs.double()], 1)
+        for seq in result.ready:
+            seq.pending += 1
+        host = picked.to("cpu", non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -216,29 +222,25 @@ class Engine:
             return
         if queued.done is not None:
             queued.done.synchronize()
-        tokens, logprobs = queued.host.tolist()
-        finished = []
-        for seq, token, logprob in zip(queued.ready, tokens, logprobs, strict=True):
+        finished, version, every_token = [], self.weight_version, self.every_token
+        for seq, (token, logprob) in zip(queued.ready, queued.host.tolist(), strict=True):  # each row: kept lean
             seq.pending -= 1
-            if seq.finish is None:
-                self._append(seq, int(token), logprob)
-                if seq.finish:
-                    finished.append(seq)
+            if seq.finish is not None:
+                continue
+            if seq.params.max_new_tokens == 0:
+                finish = {"type": "length", "length": 0}
+            else:
+                token = int(token)
+                seq.output_ids.append(token)
+                seq.output_logprobs.append(logprob)
+                seq.versions.append(version)
+                finish = self._stop_reason(seq, token)
+            if finish is not None:
+                self._finish(seq, finish)
+                finished.append(seq)
+            elif id(seq) in every_token:
+                self._notify(seq, False)
         self.batcher.drop(finished)
-
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
-        params = seq.params
-        if params.max_new_tokens == 0:
-            self._finish(seq, {"type": "length", "length": 0})
-            return
-        seq.output_ids.append(token)
-        seq.output_logprobs.append(logprob)
-        seq.versions.append(self.weight_version)
-        finish = self._stop_reason(seq, token)
-        if finish is not None:
-            self._finish(seq, finish)
-        else:
-            self._notify(seq, False)
 
     def _stop_reason(self, seq: Sequence, token: int) -> dict | None:
         params, count = seq.params, len(seq.output_ids)

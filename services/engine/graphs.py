@@ -13,6 +13,7 @@ experts) runs eagerly.
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,13 +31,13 @@ def bucket(count: int) -> int:
 class DecodeGraphs:
     def __init__(self, device: torch.device, max_rows: int):
         self.device, self.max_rows = device, max_rows
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.pool = None  # one memory pool for all graphs: they replay one at a time, their outputs read at once
         self.seen: set[int] = set()  # row counts run since the graphs were last dropped
         self.failed = False
         self.captures = 0
 
-    def run(self, rows: int, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def run(self, rows: int, step: Callable[[], Any]) -> Any:
         """`step()`'s result, from the graph of `rows` rows (captured at its second use)."""
         if self.device.type != "cuda" or self.failed or rows > self.max_rows:
             return step()
@@ -51,19 +52,19 @@ class DecodeGraphs:
                 self.failed = True
                 self.clear()
                 return step()
-        graph, logits = self.graphs[rows]
+        graph, outputs = self.graphs[rows]
         graph.replay()
-        return logits
+        return outputs
 
-    def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """The step's graph; the step ran eagerly once before with these shapes (lazy initialisations are done)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = step()
+            outputs = step()
         self.captures += 1
-        return graph, logits
+        return graph, outputs
 
     def clear(self) -> None:
         self.graphs.clear()

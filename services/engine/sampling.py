@@ -155,6 +155,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.
     return tokens[:, 0], logprobs.gather(1, tokens)[:, 0]
 
 
+def plain(params: SamplingParams, generator) -> bool:
+    """Whether a sequence's tokens can be drawn by `pick`: greedy, or with no top-k, top-p or min-p cut and no
+    generator of its own; and no EOS to hold back for min_new_tokens."""
+    drawn = params.greedy or not (_cuts(params) or generator is not None)
+    return drawn and (params.min_new_tokens == 0 or params.ignore_eos)
+
+
+def pick_temperature(params: SamplingParams) -> float:
+    """A plain sequence's entry in `pick`'s temperatures: its temperature, 0 for greedy."""
+    return 0.0 if params.greedy else params.temperature
+
+
+def pick(logits: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token and its log-prob for rows of plain sequences (`plain`), from logits [rows, vocab] and each
+    row's temperature [rows] (0: greedy), with no host values: what a CUDA graph of the decode step captures with the
+    forward (services/engine/batch.py). The same draw as `sample` and the same greedy choice as `choose_batch`."""
+    logits = logits.float()
+    greedy = temperatures == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
+    race = torch.empty_like(logprobs).exponential_()
+    tokens = torch.where(greedy, logits.argmax(-1), (logprobs - race.log()).argmax(-1))
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
 def _cuts(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0
 

@@ -45,10 +45,13 @@ def load(config: EngineConfig):
         from services.engine.lora import Adapters
 
         adapters = Adapters(model, config.max_lora_rank, config.lora_target_modules)
+    pick = None
     if config.enable_torch_compile and adapters is None and routing is None:
-        from services.engine.compiled import compile_decoder
+        from services.engine.compiled import compile_decoder, compile_pick
+        from services.engine.sampling import pick
 
         compile_decoder(model)
+        pick = compile_pick(pick)
     graphs = None
     if device.type == "cuda" and not config.disable_cuda_graph:
         from services.engine.graphs import DecodeGraphs, bucket
@@ -57,7 +60,7 @@ def load(config: EngineConfig):
     cache = CacheConfig(config.page_size, config.chunked_prefill_size, config.max_total_tokens,
                         config.mem_fraction_static)  # fmt: skip
     return Engine(model, tokenizer, device, config.max_running_requests, config.weight_version, routing, adapters,
-                  graphs, cache)  # fmt: skip
+                  graphs, cache, pick)  # fmt: skip
 
 
 def require_api_key(app, key: str):

@@ -14,10 +14,10 @@ import torch
 from services.engine import attention
 from services.engine.batch import Batcher, CacheConfig, Sequence
 from services.engine.blocks import Chain
-from services.engine.compiled import compile_decoder
+from services.engine.compiled import compile_decoder, compile_pick
 from services.engine.core import Engine
 from services.engine.graphs import DecodeGraphs
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import SamplingParams, pick
 
 MODES = [
     pytest.param("cpu", False, False, id="cpu"),
@@ -108,7 +108,8 @@ def test_prefills_the_cache_cannot_take_go_back_one_at_a_time(hf_model):
 def run_engine(model, tokenizer, sequences: list[Sequence], cache: CacheConfig, device: str = "cpu") -> None:
     graphs = DecodeGraphs(torch.device(device), 64) if device == "cuda" else None
     model = paged(model, device, compiled=device == "cuda")
-    engine = Engine(model, tokenizer, torch.device(device), 64, "v1", graphs=graphs, cache=cache)
+    draw = compile_pick(pick) if device == "cuda" else None  # the step's own draw, compiled as the server does
+    engine = Engine(model, tokenizer, torch.device(device), 64, "v1", graphs=graphs, cache=cache, pick=draw)
     done, finished = threading.Event(), []
 
     def listener(seq: Sequence, last: bool) -> None:
