@@ -238,6 +238,30 @@ def profile(engine, requests: list[Request], steps: int) -> None:
         print(f"  {e.device_time_total / done / 1000:7.3f} ms {e.count / done:6.1f} calls  {e.key[:100]}")
 
 
+def profile_eager(engine, calls: int):
+    """Records the engine thread's next `calls` eager steps (prefill chunks) under torch.profiler, CPU and CUDA, and
+    prints the calls that took the thread's time (benchmark-only). Returns a switch: on() starts the count."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as record
+
+    inner, left = engine.batcher._eager, [0]
+
+    def recorded(*args, **kwargs):
+        if left[0] <= 0:
+            return inner(*args, **kwargs)
+        left[0] -= 1
+        started = time.perf_counter()
+        with record(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            result = inner(*args, **kwargs)
+        print(f"an eager step of {sum(s.cached for s in result[0])} cached positions: "
+              f"{1000 * (time.perf_counter() - started):.1f} ms recorded")  # fmt: skip
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+        return result
+
+    engine.batcher._eager = recorded
+    return lambda: left.__setitem__(0, calls)
+
+
 def random_model(path: Path, device: str) -> Path:
     """Qwen3-0.6B's shape with its 151,936 words, random weights (on the CPU, a tiny model); the tokenizer is the
     test one (it decodes ids past its own words as nothing)."""
@@ -266,6 +290,8 @@ def main() -> None:
     parser.add_argument("--no-http", action="store_true", help="in-process only")
     parser.add_argument("--breakdown", action="store_true", help="the engine thread's seconds in each phase of a step "
                         "and waiting for the GPU")  # fmt: skip
+    parser.add_argument("--profile-eager", type=int, default=0, metavar="CALLS", help="the first CALLS eager "
+                        "steps (prefill) of the timed run under torch.profiler")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS", help="after the timed run, the GPU's "
                         "kernels over STEPS decode steps of another run (CUDA)")  # fmt: skip
     args = parser.parse_args()
@@ -283,6 +309,7 @@ def main() -> None:
                               enable_torch_compile=args.enable_torch_compile)  # fmt: skip
         engine = load(config)
         totals = breakdown(engine) if args.breakdown else None
+        start_eager_profile = profile_eager(engine, args.profile_eager) if args.profile_eager else lambda: None
         results = []
         for name, requests in workloads:
             tokens = sum(r.new_tokens * r.n for r in requests)
@@ -291,6 +318,7 @@ def main() -> None:
             if totals is not None:
                 totals.clear()
             steps_before = sum(engine.batch_sizes.values())
+            start_eager_profile()
             with sync_debug(args.sync_debug):
                 seconds = in_process(engine, requests)
             steps = sum(engine.batch_sizes.values()) - steps_before
