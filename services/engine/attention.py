@@ -106,9 +106,11 @@ def _paged(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
                                                            step.width))  # fmt: skip
             parts.append(_attend(q[:, :, None], keys, values, *plan, scale)[:, :, 0])
     if step.chunk_lens:
-        index, slots, visible, keep = step.plan("chunks", lambda: chunk_plan(step, query.device))
-        out = _attend(query[step.num_decode :][index].transpose(1, 2), keys, values, slots, visible, scale)
-        parts.append(out.transpose(1, 2).flatten(0, 1)[keep])
+        groups, order = step.plan("chunks", lambda: chunk_plan(step, query.device))
+        chunked = query[step.num_decode :]
+        outs = [_attend(chunked[index].transpose(1, 2), keys, values, slots, visible, scale).transpose(1, 2)
+                .flatten(0, 1)[keep] for index, slots, visible, keep in groups]  # fmt: skip
+        parts.append(outs[0] if order is None else torch.cat(outs)[order])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -131,34 +133,60 @@ def decode_plan(tables, rows, lengths, block_size: int, width: int) -> tuple[tor
     return slots, (positions[None, :] < lengths[:, None])[:, None, :]
 
 
-def chunk_plan(step: Step, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Prompt chunks padded into one batch [chunks, longest]: each padded query's token among the step's chunk
-    tokens, the slots each chunk reads [chunks, width], which of them each query sees (its sequence's positions up to
-    its own: the cached ones before the chunk and the chunk's own) and the padded batch's rows that are real tokens,
-    in order. Made on the CPU and moved once a step."""
-    longest, width = max(step.chunk_lens), max(s + n for s, n in zip(step.chunk_starts, step.chunk_lens, strict=True))
+def chunk_plan(step: Step, device: torch.device) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor | None]:
+    """Prompt chunks padded into batches, one a length class (`_length_class`: a step's hundreds of few-token tails
+    of shared prompts are not padded to its longest prompt). For each batch [chunks, longest]: each padded query's
+    token among the step's chunk tokens, the slots each chunk reads [chunks, width], which of them each query sees
+    (its sequence's positions up to its own: the cached ones before the chunk and the chunk's own) and the batch's
+    rows that are real tokens. `order`: where each chunk token's row is in the batches' rows, joined (None for one
+    batch). Made on the CPU and moved once a step."""
     starts, lens = torch.tensor(step.chunk_starts), torch.tensor(step.chunk_lens)
-    offsets = torch.arange(longest)
-    index = ((torch.cumsum(lens, 0) - lens)[:, None] + offsets).clamp(max=int(lens.sum()) - 1)
-    positions = torch.arange(width)
-    visible = positions[None, None, :] <= (starts[:, None] + offsets)[:, :, None]
-    keep = (offsets[None, :] < lens[:, None]).flatten().nonzero()[:, 0]
-    rows = torch.tensor(step.chunk_rows)
-    index, positions, visible, keep, rows = (to_device(t, device) for t in (index, positions, visible, keep, rows))
-    tables = step.tables[rows]
-    slots = tables[:, positions // step.block_size].long() * step.block_size + positions % step.block_size
-    return index, slots, visible, keep
+    offsets, total = torch.cumsum(lens, 0) - lens, int(lens.sum())  # each chunk's first token among the step's
+    classes: dict[int, list[int]] = {}
+    for i, count in enumerate(step.chunk_lens):
+        classes.setdefault(_length_class(count), []).append(i)
+    groups, tokens = [], []
+    for members in classes.values():
+        chosen = torch.tensor(members)
+        first, count, offset = starts[chosen], lens[chosen], offsets[chosen]
+        longest, width = int(count.max()), int((first + count).max())
+        within = torch.arange(longest)
+        index = (offset[:, None] + within).clamp(max=total - 1)
+        positions = torch.arange(width)
+        visible = positions[None, None, :] <= (first[:, None] + within)[:, :, None]
+        real = (within[None, :] < count[:, None]).flatten()
+        keep = real.nonzero()[:, 0]
+        tokens.append(index.flatten()[real])
+        rows = torch.tensor([step.chunk_rows[i] for i in members])
+        index, positions, visible, keep, rows = (to_device(t, device) for t in (index, positions, visible, keep, rows))
+        tables = step.tables[rows]
+        slots = tables[:, positions // step.block_size].long() * step.block_size + positions % step.block_size
+        groups.append((index, slots, visible, keep))
+    order = None if len(groups) == 1 else to_device(torch.argsort(torch.cat(tokens)), device)
+    return groups, order
+
+
+def _length_class(count: int) -> int:
+    """Chunks of 1-16 tokens, 17-64, 65-256, …: padded together, each at most four times its length."""
+    size = 16
+    while size < count:
+        size *= 4
+    return size
 
 
 def _attend(query, keys, values, slots, visible, scale: float) -> torch.Tensor:
     """query [n, heads, q, dim] over the pool's `keys` and `values` at `slots` [n, width], `visible` [n, q, width]
-    -> [n, heads, q, v dim]. The keys' heads are repeated for grouped-query attention (SDPA's kernels that take a
-    mask do not all take groups)."""
+    -> [n, heads, q, v dim]. Grouped-query attention without repeating the keys: the query heads that share a key
+    head are laid end to end as more queries of it ([n, kv heads, groups * q, dim]), the mask repeated to match
+    (SDPA's kernels that take a mask do not all take groups)."""
+    n, heads, q, dim = query.shape
+    kv_heads, width = keys.shape[1], slots.shape[1]
+    groups = heads // kv_heads
     k, v = keys[slots].transpose(1, 2), values[slots].transpose(1, 2)
-    groups = query.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale)
+    mask = visible[:, None, None].expand(n, 1, groups, q, width).reshape(n, 1, groups * q, width)
+    out = F.scaled_dot_product_attention(query.reshape(n, kv_heads, groups * q, dim), k, v, attn_mask=mask,
+                                         scale=scale)  # fmt: skip
+    return out.reshape(n, heads, q, -1)
 
 
 def register() -> None:

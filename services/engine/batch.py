@@ -339,18 +339,19 @@ class Batcher:
                               self.decode_kernel, width)  # fmt: skip
 
     def _eager(self, singles: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
-        decode = torch.tensor([[seq.cached for seq in singles], [seq.row for seq in singles]], dtype=torch.long)
-        tokens, positions, slots = ([torch.empty(0, dtype=torch.long)] for _ in range(3))  # the chunks', on the host
+        """The forward of decoding rows and prompt chunks together: each token's input, position and table row
+        gathered on the host as plain lists (a GRPO step's first prefill holds hundreds of chunks: no tensor op a
+        chunk) and copied at once; its slot is worked out on the device, as a decoding row's."""
+        num = len(singles)
+        tokens, positions, rows = [0] * num, [seq.cached for seq in singles], [seq.row for seq in singles]
         keep = list(range(len(singles)))  # the flat positions whose logits are computed
         picks, ready = list(range(len(singles))), list(singles)  # the kept rows sampled from, for `ready`
         spans = []  # (sequence, first prompt position, its first kept row, count) for input log-probs
         offset = len(singles)
         for seq, start, count in chunks:
-            tokens.append(torch.tensor(seq.tokens(start, start + count)))
-            where = torch.arange(start, start + count)
-            positions.append(where)
-            blocks = torch.tensor(seq.chain.blocks)
-            slots.append(blocks[where // self.block_size] * self.block_size + where % self.block_size)
+            tokens += seq.tokens(start, start + count)
+            positions += range(start, start + count)
+            rows += [seq.row] * count
             end = start + count
             first = max(start, _logprob_start(seq)) if seq.wants_input_logprobs else end
             if first < end:
@@ -363,18 +364,15 @@ class Batcher:
                 ready.append(seq)
             offset += count
         self._flush_table()
-        decode_positions, table_rows = self._to_device(decode)
-        decode_tokens, decode_slots, lengths = self._decode_rows(decode_positions, table_rows)
-        tokens, positions, slots = (self._to_device(torch.cat(t)) for t in (tokens, positions, slots))  # a copy each
-        flat = torch.cat([decode_tokens, tokens])
-        slots = torch.cat([decode_slots, slots])
+        tokens, positions, rows = self._to_device(torch.tensor([tokens, positions, rows], dtype=torch.long))
+        decode_tokens, slots, lengths = self._decode_rows(positions, rows)  # the decoding rows' tokens, each's slot
+        flat = torch.cat([decode_tokens[:num], tokens[num:]])
         longest = max([seq.cached + 1 for seq in singles] + [s + n for _, s, n in chunks])
-        layout = self._layout(slots, len(singles), table_rows, lengths, chunks,
+        layout = self._layout(slots, num, rows[:num], lengths[:num], chunks,
                               -(-longest // self.block_size) * self.block_size)  # fmt: skip
         attention.current = layout
         self._adapt(singles, chunks, keep)
         sequences = singles + [seq for seq, _, _ in chunks]
-        positions = torch.cat([decode_positions, positions])
         with self._routing(sequences, (1, flat.shape[0])) as routed:
             out = self.model(input_ids=flat[None], position_ids=positions[None], use_cache=False,
                              logits_to_keep=self._to_device(torch.tensor(keep)))  # fmt: skip
