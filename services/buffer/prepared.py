@@ -2,16 +2,15 @@
 is tokenized once however many replicas read the stream ahead of the leases.
 
 The first process to claim a chunk (SET NX of an empty value) tokenizes it and stores it there; the others read it,
-polling while it is claimed but not stored yet. The process whose lease takes a chunk's last prompt deletes it. A
-chunk whose claimer died is tokenized by whoever waited past CLAIM_WAIT_S; one that was never deleted expires.
+polling while it is claimed but not stored yet. The claimer renews its claim while it tokenizes, however long that
+takes on a loaded machine; a claim whose process died expires after CLAIM_TTL_MS, and the next process to look claims
+the chunk. The process whose lease takes a chunk's last prompt deletes it; one that was never deleted expires.
 """
 
 import asyncio
 import contextlib
 import json
-import logging
 import struct
-import time
 from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
@@ -19,10 +18,8 @@ from redis.exceptions import RedisError
 
 from services.buffer.prompts import Skipped
 
-log = logging.getLogger(__name__)
-
-CLAIM_TTL_MS = 60_000  # a claim not followed by its chunk (the claimer died) frees the key after this long
-CLAIM_WAIT_S = 10.0  # a process waits this long for a claimed chunk, then tokenizes it itself
+CLAIM_TTL_MS = 10_000  # a claim not renewed (its claimer died) frees the key after this long
+RENEW_S = 2.0  # how often a claimer renews its claim while it tokenizes
 CHUNK_TTL_MS = 3_600_000  # a chunk that no lease finished (the run stopped, a process died) is gone after an hour
 POLL_S = 0.005
 _LENGTH = struct.Struct("!I")
@@ -62,7 +59,7 @@ class SharedChunks:
     async def prepare(self, chunk: str, tokenize: Callable[[], Awaitable[Payloads]]) -> Payloads:
         """The chunk's payloads: as stored by the process that claimed it, else tokenized here (also while Redis
         cannot be reached: sharing saves work, and a lease fails on its own when Redis is down)."""
-        key, deadline = f"{self.prefix}:{chunk}", time.monotonic() + CLAIM_WAIT_S
+        key = f"{self.prefix}:{chunk}"
         while True:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -73,23 +70,28 @@ class SharedChunks:
                 return await self._tokenize_claimed(key, tokenize)
             if value:
                 return decode(value)
-            if time.monotonic() > deadline:
-                log.warning(
-                    "prompt chunk %s was claimed %.0f s ago and is not stored: tokenizing it here", key, CLAIM_WAIT_S
-                )
-                return await tokenize()
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(POLL_S)  # claimed: stored soon, or the claim expires and is taken over
 
     async def _tokenize_claimed(self, key: str, tokenize: Callable[[], Awaitable[Payloads]]) -> Payloads:
+        renewing = asyncio.ensure_future(self._renew(key))
         try:
             payloads = await tokenize()
         except BaseException:  # the next process to look claims the chunk again, and finds the same bad row
             with contextlib.suppress(RedisError):
                 await asyncio.shield(self.redis.delete(key))
             raise
-        with contextlib.suppress(RedisError):  # the others tokenize it themselves after CLAIM_WAIT_S
+        finally:
+            renewing.cancel()
+        with contextlib.suppress(RedisError):  # else the claim expires and another process tokenizes the chunk
             await self.redis.set(key, encode(payloads), px=CHUNK_TTL_MS, xx=True)  # not if leased meanwhile
         return payloads
+
+    async def _renew(self, key: str) -> None:
+        """Keeps the claim alive while this process tokenizes (the tokenizer runs in a worker, not on this loop)."""
+        while True:
+            await asyncio.sleep(RENEW_S)
+            with contextlib.suppress(RedisError):
+                await self.redis.pexpire(key, CLAIM_TTL_MS)
 
     async def forget(self, chunks: set[str]) -> None:
         """Deletes chunks whose every prompt was leased (one that stays expires after CHUNK_TTL_MS)."""

@@ -6,10 +6,12 @@ import asyncio
 import random
 import uuid
 
+from services.buffer import prepared
 from services.buffer.core import TRAIN
 from services.buffer.source import READ_AHEAD
 from services.buffer.store import Contended
 from tests.buffer.conftest import finish, write_jsonl
+from tests.redis_servers import async_client
 
 REPLICAS, PROMPTS, BATCH, WORKERS = 3, 48, 4, 6
 
@@ -129,6 +131,30 @@ async def test_replicas_tokenize_each_prompt_once(make_buffer, tmp_path, monkeyp
     assert sorted(leased) == sorted(row["prompt"] for row in rows)
     assert len(tokenized) == len(set(tokenized)) == len(rows), "each prompt tokenized once"
     assert not await replicas[0].store.redis.keys(f"{replicas[0].store.ns}:prepared:*")
+
+
+async def test_a_slow_claimer_is_waited_for_and_a_dead_ones_claim_is_taken_over(redis_url, monkeypatch):
+    """A chunk is tokenized by its claimer however long that takes (it renews its claim), never by a waiter beside
+    it; a claim whose process died expires, and the next process to look tokenizes the chunk."""
+    monkeypatch.setattr(prepared, "CLAIM_TTL_MS", 300)
+    monkeypatch.setattr(prepared, "RENEW_S", 0.05)
+    redis, calls = async_client(redis_url), []
+    chunks = prepared.SharedChunks(redis, "test:{c" + uuid.uuid4().hex[:8] + "}")
+
+    async def tokenize(name: str, seconds: float = 0.0) -> list[bytes]:
+        calls.append(name)
+        await asyncio.sleep(seconds)
+        return [name.encode()]
+
+    try:
+        slow = asyncio.ensure_future(chunks.prepare("0", lambda: tokenize("slow", 1.0)))  # over three claim lifetimes
+        await asyncio.sleep(0.05)
+        assert await chunks.prepare("0", lambda: tokenize("waiter")) == [b"slow"] == await slow
+        await redis.set(f"{chunks.prefix}:1", b"", px=300)  # claimed by a process that died
+        assert await chunks.prepare("1", lambda: tokenize("next")) == [b"next"]
+        assert calls == ["slow", "next"]
+    finally:
+        await redis.aclose()
 
 
 async def test_concurrent_leases_on_replicas_do_not_race_for_the_cursor(make_buffer, tmp_path):
