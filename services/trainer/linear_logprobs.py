@@ -10,8 +10,10 @@ online logsumexp gives the normaliser, and an online sum of exp(z) z the expecte
     log p(token) = z_token - logZ,    entropy = logZ - E_p[z].
 
 With tensor parallelism each rank holds a slice of the vocabulary (`vocab_start`): the maxima, sums and the target
-logit are reduced over `group`, and so is the gradient of the hidden states. Columns from `num_valid` on (Megatron's
-vocabulary padding) take no probability.
+logit are reduced over `group`. The gradient of the hidden states is this rank's part (its slice's), which the
+caller's mapping into the tensor-parallel region sums, as Megatron's output layer has it (its input copied into the
+region, or gathered from the sequence-parallel one). Columns from `num_valid` on (Megatron's vocabulary padding) take
+no probability.
 """
 
 import torch
@@ -69,7 +71,7 @@ class _LinearLogprobs(torch.autograd.Function):
         log_z_T = top_T + total_T.log()
         expected_T = weighted_T / total_T
         ctx.save_for_backward(hidden_TH, weight_VH, local_T, log_z_T, expected_T)
-        ctx.chunk_size, ctx.vocab_start, ctx.num_valid, ctx.group = chunk_size, vocab_start, num_valid, group
+        ctx.chunk_size, ctx.vocab_start, ctx.num_valid = chunk_size, vocab_start, num_valid
         return target_T - log_z_T, log_z_T - expected_T
 
     @staticmethod
@@ -92,8 +94,6 @@ class _LinearLogprobs(torch.autograd.Function):
             grad_hidden_TH += grad_TC.to(block_CH.dtype) @ block_CH
             if grad_weight_VH is not None:
                 grad_weight_VH[first : first + logits_TC.shape[1]] = grad_TC.T.to(hidden_TH.dtype) @ hidden_TH
-        if ctx.group is not None:  # each rank's slice of the vocabulary gave part of it
-            dist.all_reduce(grad_hidden_TH, group=ctx.group)
         grad_weight_VH = grad_weight_VH.to(weight_VH.dtype) if grad_weight_VH is not None else None
         return grad_hidden_TH.to(hidden_TH.dtype), grad_weight_VH, None, None, None, None, None
 
