@@ -50,7 +50,7 @@ RULES = (
     ("data", ("prompt_data", "data_source_path", "streaming_data", "num_data_workers", "skip_invalid_rows", "*_key",
               "*chat_template*", "rollout_shuffle", "rollout_seed", "num_epoch", "rollout_max_prompt_len")),
     ("optimisation", ("micro_batch_size", "*dynamic_batch*", "max_tokens_per_gpu", "recompute*", "bf16",
-                      "compile_model", "log_probs_chunk_size", "seed")),
+                      "compile_model", "log_probs_chunk_size", "log_probs_from_hidden", "seed")),
     ("rollout", ("rollout_*", "n_samples_*", "*batch_size", "num_steps_per_rollout", "num_rollout", "*filter*",
                  "*stale*", "max_buffered_groups", "*partial*", "*generate*", "max_turns", "*concurrency*",
                  "affinity_slack", "max_running_requests", "sglang_args", "async_buffer_size")),

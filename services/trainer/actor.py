@@ -22,10 +22,12 @@ from services.trainer.config import TrainerConfig
 from services.trainer.data import BatchError, RolloutBatch, input_tensors, pad_rows, response_tensors
 from services.trainer.data_parallel import DistributedAdamW
 from services.trainer.hooks import Hooks
+from services.trainer.linear_logprobs import hidden_states_out, linear_logprobs_and_entropy
 from services.trainer.losses import approx_kl, policy_loss, sample_means, token_logprobs_and_entropy
 from services.trainer.optimizer import clip_gradients
 
 log = logging.getLogger(__name__)
+VOCAB_CHUNK = 8192  # --log-probs-from-hidden: words whose float32 logits exist at once (TRL's chunk)
 
 
 @dataclass
@@ -140,8 +142,31 @@ class Actor:
     def logprobs(self, model, batch: RolloutBatch, indices: list[int], entropy: bool = False):
         """`[b, R]` log-probs (and entropies) of the response tokens of samples `indices` under `model`."""
         inputs = self.inputs(batch, indices)
-        logprobs, entropies = self.response_logprobs(self.forward(model, inputs), inputs)
+        if self.config.log_probs_from_hidden and not self.pipelined:  # a pipeline's stages keep the logits' path
+            with hidden_states_out(model) as weight:
+                hidden_BLH = self.forward(model, inputs)
+            logprobs, entropies = self.response_logprobs_from_hidden(hidden_BLH, weight[0], inputs)
+        else:
+            logprobs, entropies = self.response_logprobs(self.forward(model, inputs), inputs)
         return logprobs, (entropies if entropy else None)
+
+    def response_logprobs_from_hidden(self, hidden_BLH: torch.Tensor, weight_VH: torch.Tensor, inputs: dict):
+        """`[b, R]` log-probs and entropies of the response tokens from the last hidden states and the output
+        layer's weight (this rank's vocabulary slice), with no logits but a block's (--log-probs-from-hidden)."""
+        spans = inputs["spans"]
+        rows_TH = torch.cat([hidden_BLH[b, start - 1 : end - 1] for b, (start, end) in enumerate(spans)])
+        tokens_T = torch.cat([inputs["tokens_BL"][b, start:end] for b, (start, end) in enumerate(spans)])
+        group = None
+        if self.groups.vocab_start is not None:  # the vocabulary split over the tensor-parallel ranks
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_tensor_model_parallel_group()
+        logprobs_T, entropy_T = linear_logprobs_and_entropy(rows_TH, weight_VH, tokens_T, VOCAB_CHUNK,
+                                                            self.groups.vocab_start or 0, self.groups.vocab_size,
+                                                            group)  # fmt: skip
+        counts = [end - start for start, end in spans]
+        pad = torch.nn.utils.rnn.pad_sequence
+        return pad(logprobs_T.split(counts), batch_first=True), pad(entropy_T.split(counts), batch_first=True)
 
     @torch.no_grad()
     def full_logprobs(self, model, batch: RolloutBatch, mbs: list[list[int]] | None = None, routing: str = ""):

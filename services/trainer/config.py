@@ -185,6 +185,10 @@ class TrainerConfig(ServiceConfig):
     embeddings, activations and the log-softmax; worth it on GPU: see docs/BENCHMARKS.md)."""
     log_probs_chunk_size: int = Field(4096, ge=1)
     """Response tokens whose full-vocabulary log-softmax is formed at once."""
+    log_probs_from_hidden: bool = False
+    """Log-probs and entropy streamed over the vocabulary from the last hidden states and the output layer's weight
+    (services/trainer/linear_logprobs.py): no logits of a whole micro-batch, only of the response positions and
+    VOCAB_CHUNK words at a time. Off: the output layer's logits, --log-probs-chunk-size rows at a time."""
     seed: int = 1234
     """Seed of initialisation, dropout and data order."""
 

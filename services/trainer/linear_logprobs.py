@@ -16,6 +16,8 @@ region, or gathered from the sequence-parallel one). Columns from `num_valid` on
 no probability.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -110,3 +112,28 @@ def _blocks(hidden_TH: Tensor, weight_VH: Tensor, chunk_size: int, vocab_start: 
 
 def _or_zeros(grad_T: Tensor | None, like_T: Tensor) -> Tensor:
     return torch.zeros_like(like_T) if grad_T is None else grad_T.float()
+
+
+@contextlib.contextmanager
+def hidden_states_out(model):
+    """While inside, the Megatron model's output layer returns its input instead of logits (the model then returns
+    hidden states `[B, L, H]`), gathered from the sequence-parallel region or copied into the tensor-parallel one as
+    the layer would for its own product; yields a list that receives the weight the layer would have used."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    layer, used = getattr(model, "module", model).output_layer, []
+
+    def forward(hidden, weight=None, runtime_gather_output=None):
+        used[:] = [layer.weight if weight is None else weight]
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(hidden), None
+        return copy_to_tensor_model_parallel_region(hidden), None
+
+    layer.forward = forward
+    try:
+        yield used
+    finally:
+        del layer.forward

@@ -120,6 +120,34 @@ def test_a_few_steps_on_the_megatron_model_lower_the_loss(tmp_path):
     assert losses[1] < losses[0] and max(losses[2:]) < losses[0] - 1.0, losses
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["own-output-layer", "tied-embeddings"])
+def test_log_probs_from_hidden_states_equal_the_logits_path_on_the_megatron_model(tmp_path, tied):
+    """--log-probs-from-hidden: the response tokens' log-probs and entropies from the last hidden states and the
+    output weight, streamed over the vocabulary, equal the output layer's logits path, and so does every parameter's
+    gradient (float32, to 1e-5)."""
+    from services.train.tiny_checkpoint import write_tiny_model
+    from services.trainer.models import load_gpt_model
+    from services.trainer.parallel import init_parallel
+
+    init_parallel(tp_size=1)
+    model, gpt = load_gpt_model(write_tiny_model(tmp_path / "m", tie_word_embeddings=tied))
+    batch, results = _batch(), []
+    for from_hidden in (False, True):
+        config = TrainerConfig(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8,
+                               log_probs_from_hidden=from_hidden)  # fmt: skip
+        actor = Actor(config, model, None, None, Groups(vocab_size=gpt.shape.vocab_size))
+        model.zero_grad()
+        logprobs, entropies = actor.logprobs(model, batch, list(range(len(batch))), entropy=True)
+        (logprobs.sum() + 0.5 * entropies.sum()).backward()
+        grads = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+        results.append((logprobs.detach(), entropies.detach(), grads))
+    (logprobs, entropies, grads), (hidden_logprobs, hidden_entropies, hidden_grads) = results
+    torch.testing.assert_close(hidden_logprobs, logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden_entropies, entropies, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():  # sums over many tokens in another order: to 1e-5 of the largest entry
+        torch.testing.assert_close(hidden_grads[name], grad, atol=1e-5 * float(grad.abs().max()), rtol=1e-5)
+
+
 def test_ppo_trains_the_critic_first_then_the_policy(tmp_path):
     """PPO on the Megatron model: GAE from the critic's values; during --num-critic-only-steps only the critic moves,
     and its value loss falls."""

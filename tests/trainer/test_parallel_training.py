@@ -59,6 +59,22 @@ def test_tp2_training_equals_tp1(single, filled_buffer, model, tmp_path, torchru
             torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_tp2_with_sequence_parallel_and_log_probs_from_hidden_equals_tp1(single, filled_buffer, model, tmp_path,
+                                                                        torchrun):  # fmt: skip
+    """--log-probs-from-hidden over two TP ranks with the sequence split between them: the hidden states gathered
+    as the output layer gathers them, the vocabulary's normaliser reduced over the ranks; the same training as one
+    rank's logits path."""
+    args = trainer_args(model, filled_buffer("hidden"), tmp_path / "hidden", *STEPS, "--tensor-model-parallel-size",
+                        "2", "--sequence-parallel", "--log-probs-from-hidden")  # fmt: skip
+    torchrun(args)
+    shards = [torch.load(tmp_path / "hidden" / "iter_0000002" / f"mp_rank_{r:02d}_000.pt", weights_only=False)["model"]
+              for r in range(2)]  # fmt: skip
+    for name, expected in single.items():
+        if isinstance(expected, torch.Tensor):
+            merged = merge_tp_shards(name, [shard[name] for shard in shards])
+            torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_dp2_training_equals_dp1(single, filled_buffer, model, tmp_path, torchrun):
     torchrun(trainer_args(model, filled_buffer("dp"), tmp_path / "dp", *STEPS))
     for name, expected in weights(tmp_path / "dp", 2).items():
