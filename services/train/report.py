@@ -7,6 +7,7 @@ from pathlib import Path
 import rich.progress
 from rich.console import Console
 
+AGREEMENT_WARN = 0.1  # mean |trainer - engine| log-prob above which a run warns (bf16 runs measure about 0.01-0.03)
 PHASES = {"waiting_batch": "rollout", "train": "train", "sync": "sync", "starting": "starting", "stopped": "stopping"}
 
 
@@ -24,6 +25,7 @@ class Progress:
         self.task = self.bar.add_task("starting", total=total, completed=first)
         self.last_step = first - 1
         self.errors_shown: set[str] = set()
+        self.agreement_warned = False
 
     def __enter__(self) -> "Progress":
         self.bar.start()
@@ -39,6 +41,13 @@ class Progress:
         self.last_step = line["step"]
         self.bar.update(self.task, completed=line["step"] + 1)
         self.console.print(summary_line(line))
+        difference = line["metrics"].get("train_rollout_logprob_abs_diff", 0.0)
+        if difference > AGREEMENT_WARN and not self.agreement_warned:
+            self.agreement_warned = True
+            self.console.print(
+                f"[yellow]the trainer's log-probs differ from the engines' by {difference:.3f} on average (over "
+                f"{AGREEMENT_WARN}): the engines may run other weights, precision or chat template than the trainer"
+            )
         for key, error in line.get("reward_errors", {}).items():  # the first of each kind, once
             if key not in self.errors_shown:
                 self.errors_shown.add(key)
@@ -60,6 +69,8 @@ def summary_line(line: dict) -> str:
         text += f"  kl {m.get('kl_loss', m.get('ppo_kl', 0.0)):.4f}"
     if "pg_clipfrac" in m:
         text += f"  clip {m['pg_clipfrac']:.3f}"
+    if "train_rollout_logprob_abs_diff" in m:  # the trainer's log-probs against the engines' (mean |difference|)
+        text += f"  logp diff {m['train_rollout_logprob_abs_diff']:.3f}"
     if "step_s" in m:
         split = split_times(m)
         text += f"  {m['step_s']:.2f}s (" + " ".join(f"{k} {v:.2f}" for k, v in split.items()) + ")"

@@ -62,6 +62,7 @@ class Actor:
         self.critic = None  # PPO: a Critic trained beside the policy
         self.teacher = None  # on-policy distillation with --opd-type megatron: the teacher model, forward only
         self.routing = None
+        self._agreeing: list | None = None  # a rollout's first step's (|log-prob difference|, mask) a micro-batch
         if config.replays_routing:
             from services.trainer.routing_replay import RoutingReplay
 
@@ -228,6 +229,13 @@ class Actor:
             "rollout": tensors["rollout_logprobs_BR"],
             "rewards": rewards_B,
         }
+        given_B = [len(lp) == n for lp, n in zip(batch.rollout_logprobs, batch.response_lengths(), strict=True)]
+        engine_mask_BR = mask_BR * torch.tensor(given_B, dtype=mask_BR.dtype)[:, None]  # tokens with the engine's
+        if c.loss.use_rollout_logprobs:  # no log-probs of the old policy here: the first step's forward gives them
+            per_step["engine_mask"], self._agreeing = engine_mask_BR, []
+            agreement = {}
+        else:
+            agreement = self._agreement([((old_BR - per_step["rollout"]).abs(), engine_mask_BR)])
         if self.hooks["custom_advantage_function_path"]:
             kl = kl_BR if kl_BR is not None else torch.zeros_like(mask_BR)
             advantages_BR, returns_BR = self.hooks.advantages(batch, {**per_step, "values": values_BR, "kl": kl})
@@ -261,11 +269,34 @@ class Actor:
                 metrics.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic.items()})
             if self.critic is None or rollout >= c.num_critic_only_steps:
                 metrics.update(self._step(batch, indices, per_step))
+            if self._agreeing:  # the first step's micro-batches, before it changed the weights
+                agreement, self._agreeing = self._agreement(self._agreeing), None
             results.append(metrics)
+        self._agreeing = None
+        results[-1].update(agreement)  # the rollout's line carries its last step's metrics
         for part in (self, self.critic):
             if part is not None:
                 part._gather_weights()
         return results
+
+    def _agreement(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+        """Train-rollout agreement, as slime and verl report it: the mean and max over every data-parallel rank of
+        |trainer log-prob - engine log-prob| on the trained response tokens that have the engine's (`parts`: the
+        differences and their masks)."""
+        sums = torch.zeros(2, dtype=torch.float64)
+        top = torch.zeros(1, dtype=torch.float64)
+        for diff, mask in parts:
+            masked = diff.detach().double().cpu() * mask.cpu()
+            sums += torch.stack([masked.sum(), mask.sum().double()])
+            top = torch.maximum(top, masked.max().reshape(1) if masked.numel() else top)
+        sums = self._all_reduce_dp(sums)
+        if self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1:
+            top = top.to(self.device)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        if not sums[1]:
+            return {}
+        return {"train_rollout_logprob_abs_diff": float(sums[0] / sums[1]),
+                "train_rollout_logprob_abs_diff_max": float(top.cpu()[0])}  # fmt: skip
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """The reference policy's log-probs (for a KL loss or penalty): its own model's, or with LoRA the policy's
@@ -397,6 +428,8 @@ class Actor:
             loss_aggregation="token" if share["token_level"] else "sequence",
             tis_function=tis,
         )
+        if self._agreeing is not None:  # --use-rollout-logprobs: the first step's log-probs are the old policy's
+            self._agreeing.append(((logprobs_bR.detach() - take["rollout"]).abs(), take["engine_mask"]))
         return self._scaled(loss, metrics, t["mask"][mb, : logprobs_bR.shape[1]], mb, share)
 
     def _scaled(self, loss, metrics: dict, mask_bR, mb: list[int], share: dict):

@@ -4,10 +4,12 @@ rewarded responses and lower the loss."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
 from services.trainer.actor import Actor, Groups
+from services.trainer.batching import split_steps
 from services.trainer.config import TrainerConfig
 from services.trainer.data import from_groups
 from services.trainer.optimizer import build_optimizer, build_scheduler
@@ -95,6 +97,26 @@ def test_grpo_steps_raise_the_rewarded_responses_and_lower_the_loss():
     assert all(change[i] > 0 for i in rewarded)
     assert all(change[i] < 0 for i in range(len(batch)) if i not in rewarded)
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("use_rollout_logprobs", [False, True], ids=["old-policy-forward", "first-step-forward"])
+def test_a_rollouts_first_step_reports_how_far_the_engines_log_probs_are_from_the_trainers(use_rollout_logprobs):
+    """The train-rollout agreement (slime's train_rollout_logprob_abs_diff): mean and max |trainer - engine| log-prob
+    over the trained tokens that have the engine's, from the old policy's forward, or with --use-rollout-logprobs
+    from the first step's, before it changes the weights."""
+    actor = _actor(
+        use_rollout_logprobs=use_rollout_logprobs, num_steps_per_rollout=2, global_batch_size=4, micro_batch_size=2
+    )
+    batch = _batch()
+    trainer = actor.full_logprobs(actor.model, batch)
+    lengths = batch.response_lengths()
+    batch.rollout_logprobs = [trainer[i, :n].numpy() + (0.25 if i == 0 else 0.0) for i, n in enumerate(lengths)]
+    batch.rollout_logprobs[1] = np.zeros(0, np.float32)  # a sample without the engine's: left out
+    steps = actor.train_rollout(batch)
+    first = split_steps(list(range(len(batch))), 2)[0] if use_rollout_logprobs else range(len(batch))
+    counted = sum(lengths[i] for i in first if i != 1)  # --use-rollout-logprobs: the first step's samples
+    assert steps[-1]["train_rollout_logprob_abs_diff"] == pytest.approx(0.25 * lengths[0] / counted, abs=1e-5)
+    assert steps[-1]["train_rollout_logprob_abs_diff_max"] == pytest.approx(0.25, abs=1e-5)
 
 
 def test_a_few_steps_on_the_megatron_model_lower_the_loss(tmp_path):
