@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("reasoning_gym")
 pytest.importorskip("gguf")
@@ -92,3 +93,58 @@ def test_two_grpo_steps_of_a_reasoning_gym_task_through_slipstream_train(smollm2
     # The engine served each trained version: the trainer's sync of version 2 reached it before the last evaluation.
     trainer_log = (tmp_path / name / "logs" / "trainer.log").read_text()
     assert "weights of version 2 sent to 1 engine(s)" in trainer_log
+
+
+def test_the_engines_log_probs_and_the_trainers_agree_on_the_real_model(smollm2):
+    """In float32 on the CPU, the reference engine's log-probs of the tokens it sampled and the trainer's (its
+    Megatron model of the same checkpoint, the actor's log-probs path) agree to 1e-4 on average over the response
+    tokens: the quantity the train-rollout agreement metric reports each step."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from services.engine.batch import Sequence
+    from services.engine.config import EngineConfig
+    from services.engine.sampling import SamplingParams
+    from services.engine.server import load
+    from services.trainer.actor import Actor, Groups
+    from services.trainer.config import TrainerConfig
+    from services.trainer.data import from_groups
+    from services.trainer.models import load_gpt_model
+    from services.trainer.parallel import init_parallel
+    from slipstream import samples
+    from slipstream.v1 import common_pb2
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    questions = ["What is 7 + 5?", "Name a prime number.", "Say hello.", "What is 3 * 4?"]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in questions]  # fmt: skip
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    engine = load(EngineConfig(model_path=str(smollm2), device="cpu"))
+    sequences = [Sequence(rid=f"{i}-{j}", prompt_ids=p, params=SamplingParams(max_new_tokens=12, ignore_eos=True))
+                 for i, p in enumerate(prompts) for j in range(2)]  # fmt: skip
+    finished = threading.Semaphore(0)
+    try:
+        for seq in sequences:
+            engine.submit(seq, lambda seq, last: last and finished.release(), every_token=False)
+        for _ in sequences:
+            assert finished.acquire(timeout=300)
+    finally:
+        engine.stop()
+    groups = []
+    for i, prompt in enumerate(prompts):
+        group = common_pb2.PromptGroup(group_id=f"g{i}", n_samples=2)
+        for seq in sequences[2 * i : 2 * i + 2]:
+            group.samples.add(sample_id=seq.rid, tokens=samples.encode_tokens(prompt + seq.output_ids),
+                              prompt_length=len(prompt), response_length=len(seq.output_ids),
+                              loss_mask=samples.encode_mask([1] * len(seq.output_ids)),
+                              rollout_logprobs=samples.encode_logprobs(seq.output_logprobs))  # fmt: skip
+        groups.append(group)
+    batch = from_groups(groups, 2)
+    init_parallel(tp_size=1)
+    model, gpt = load_gpt_model(str(smollm2))
+    config = TrainerConfig(rollout_batch_size=4, n_samples_per_prompt=2, global_batch_size=8)
+    trainer = Actor(config, model, None, None, Groups(vocab_size=gpt.shape.vocab_size)).full_logprobs(model, batch)
+    engine_lp = [torch.tensor(lp) for lp in batch.rollout_logprobs]
+    differences = torch.cat([(trainer[i, : len(lp)] - lp).abs() for i, lp in enumerate(engine_lp)])
+    assert len(differences) == 8 * 12 and float(differences.mean()) < 1e-4, float(differences.mean())
