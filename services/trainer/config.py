@@ -381,6 +381,11 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(f"--opd-teacher-load {self.opd_teacher_load}: no such folder")
 
     def _check_lora(self) -> None:
+        if self.log_probs_from_hidden and "lm_head" in self.target_modules:
+            raise ValueError(
+                "--log-probs-from-hidden multiplies out the output layer's weight itself, without an adapter on it: "
+                "drop lm_head from --target-modules, or --log-probs-from-hidden"
+            )
         if self.rollout_addr and not self.update_weight_disk_dir:
             raise ValueError(
                 "--lora-rank sends each sync's adapters as a folder the engines load: add --update-weight-disk-dir "

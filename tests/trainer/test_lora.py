@@ -166,3 +166,12 @@ def test_a_peft_folder_loaded_under_tp2_continues_as_under_tp1(filled_buffer, se
     for name in adapters:
         got = _merged(name, [shard[name] for shard in shards])
         torch.testing.assert_close(got, single[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_an_adapter_on_the_output_layer_refuses_log_probs_from_hidden_states():
+    from services.trainer.config import TrainerConfig
+
+    settings = {"rollout_batch_size": 1, "n_samples_per_prompt": 2, "global_batch_size": 2, "lora_rank": 4}
+    TrainerConfig(**settings, target_modules=["all-linear"], log_probs_from_hidden=True)
+    with pytest.raises(ValueError, match="drop lm_head from --target-modules, or --log-probs-from-hidden"):
+        TrainerConfig(**settings, target_modules=["all-linear", "lm_head"], log_probs_from_hidden=True)
