@@ -310,9 +310,12 @@ class Batcher:
     def _decode_rows(self, positions: torch.Tensor, table_rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Decoding rows' tokens (each row's last), slots and lengths, from their positions and table rows, on the
         device (inside a CUDA graph for a replayed step)."""
+        return self.last_tokens[table_rows], self._slots(positions, table_rows), positions + 1
+
+    def _slots(self, positions: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
+        """Each position's slot in the pool, through its sequence's row of the block tables, on the device."""
         size = self.block_size
-        slots = self.tables[table_rows, positions // size].long() * size + positions % size
-        return self.last_tokens[table_rows], slots, positions + 1
+        return self.tables[table_rows, positions // size].long() * size + positions % size
 
     def _decode_forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode forward over `rows` rows read from `static`, and its plain draw (what a CUDA graph captures):
@@ -365,10 +368,10 @@ class Batcher:
             offset += count
         self._flush_table()
         tokens, positions, rows = self._to_device(torch.tensor([tokens, positions, rows], dtype=torch.long))
-        decode_tokens, slots, lengths = self._decode_rows(positions, rows)  # the decoding rows' tokens, each's slot
-        flat = torch.cat([decode_tokens[:num], tokens[num:]])
+        decode_tokens, _, lengths = self._decode_rows(positions[:num], rows[:num])
+        flat = torch.cat([decode_tokens, tokens[num:]])
         longest = max([seq.cached + 1 for seq in singles] + [s + n for _, s, n in chunks])
-        layout = self._layout(slots, num, rows[:num], lengths[:num], chunks,
+        layout = self._layout(self._slots(positions, rows), num, rows[:num], lengths, chunks,
                               -(-longest // self.block_size) * self.block_size)  # fmt: skip
         attention.current = layout
         self._adapt(singles, chunks, keep)

@@ -20,19 +20,13 @@ log = logging.getLogger(__name__)
 def compile_decoder(model: torch.nn.Module) -> None:
     """Replaces the decoder's forward (embeddings, layers, final norm) with its compiled form, in place."""
     decoder = model.get_decoder()
-    written = decoder.forward
-    compiled = torch.compile(written, dynamic=True)
+    run = _compiled_or_written(decoder.forward, "the model")
 
     def forward(*args, input_ids=None, position_ids=None, **kwargs):
         input_ids, position_ids = input_ids.clone(), position_ids.clone()  # not views: a view's base is guarded too
         for tensor in (input_ids, position_ids):
             torch._dynamo.decorators.mark_unbacked(tensor, 1)
-        try:
-            return compiled(*args, input_ids=input_ids, position_ids=position_ids, **kwargs)
-        except Exception as e:  # the compiler's errors: the model as written is exact
-            log.warning("the model runs without torch.compile: compiling it failed (%s: %s)", type(e).__name__, e)
-            decoder.forward = written
-            return written(*args, input_ids=input_ids, position_ids=position_ids, **kwargs)
+        return run(*args, input_ids=input_ids, position_ids=position_ids, **kwargs)
 
     decoder.forward = forward
 
@@ -40,17 +34,22 @@ def compile_decoder(model: torch.nn.Module) -> None:
 def compile_pick(pick):
     """`sampling.pick` compiled (the rows a dynamic size: one compilation serves every batch of two rows or more), or
     as written where the compiler fails on it."""
-    compiled = torch.compile(pick, dynamic=True)
+    return _compiled_or_written(pick, "sampling")
+
+
+def _compiled_or_written(written, what: str):
+    """`written` compiled (dynamic shapes); from the compiler's first error on, `written` itself, which is exact."""
+    compiled = torch.compile(written, dynamic=True)
     failed = False
 
-    def run(logits: torch.Tensor, temperatures: torch.Tensor):
+    def run(*args, **kwargs):
         nonlocal failed
         if not failed:
             try:
-                return compiled(logits, temperatures)
-            except Exception as e:
-                log.warning("sampling runs without torch.compile: compiling it failed (%s: %s)", type(e).__name__, e)
+                return compiled(*args, **kwargs)
+            except Exception as e:  # the compiler's errors
+                log.warning("%s runs without torch.compile: compiling it failed (%s: %s)", what, type(e).__name__, e)
                 failed = True
-        return pick(logits, temperatures)
+        return written(*args, **kwargs)
 
     return run

@@ -289,14 +289,11 @@ class Actor:
             masked = diff.detach().double().cpu() * mask.cpu()
             sums += torch.stack([masked.sum(), mask.sum().double()])
             top = torch.maximum(top, masked.max().reshape(1) if masked.numel() else top)
-        sums = self._all_reduce_dp(sums)
-        if self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1:
-            top = top.to(self.device)
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        sums, top = self._all_reduce_dp(sums), self._all_reduce_dp(top, dist.ReduceOp.MAX)
         if not sums[1]:
             return {}
         return {"train_rollout_logprob_abs_diff": float(sums[0] / sums[1]),
-                "train_rollout_logprob_abs_diff_max": float(top.cpu()[0])}  # fmt: skip
+                "train_rollout_logprob_abs_diff_max": float(top[0])}  # fmt: skip
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """The reference policy's log-probs (for a KL loss or penalty): its own model's, or with LoRA the policy's
@@ -544,8 +541,8 @@ class Actor:
         if self.ddp is not None and self.ddp.ddp_config.overlap_param_gather:
             self.ddp.start_param_sync(force_sync=True)
 
-    def _all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
+    def _all_reduce_dp(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1:
             value = value.to(self.device)
-            dist.all_reduce(value, group=self.groups.dp)
+            dist.all_reduce(value, op=op, group=self.groups.dp)
         return value.cpu()

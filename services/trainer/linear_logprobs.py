@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-PADDING_LOGIT = -1e9  # finite: 0 * it stays 0 where a padding column's weight is multiplied out
+from services.trainer.losses import float_logits
 
 
 def linear_logprobs_and_entropy(
@@ -101,13 +101,11 @@ class _LinearLogprobs(torch.autograd.Function):
 
 
 def _blocks(hidden_TH: Tensor, weight_VH: Tensor, chunk_size: int, vocab_start: int, num_valid: int | None):
-    """(first column, float32 logits [T, chunk]) for each block of the weight's rows, padding columns very negative."""
+    """(first column, float32 logits [T, chunk]) for each block of the weight's rows, padding columns very negative
+    (`losses.float_logits`, given the block's count of real columns)."""
     for first in range(0, weight_VH.shape[0], chunk_size):
-        logits_TC = (hidden_TH @ weight_VH[first : first + chunk_size].T).float()
-        if num_valid is not None and vocab_start + first + logits_TC.shape[1] > num_valid:
-            columns = torch.arange(logits_TC.shape[1], device=logits_TC.device) + vocab_start + first
-            logits_TC = logits_TC.masked_fill(columns >= num_valid, PADDING_LOGIT)
-        yield first, logits_TC
+        valid = None if num_valid is None else num_valid - vocab_start - first
+        yield first, float_logits(hidden_TH @ weight_VH[first : first + chunk_size].T, valid)
 
 
 def _or_zeros(grad_T: Tensor | None, like_T: Tensor) -> Tensor:

@@ -70,7 +70,7 @@ def _compiled_chunk():
     return torch.compile(logprobs_and_entropy_chunk, dynamic=True)
 
 
-def _float_logits(logits_CV: Tensor, num_valid: int | None) -> Tensor:
+def float_logits(logits_CV: Tensor, num_valid: int | None) -> Tensor:
     """The chunk in float32, with padding columns at a very negative (finite: 0 * it stays 0) logit."""
     logits_CV = logits_CV.float()
     if num_valid is not None and num_valid < logits_CV.shape[-1]:
@@ -83,7 +83,7 @@ def logprobs_and_entropy_chunk(
     logits_CV: Tensor, tokens_C: Tensor, num_valid: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """One chunk: log p(token) and -sum p log p per row, in float32 whatever the logits' dtype."""
-    logp_CV = F.log_softmax(_float_logits(logits_CV, num_valid), dim=-1)
+    logp_CV = F.log_softmax(float_logits(logits_CV, num_valid), dim=-1)
     entropy_C = -(logp_CV.exp() * logp_CV).sum(dim=-1)
     return logp_CV.gather(-1, tokens_C[:, None].long()).squeeze(-1), entropy_C
 
@@ -97,7 +97,7 @@ def vocab_parallel_chunk(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_tp
 
-    logits_CV = _float_logits(logits_CV, num_valid)
+    logits_CV = float_logits(logits_CV, num_valid)
     max_C = logits_CV.detach().max(dim=-1).values
     torch.distributed.all_reduce(
         max_C, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
