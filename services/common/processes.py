@@ -34,13 +34,13 @@ def tied_to_parent(args: list[str]) -> dict:
     return {"args": args, "preexec_fn": die_with_parent}
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", within: str = "") -> int:
     """A TCP port free on `host` now ("" for every interface), never one handed out before in this process.
 
     It is drawn from below the kernel's ephemeral range: a port from that range, once freed here, can be taken by any
     outgoing connection or port-0 listener on the machine before the child binds it; from a share of that where
-    `split_port_range` gave this process one (SLIPSTREAM_PORT_RANGE)."""
-    lowest, low = _port_range()
+    `split_port_range` gave this process one (SLIPSTREAM_PORT_RANGE), or from `within` ("low-high") where given."""
+    lowest, low = _parse_range(within) if within else _port_range()
     for _ in range(200):
         port = _RANDOM.randrange(lowest, low) if low > lowest else 0
         with socket.socket() as sock:
@@ -55,11 +55,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free TCP port on {host or 'any interface'} below {low}")
 
 
+def keep_port(port: int) -> None:
+    """free_port never hands out `port` in this process (a service's own port, bound only once it is built)."""
+    _HANDED_OUT.add(port)
+
+
 def free_port_pair(offset: int = 1, host: str = "127.0.0.1") -> int:
-    """A free port whose port + `offset` is free too (an engine and the weight receiver beside it)."""
+    """A free port whose port + `offset` is free too (an engine and the weight receiver beside it), both in this
+    process's range."""
+    lowest, low = _port_range()
     for _ in range(100):
         port = free_port(host)
-        if 0 < port + offset < 65536:
+        if lowest <= port + offset < (low if low > lowest else 65536):
             with contextlib.suppress(OSError), socket.create_server((host, port + offset)):
                 return port
     raise OSError(f"no free TCP port on {host} whose port + {offset} is free too")
@@ -73,9 +80,13 @@ PORT_RANGE_ENV = "SLIPSTREAM_PORT_RANGE"  # "low-high": where free_port draws, i
 
 def _port_range() -> tuple[int, int]:
     if value := os.environ.get(PORT_RANGE_ENV):
-        low, high = (int(part) for part in value.split("-"))
-        return low, high
+        return _parse_range(value)
     return _LOWEST_PORT, _ephemeral_low()
+
+
+def _parse_range(value: str) -> tuple[int, int]:
+    low, high = (int(part) for part in value.split("-"))
+    return low, high
 
 
 def split_port_range(index: int, count: int) -> None:

@@ -26,6 +26,7 @@ from services.common.errors import STOPPED, RunStopped, StartupError
 from services.common.interceptor import ServiceInterceptor
 from services.common.logs import setup_logging
 from services.common.metrics import serve_metrics
+from services.common.processes import keep_port
 from services.common.tls import server_credentials
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,7 @@ async def _serve(build: Build, config: ServiceConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    keep_port(config.port)  # the engines a gateway starts while it builds must not be handed it
     service = await build(config)
     server = GrpcServer(service)
     try:

@@ -21,11 +21,11 @@ from services.common.config import AuthConfig, ConfigError
 from services.common.errors import STOPPED, StartupError
 from services.common.launch import Child, gpu_ids, num_gpus, start, stop
 from services.common.logs import setup_logging
-from services.common.processes import free_port
+from services.common.processes import PORT_RANGE_ENV, free_port, port_range_share
 from services.common.redis_connection import open_redis
 from services.train import report, wandb_log
 from services.train.help import full_help, short_help
-from services.train.options import Plan, parse
+from services.train.options import SERVICES, Plan, parse
 from services.train.stall import LOG_PREFIX, RunStalled, StallWatch, last_error
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -63,6 +63,9 @@ class Run:
         self.wandb: wandb_log.WandbRun | None = None
         self._next_step: int | None = None  # --debug-rollout-only
         self.interrupted = False  # set by the signal handler, raised as Interrupted at the next poll
+        # Disjoint port shares: the first for the ports this launcher hands out, one for each service it starts (the
+        # gateway draws its engines' ports): no service can draw a port handed to another that has not bound it yet.
+        self.port_shares = [port_range_share(i, 1 + len(SERVICES)) for i in range(1 + len(SERVICES))]
 
     # Starting
 
@@ -159,7 +162,7 @@ class Run:
         return rollout.rollout_num_gpus or (0 if rollout.engine_urls else 1)
 
     def _service(self, name: str, own: list[str], nproc: int = 1, env: dict | None = None) -> str:
-        port, host = free_port(), self.options.host
+        port, host = self._free_port(), self.options.host
         flags = ["--host", host, "--port", str(port), "--log-level", self.options.log_level, *self.own_flags]
         module = ["-m", f"services.{name}"]
         if nproc > 1:
@@ -169,13 +172,18 @@ class Run:
                 "--nproc-per-node",
                 str(nproc),
                 "--master-port",
-                str(free_port()),
+                str(self._free_port()),
                 *module,
             ]
         args = [sys.executable, *module, *flags, *own, *self.plan.argv[name]]
         env = {**os.environ, **(env or {}), "SLIPSTREAM_RUN": str(self.run_dir.resolve())}  # marks the run's processes
+        if share := self.port_shares[1 + list(SERVICES).index(name)]:
+            env[PORT_RANGE_ENV] = share
         self.children.append(start(name, args, port, self.logs, env))
         return f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+    def _free_port(self) -> int:
+        return free_port(within=self.port_shares[0])
 
     def _channel(self, address: str) -> grpc.Channel:
         self.channels.append(channel := open_channel(address, self.credentials))
