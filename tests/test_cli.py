@@ -373,3 +373,20 @@ def test_train_routes_the_loss_settings_to_the_trainer():
     trainer = route(argv)["trainer"]
     assert trainer == argv
     assert TrainerConfig.model_validate({"eps_clip": 0.3}).loss.eps_clip == 0.3
+
+
+def test_a_flag_two_models_declare_is_refused_before_any_run():
+    """Routing goes by each flag's owner: a new field named as another model's would silently change where that flag
+    goes; it is refused when the table is built, naming both models."""
+    from services.common.config import StrictModel
+    from services.train.options import takers
+
+    class Buffer(StrictModel):
+        lr: float = 1.0
+
+    class Trainer(StrictModel):
+        lr: float = 2.0
+
+    with pytest.raises(TypeError, match="--lr is declared by Buffer and Trainer: a setting has one owner"):
+        takers({"buffer": Buffer, "trainer": Trainer})
+    assert takers({"buffer": Buffer})["--lr"] == ["buffer"]

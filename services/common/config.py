@@ -436,6 +436,7 @@ class FieldFlag:
     path: tuple[str, ...]
     field: FieldInfo
     section: str
+    owner: type  # the model that declares it (ServiceConfig for the server's settings, RunConfig for the run's facts)
 
 
 def field_flags(
@@ -450,7 +451,8 @@ def field_flags(
             flags += field_flags(sub, prefix if sub.flat else path, (*groups, name))
         else:
             flag = "--" + "-".join(path).replace("_", "-")
-            flags.append(FieldFlag(flag, path, field, section_of(name, groups)))
+            owner = next(c for c in model.__mro__ if name in vars(c).get("__annotations__", {}))
+            flags.append(FieldFlag(flag, path, field, section_of(name, groups), owner))
     return flags
 
 

@@ -1,9 +1,9 @@
 """The arguments of `slipstream train`, in slime's three categories: Megatron's (to the trainer), `--sglang-*` (to the
-engines, through the gateway) and slime's own. Each flag goes to every service whose config has a field of that
-name (`--rollout-batch-size` to the buffer and the trainer, `--rm-type` to the reward service and the gateway), so
-every service validates its own part and the names are the services' own."""
+engines, through the gateway) and slime's own. Each flag has one owner, the config model that declares it: a
+service's own flag goes to that service, a run fact (services/common/run_facts.py: `--rollout-batch-size`,
+`--rm-type`) to every service, the launcher's own (TrainOptions) to the launcher; so every service validates its own
+part and the names are the services' own."""
 
-import argparse
 import difflib
 import importlib.util
 import logging
@@ -17,8 +17,7 @@ from pydantic import Field, SecretStr, model_validator
 from services.buffer import preflight as buffer_preflight
 from services.buffer.config import BufferConfig
 from services.buffer.datasets import parse_spec
-from services.common.config import ConfigError, ServiceConfig, StrictModel, _add_field_flags, load_config
-from services.common.run_facts import RUN_ID
+from services.common.config import ConfigError, ServiceConfig, StrictModel, field_flags, load_config
 from services.reward import preflight as reward_preflight
 from services.reward.config import RewardConfig
 from services.rollout import preflight as rollout_preflight
@@ -32,18 +31,10 @@ log = logging.getLogger(__name__)
 
 
 class TrainOptions(StrictModel):
-    """slime's own options that no single service has; the services' options are accepted too."""
+    """slime's own options that no single service has; the services' options are accepted too. Given, the services'
+    --buffer-addr, --reward-addr (the gateway's) and --rollout-addr (the trainer's) join a running service instead of
+    starting one; the run's folder is the buffer's, <--output-dir>/<--run-id>."""
 
-    run_id: str = Field("default", pattern=RUN_ID)
-    """Name of the run: its folder under --output-dir (logs, TensorBoard, plots, embedded Redis)."""
-    output_dir: Path = Path("runs")
-    """Folder of all runs."""
-    buffer_addr: str | None = None
-    """Join a running buffer (host:port) instead of starting one."""
-    reward_addr: str | None = None
-    """Join a running reward service instead of starting one."""
-    rollout_addr: str | None = None
-    """Join a running rollout gateway (with its engines) instead of starting one."""
     actor_num_nodes: int = Field(1, ge=1, le=1)
     """Trainer nodes; `slipstream train` starts one node (on a cluster, run `slipstream trainer` under torchrun on
     each node and join it with --buffer-addr / --rollout-addr)."""
@@ -62,8 +53,6 @@ class TrainOptions(StrictModel):
     """Train without engines on the batches saved by --save-debug-rollout-data (--load-debug-rollout-data)."""
     save_debug_rollout_data: str | None = None
     """Save each step's batch to this path (with {rollout_id}), e.g. runs/x/rollout_{rollout_id}.pb."""
-    load_debug_rollout_data: str | None = None
-    """Train on batches saved by --save-debug-rollout-data instead of generating them (with --debug-train-only)."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long each service may take to start (engines load the model)."""
     stall_timeout_s: float = Field(1800.0, ge=0)
@@ -94,21 +83,12 @@ class TrainOptions(StrictModel):
     """Address the services it starts listen on (gRPC and metrics). The default keeps them on this machine; another
     (0.0.0.0: every interface) opens them to the network: add --tls-cert-file/--tls-key-file (docs/SECURITY.md)."""
 
-    @property
-    def run_dir(self) -> Path:
-        return self.output_dir / self.run_id
-
     @model_validator(mode="after")
     def _check(self) -> "TrainOptions":
         if self.debug_rollout_only and self.debug_train_only:
             raise ValueError("--debug-rollout-only and --debug-train-only exclude each other")
-        if self.debug_train_only and not self.load_debug_rollout_data:
-            raise ValueError("--debug-train-only trains on saved batches: pass --load-debug-rollout-data PATH")
-        for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
-            path = getattr(self, name)
-            if path and "{rollout_id}" not in path:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} needs {{rollout_id}} in the path, e.g. rollout_{{rollout_id}}.pb")
+        if self.save_debug_rollout_data and "{rollout_id}" not in self.save_debug_rollout_data:
+            raise ValueError("--save-debug-rollout-data needs {rollout_id} in the path, e.g. rollout_{rollout_id}.pb")
         return self
 
 
@@ -177,6 +157,9 @@ NEUTRAL = {
 RECOMPUTE = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")  # → --recompute-activations
 
 
+JOIN = {"buffer": "--buffer-addr", "reward": "--reward-addr", "rollout": "--rollout-addr"}  # given: join, not start
+
+
 @dataclass
 class Plan:
     """What `slipstream train` starts: its own options, and each service's arguments and validated config."""
@@ -184,18 +167,43 @@ class Plan:
     options: TrainOptions
     argv: dict[str, list[str]] = field(default_factory=dict)
     configs: dict[str, ServiceConfig] = field(default_factory=dict)
+    joined: dict[str, str] = field(default_factory=dict)  # the running services it joins: name -> address
+
+    @property
+    def run_dir(self) -> Path:
+        return self.configs["buffer"].run_dir
+
+
+def takers(parts: dict[str, type[StrictModel]]) -> dict[str, list[str]]:
+    """The parts (services, "train") that take each flag: those whose config holds the model that declares it. A flag
+    two models declare fails here, before any run: it would mean two things, or go where it is read as another."""
+    owners: dict[str, type] = {}
+    found: dict[str, list[str]] = {}
+    for name, model in parts.items():
+        for item in field_flags(model):
+            if item.path[-1] in OWN and model is not TrainOptions:
+                continue  # set by the launcher for each service it starts
+            if owners.setdefault(item.flag, item.owner) is not item.owner:
+                raise TypeError(
+                    f"{item.flag} is declared by {owners[item.flag].__name__} and {item.owner.__name__}: a setting "
+                    "has one owner (one that several services take is a run fact: services/common/run_facts.py)"
+                )
+            negated = [f"--no-{item.flag[2:]}"] if item.field.annotation is bool else []  # BooleanOptionalAction's
+            for flag in (item.flag, *negated):
+                found.setdefault(flag, []).append(name)
+    return found
 
 
 def route(argv: list[str]) -> dict[str, list[str]]:
     """Each service's flags (and the launcher's own, under "train") from a `slipstream train` command line, with what
     slime's flags imply for them (`--async-buffer-size k` → the buffer's `--max-staleness k`)."""
-    flags = {name: _flags(model) for name, model in {**SERVICES, "train": TrainOptions}.items()}
-    routed: dict[str, list[str]] = {name: [] for name in flags}
+    flags = takers({**SERVICES, "train": TrainOptions})
+    routed: dict[str, list[str]] = {name: [] for name in [*SERVICES, "train"]}
     ignored = []
     for chunk in _chunks(argv):
         flag, values = chunk[0].split("=")[0], [*chunk[0].split("=")[1:], *chunk[1:]]
         if flag.startswith("--sglang-"):
-            if flag not in flags["rollout"]:  # the gateway's own --sglang-server-concurrency aside: SGLang's
+            if "rollout" not in flags.get(flag, []):  # the gateway's own --sglang-server-concurrency aside: SGLang's
                 sglang_options.check(flag)
             routed["rollout"] += chunk
         elif flag in IGNORED:
@@ -208,9 +216,9 @@ def route(argv: list[str]) -> dict[str, list[str]]:
             if flag == "--recompute-granularity" and values != ["selective"]:
                 routed["trainer"].append("--recompute-activations")
         else:
-            names = [name for name, known in flags.items() if flag in known]
+            names = flags.get(flag, [])
             if not names:
-                everything = sorted(set().union(*flags.values(), IGNORED))
+                everything = sorted({*flags, *IGNORED})
                 close = difflib.get_close_matches(flag, everything, n=1)
                 hint = f"did you mean {close[0]}?" if close else "see `slipstream train --help-all`, docs/ARGUMENTS.md"
                 raise ConfigError(f"unknown option {flag}; {hint}")
@@ -222,12 +230,14 @@ def route(argv: list[str]) -> dict[str, list[str]]:
     if options.async_buffer_size:
         routed["buffer"] += ["--max-staleness", str(options.async_buffer_size)]
     lora = _value(argv, "--lora-rank") not in (None, "0")
-    if lora and _value(argv, "--update-weight-disk-dir") is None and not options.rollout_addr:
-        folder = str((options.run_dir / "adapters").resolve())  # the engines it launches read the adapters there
+    if lora and _value(argv, "--update-weight-disk-dir") is None and not _value(argv, "--rollout-addr"):
+        run_dir = Path(_value(argv, "--output-dir") or "runs") / (_value(argv, "--run-id") or "default")
+        folder = str((run_dir / "adapters").resolve())  # the engines it launches read the adapters there
         routed["trainer"] += ["--update-weight-disk-dir", folder]
         routed["rollout"] += ["--update-weight-disk-dir", folder]
     if _value(argv, "--update-weight-mode") == "delta" and _value(argv, "--weight-receiver-port-offset") is None:
-        if options.rollout_addr or _value(argv, "--engine-urls"):  # engines it does not start: their receivers neither
+        # Engines it does not start: their receivers neither.
+        if _value(argv, "--rollout-addr") or _value(argv, "--engine-urls"):
             raise ConfigError(
                 "--update-weight-mode delta sends the changes through a weight receiver beside each engine: start "
                 "`slipstream receiver` beside each one and pass --weight-receiver-port-offset (docs/rollout.md)"
@@ -242,6 +252,7 @@ def parse(argv: list[str]) -> Plan:
     """Routes every flag to the services that know it and validates each service's config before anything starts."""
     routed = route(argv)
     plan = Plan(load_config(TrainOptions, routed.pop("train"), prog="slipstream train"))
+    plan.joined = {name: address for name, flag in JOIN.items() if (address := _value(argv, flag))}
     # Here, not in TrainOptions: a service reading the launcher's flags (@run.flags) has no wandb and needs none.
     if plan.options.use_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--use-wandb needs the wandb package: pip install wandb")
@@ -254,7 +265,7 @@ def parse(argv: list[str]) -> Plan:
         plan.configs[name] = load_config(model, started.get(name, []) + routed[name], prog=f"slipstream train ({name})")
     _check_together(plan)
     for name, check in PREFLIGHT.items():  # what each service it starts would find at its start (a joined one: its own)
-        if getattr(plan.options, f"{name}_addr", None) is None:
+        if name not in plan.joined:
             check(plan.configs[name])
     return plan
 
@@ -262,8 +273,8 @@ def parse(argv: list[str]) -> Plan:
 def _check_together(plan: Plan) -> None:
     """What no single service can see: slime's batch constraint first, then settings that must agree."""
     buffer, trainer, rollout = plan.configs["buffer"], plan.configs["trainer"], plan.configs["rollout"]
-    options = plan.options
-    if not (buffer.prompt_data or buffer.data_source_path or options.buffer_addr or options.debug_train_only):
+    options, joined = plan.options, plan.joined
+    if not (buffer.prompt_data or buffer.data_source_path or "buffer" in joined or options.debug_train_only):
         raise ConfigError("--prompt-data is required: the training prompts (.jsonl or .parquet)")
     if not trainer.hf_checkpoint:
         raise ConfigError("--hf-checkpoint is required: the HF model folder to start from")
@@ -271,12 +282,14 @@ def _check_together(plan: Plan) -> None:
         raise ConfigError("--engine-urls uses running engines; drop --rollout-num-gpus, which starts new ones")
     if trainer.save_interval and not trainer.save:  # here: a run file for containers leaves --save to each job
         raise ConfigError("--save-interval saves checkpoints into --save: add --save DIR, or drop it")
-    if options.eval_interval and not (buffer.eval_sets() or options.buffer_addr):
+    if options.eval_interval and not (buffer.eval_sets() or "buffer" in joined):
         raise ConfigError("--eval-interval evaluates the eval sets: add --eval-prompt-data NAME PATH, or drop it")
     if options.save_debug_rollout_data and not options.debug_rollout_only:
         raise ConfigError("--save-debug-rollout-data is written by --debug-rollout-only runs")
+    if options.debug_train_only and not trainer.load_debug_rollout_data:
+        raise ConfigError("--debug-train-only trains on saved batches: pass --load-debug-rollout-data PATH")
     _check_ranks(options, trainer)
-    if not options.buffer_addr:
+    if "buffer" not in joined:
         _check_files(buffer, trainer)
 
 
@@ -350,10 +363,8 @@ def _is_number(values: list[str], number: float) -> bool:
 
 
 def _flags(model: type[StrictModel]) -> set[str]:
-    parser = argparse.ArgumentParser(add_help=False)
-    _add_field_flags(parser, model, ())
-    own = {"--" + name.replace("_", "-") for name in OWN}
-    return {flag for flag in parser._option_string_actions if flag not in own or model is TrainOptions}
+    """The flags `model` takes from `slipstream train` (not those the launcher sets for each service)."""
+    return set(takers({"part": model}))
 
 
 def _chunks(argv: list[str]) -> list[list[str]]:

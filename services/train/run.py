@@ -48,7 +48,7 @@ class Interrupted(Exception):
 class Run:
     def __init__(self, plan: Plan):
         self.plan, self.options = plan, plan.options
-        self.run_dir = self.options.run_dir
+        self.run_dir = plan.run_dir
         self.logs = self.run_dir / "logs"
         self.steps_file = self.run_dir / "steps.jsonl"
         self.children: list[Child] = []
@@ -71,14 +71,15 @@ class Run:
 
     def start(self) -> None:
         o, trainer = self.options, self.plan.configs["trainer"]
-        if not trainer.load and (self.run_dir / "steps.jsonl").exists() and not o.buffer_addr:
+        if not trainer.load and (self.run_dir / "steps.jsonl").exists() and "buffer" not in self.plan.joined:
             raise StartupError(
                 f"{self.run_dir} holds an earlier run; resume it with --load {trainer.save or '<its --save folder>'}, "
                 "or start a new one with another --run-id (or remove the folder)"
             )
         self._check_gpus()
         redis = self.plan.configs["buffer"].redis
-        if o.buffer_addr and redis.url:  # joining a buffer: its Redis, when given, is checked first (one sentence)
+        joined = self.plan.joined
+        if "buffer" in joined and redis.url:  # joining a buffer: its Redis, when given, is checked first (one sentence)
             open_redis(redis, self.run_dir)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.wandb = wandb_log.start(self.plan)
@@ -86,16 +87,16 @@ class Run:
         # The services start together (each knows the others' addresses, and none calls another before it serves);
         # the trainer once the buffer serves, while the gateway starts its engines, unless it must find them serving:
         # a resumed trainer gives them its weights first, a colocated one shares their GPUs.
-        self.addr["buffer"] = o.buffer_addr or self._service("buffer", [])
+        self.addr["buffer"] = self.plan.joined.get("buffer") or self._service("buffer", [])
         if not o.debug_train_only:
-            self.addr["reward"] = o.reward_addr or self._service("reward", [])
+            self.addr["reward"] = self.plan.joined.get("reward") or self._service("reward", [])
             given = self.plan.configs["rollout"].rollout_num_gpus
             engines = ["--rollout-num-gpus", "1"] if self._launched_engines() > given else []
             # The trainer's --weight-sync-address is the one master its engines may be pointed at.
             masters = [*self.plan.configs["rollout"].allowed_weight_sync_hosts, trainer.weight_sync_address]
             own = ["--buffer-addr", self.addr["buffer"], "--reward-addr", self.addr["reward"],
                    "--engine-log-dir", str(self.logs), "--allowed-weight-sync-hosts", *masters, *engines]  # fmt: skip
-            self.addr["rollout"] = o.rollout_addr or self._service("rollout", own)
+            self.addr["rollout"] = self.plan.joined.get("rollout") or self._service("rollout", own)
         for name in ("buffer", "reward"):
             if name in self.addr:
                 self._wait_serving(name)
@@ -113,7 +114,7 @@ class Run:
         if "rollout" in self.addr:
             own += ["--rollout-addr", self.addr["rollout"]]
         env, gpus = {}, gpu_ids()
-        if gpus and not trainer.colocate and self._launched_engines() and not o.rollout_addr:
+        if gpus and not trainer.colocate and self._launched_engines() and "rollout" not in self.plan.joined:
             first = self._launched_engines()  # the engines have the first GPUs, the trainer the next ones
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[first : first + o.actor_num_gpus_per_node])
         self.addr["trainer"] = self._service("trainer", own, nproc=o.actor_num_gpus_per_node, env=env)
@@ -144,7 +145,7 @@ class Run:
         gpus, o = num_gpus(), self.options
         if not gpus:
             return
-        engines = 0 if o.rollout_addr or o.debug_train_only else self._launched_engines()
+        engines = 0 if "rollout" in self.plan.joined or o.debug_train_only else self._launched_engines()
         trainer = 0 if o.debug_rollout_only else o.actor_num_gpus_per_node
         need = max(engines, trainer) if self.plan.configs["trainer"].colocate else engines + trainer
         if need > gpus:
@@ -198,7 +199,7 @@ class Run:
                 except grpc.RpcError:
                     return False
 
-            joined = getattr(self.options, f"{name}_addr", None)
+            joined = name in self.plan.joined
             where = f"its own log (in compose: `docker compose logs {name}`)" if joined else None
             self._wait_for(serving, f"the {name} service at {self.addr[name]} to serve", where)
 

@@ -72,13 +72,13 @@ class WandbRun:
     """The W&B run of a `slipstream train` run. Its id is kept in the run folder, so a resumed run (--load) goes on
     in the same W&B run, as slime's secondary processes join theirs (resume="allow"); --wandb-run-id names one."""
 
-    def __init__(self, options, config: dict):
+    def __init__(self, options, run_dir: Path, config: dict):
         import wandb
 
         self.wandb = wandb
-        id_file = options.run_dir / "wandb-run-id"
+        id_file = run_dir / "wandb-run-id"
         run_id = options.wandb_run_id or (id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4))
-        folder = Path(options.wandb_dir or options.run_dir)
+        folder = Path(options.wandb_dir or run_dir)
         folder.mkdir(parents=True, exist_ok=True)
         # The key and the host as settings of this process: not wandb.login, which writes the key to ~/.netrc.
         settings = {"api_key": options.wandb_key.get_secret_value()} if options.wandb_key else {}
@@ -90,7 +90,7 @@ class WandbRun:
             project=options.wandb_project,
             entity=options.wandb_team,
             group=options.wandb_group,
-            name=options.wandb_group or options.run_id,
+            name=options.wandb_group or run_dir.name,
             dir=str(folder),
             config=config,
             mode=options.wandb_mode,
@@ -126,7 +126,7 @@ def start(plan) -> WandbRun | None:
     # notebook, pytest) would take this run's records, and end with that process.
     os.environ.pop("WANDB_SERVICE", None)
     try:
-        return WandbRun(options, run_config(plan))
+        return WandbRun(options, plan.run_dir, run_config(plan))
     except ImportError as e:  # installed, but broken (options.py stops a run without the package)
         raise StartupError(f"--use-wandb: cannot import wandb ({e}); pip install wandb") from None
     except Exception as e:  # a missing or refused key, an unreachable server
