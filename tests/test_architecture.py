@@ -1,6 +1,6 @@
 """The map of docs/architecture.md, held: each service folder imports the shared layer, its own modules, and only
-the other services' modules the map names (the buffer's declared data plane, the trainer's table of model families,
-the reference engine's IPC protocol for its receiver, and every service's options for `slipstream train`); the
+the other services' modules the map names (the buffer's declared data plane, the reference engine's IPC protocol for
+its receiver, and every service's options for `slipstream train`); the engine imports nothing of the trainer; the
 `slipstream` package (the protos' stubs, samples) is the bottom layer and imports no service; no two modules import
 each other, directly or through others."""
 
@@ -17,7 +17,7 @@ ALLOWED = {  # folder: the other services' modules it may import
     "reward": set(),
     "rollout": {"services.buffer.dataplane"},
     "trainer": {"services.buffer.dataplane"},
-    "engine": {"services.trainer.families"},
+    "engine": set(),
     "receiver": {"services.engine.ipc", "services.engine.responses", "services.engine.server"},
     "train": {"services.buffer.config", "services.buffer.datasets", "services.reward.config",
               "services.rollout.config", "services.rollout.sglang_options", "services.trainer.config",
@@ -56,6 +56,14 @@ def test_each_service_imports_only_what_the_map_allows():
                     wrong.append(f"{path.relative_to(SERVICES.parent)} imports {module}")
                 if folder == "common" and owner != "common":
                     wrong.append(f"{path.relative_to(SERVICES.parent)} (the shared layer) imports {module}")
+    assert wrong == []
+
+
+def test_the_engine_imports_nothing_of_the_trainer():
+    """The reference engine runs without megatron-core: what both read (which model types are MoE) lives in
+    services/common/. Any import counts, one inside a function too."""
+    wrong = [f"{path.relative_to(REPO)} imports {module}" for path in sorted((SERVICES / "engine").rglob("*.py"))
+             for module in imported(path) if module.split(".")[:2] == ["services", "trainer"]]  # fmt: skip
     assert wrong == []
 
 
@@ -137,22 +145,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_a_flag_that_several_services_take_is_a_shared_groups():
-    """A run fact is declared once (services/common/run_facts.py), as the server's and Redis's settings are: no two
-    services declare a flag of the same name, which could mean two things or disagree."""
-    from services.buffer.config import BufferConfig
-    from services.common.config import ServiceConfig, field_flags
-    from services.common.redis_connection import RedisConfig
-    from services.common.run_facts import RunConfig
-    from services.reward.config import RewardConfig
-    from services.rollout.config import RolloutConfig
-    from services.trainer.config import TrainerConfig
+def test_each_flag_has_one_owner():
+    """A setting is declared once: by one service's config, by the shared groups (the server's, Redis's, the run's
+    facts in services/common/run_facts.py) or by the launcher; `slipstream train` sends a flag to the parts that hold
+    its owner, and refuses to build a table where two models declare one flag (tests/test_cli.py)."""
+    from services.train.options import SERVICES, TrainOptions, takers
 
-    takers: dict[str, list[str]] = {}
-    for name, model in (("buffer", BufferConfig), ("reward", RewardConfig), ("rollout", RolloutConfig),
-                        ("trainer", TrainerConfig)):  # fmt: skip
-        for item in field_flags(model):
-            takers.setdefault(item.flag, []).append(name)
-    shared = {item.flag for model in (ServiceConfig, RunConfig) for item in field_flags(model)}
-    shared |= {item.flag for item in field_flags(RedisConfig, ("redis",))}
-    assert {flag: names for flag, names in takers.items() if len(names) > 1 and flag not in shared} == {}
+    takers({**SERVICES, "train": TrainOptions})  # raises on a flag with two owners

@@ -5,10 +5,11 @@ data plane").
 
 The buffer writes LAYOUT_VERSION into the run's keys when it starts; a service checks it the first time it uses a
 run's keys and stops on another version. A change to these keys, to what their values hold or to the submit
-transition is a new LAYOUT_VERSION.
+transition (lua/submit_functions.lua) is a new LAYOUT_VERSION.
 """
 
 from dataclasses import dataclass
+from importlib.resources import files
 
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import NoScriptError
@@ -86,70 +87,14 @@ def check_layout(ns: str, found: bytes | None) -> None:
     )
 
 
-# The submit transition, in every script that completes groups: the buffer's SubmitGroup and a worker's own submit.
-# `dataset_of(gid)`: a group id starts with its dataset's name. `submit`: a finished group completed with its arrays
-# (given, or the worker's upload taken over), dropped or kept as an evaluation's; returns the answer ('accepted',
-# 'duplicate', 'unknown', 'no_arrays') and the group id when it was completed now.
-SUBMIT_FUNCTIONS = """
-local function dataset_of(gid) return string.match(gid, '^([^:]*):') end
-local function submit(ns, lease_id, outcome, payload, version, tokens, arrays, uploaded)
-  local upload = ns .. ':upload:' .. lease_id
-  local gid = string.match(lease_id, '^(.*)#%d+$')
-  local status = gid and redis.call('HGET', ns .. ':status', gid)
-  if not status then
-    redis.call('DEL', upload)
-    return 'unknown'
-  end
-  if status ~= 'leased' and status ~= 'pending' then
-    redis.call('DEL', upload)
-    redis.call('HINCRBY', ns .. ':counters', 'duplicate_submits', 1)
-    return 'duplicate'
-  end
-  if uploaded and redis.call('EXISTS', upload) == 0 then return 'no_arrays' end
-  redis.call('ZREM', ns .. ':leases', gid)
-  if status == 'pending' then redis.call('LREM', ns .. ':pending:' .. dataset_of(gid), 0, gid) end
-  redis.call('DEL', ns .. ':group:' .. gid)
-  redis.call('HSET', ns .. ':status', gid, outcome)
-  if outcome == 'completed' then
-    local seq = redis.call('HINCRBY', ns .. ':counters', 'completed', 1)
-    redis.call('SET', ns .. ':done:' .. gid, payload)
-    if uploaded then
-      redis.call('RENAME', upload, ns .. ':arrays:' .. gid)
-      redis.call('PERSIST', ns .. ':arrays:' .. gid)
-    else
-      redis.call('SET', ns .. ':arrays:' .. gid, arrays)
-    end
-    redis.call('ZADD', ns .. ':done', seq, gid)
-    redis.call('HSET', ns .. ':done_version', gid, version)
-    redis.call('HSET', ns .. ':done_tokens', gid, tokens)
-    return 'accepted', gid
-  end
-  redis.call('DEL', upload)
-  if string.sub(outcome, 1, 5) == 'eval:' then
-    redis.call('HSET', ns .. ':' .. outcome, gid, payload)
-    redis.call('HINCRBY', ns .. ':counters', 'eval_completed', 1)
-  else
-    redis.call('HINCRBY', ns .. ':counters', 'dropped', 1)
-    redis.call('HINCRBY', ns .. ':counters', outcome, 1)
-  end
-  return 'accepted'
-end
-"""
+def lua(name: str) -> str:
+    """services/buffer/lua/<name>.lua: the buffer's Redis scripts are files of their own, read and linted as Lua
+    (pyproject.toml ships them with the package)."""
+    return (files("services.buffer") / "lua" / f"{name}.lua").read_text()
 
-# A worker's training groups completed together. ARGV: ns, then for each group: lease id, payload, min version,
-# tokens, arrays ('' when uploaded), uploaded. Returns each group's answer as `submit`'s; one message on
-# <ns>:submitted for them all.
-_SUBMIT_MANY = """
-local ns, results, last = ARGV[1], {}, nil
-for i = 2, #ARGV, 6 do
-  local result, completed = submit(ns, ARGV[i], 'completed', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4],
-                                   ARGV[i + 5] == '1')
-  table.insert(results, result)
-  last = completed or last
-end
-if last then redis.call('PUBLISH', ns .. ':submitted', last) end
-return results
-"""
+
+SUBMIT_FUNCTIONS = lua("submit_functions")  # the submit transition, put before every script that completes groups
+_SUBMIT_MANY = lua("submit_many")
 
 
 @dataclass

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from services.common.errors import StartupError
-from services.trainer.families import MOE_MODEL_TYPES
+from services.common.model_types import MOE_MODEL_TYPES
 
 # transformers' routers of the MoE families return (router_logits, top-k weights, top-k expert ids); the experts are
 # run on exactly those ids, so they are what the hooks record.

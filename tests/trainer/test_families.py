@@ -1,6 +1,6 @@
 """The trainer's model families as the other services read them: which have routed experts is declared once
-(`services.trainer.families.MOE_MODEL_TYPES`, read by the reference engine without megatron-core) and agrees with the
-families the registry builds."""
+(`services.common.model_types.MOE_MODEL_TYPES`, read by the reference engine without megatron-core) and agrees with
+the families the registry builds."""
 
 import subprocess
 import sys
@@ -11,7 +11,8 @@ pytest.importorskip("megatron.core")
 
 
 def test_the_moe_families_are_those_built_with_routed_experts():
-    from services.trainer.families import FAMILIES, MOE_MODEL_TYPES
+    from services.common.model_types import MOE_MODEL_TYPES
+    from services.trainer.families import FAMILIES
     from services.trainer.families.base import MOE
 
     assert {name for name, family in FAMILIES.items() if MOE.keys() <= family.rules.keys()} == set(MOE_MODEL_TYPES)
