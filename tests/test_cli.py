@@ -278,15 +278,27 @@ def test_train_check_runs_the_same_checks(tmp_path):
     assert run_cli("train", *base, "--rm-type", "exact", "--check", cwd=tmp_path).returncode == 0
 
 
-def test_train_sets_what_a_flag_implies_or_says_what_to_add():
-    from services.common.config import ConfigError
-    from services.train.options import route
+def test_a_gateway_applies_the_run_rules_wherever_it_loads_its_config(tmp_path):
+    """Delta sync needs a weight receiver beside each engine: a gateway that starts its engines starts them (offset
+    1), one given running engines says what to add, the same sentence from `slipstream train` and from the gateway's
+    own config file (as compose and k8s start it)."""
+    from services.common.config import ConfigError, load_config
+    from services.rollout.config import DELTA_NEEDS_RECEIVERS, RolloutConfig
 
-    routed = route(["--update-weight-mode", "delta"])  # the engines it starts get their weight receivers
-    assert routed["rollout"][-2:] == ["--weight-receiver-port-offset", "1"]
-    assert "--weight-receiver-port-offset" not in route(["--update-weight-mode", "full"])["rollout"]
-    with pytest.raises(ConfigError, match="start `slipstream receiver` beside each one and pass --weight-receiver"):
-        route(["--update-weight-mode", "delta", "--engine-urls", "http://engine:30000"])
+    launching = load_config(RolloutConfig, ["--update-weight-mode", "delta", "--rollout-num-gpus", "1",
+                                            "--hf-checkpoint", str(tmp_path)], "slipstream rollout")  # fmt: skip
+    assert launching.weight_receiver_port_offset == 1
+    assert load_config(RolloutConfig, ["--rollout-num-gpus", "1", "--hf-checkpoint", str(tmp_path)],
+                       "slipstream rollout").weight_receiver_port_offset is None  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape(DELTA_NEEDS_RECEIVERS)):
+        load_config(RolloutConfig, ["--update-weight-mode", "delta", "--engine-urls", "http://engine:30000"], "x")
+    config = tmp_path / "rollout.yaml"
+    config.write_text(yaml.safe_dump({"update_weight_mode": "delta", "engine_urls": ["http://engine:30000"]}))
+    gateway = run_cli("rollout", "--config", str(config), "--check")
+    train = run_cli("train", "--check", "--update-weight-mode", "delta", "--engine-urls", "http://engine:30000",
+                    "--hf-checkpoint", str(tmp_path), "--prompt-data", str(config))  # fmt: skip
+    for process in (gateway, train):
+        assert process.returncode == 2 and DELTA_NEEDS_RECEIVERS in process.stderr, process.stderr
 
 
 def test_train_names_the_closest_option(tmp_path):

@@ -56,6 +56,12 @@ class RunConfig(StrictModel):
     """With --update-weight-transport disk (or --lora-rank): the folder, shared with the engines, that each sync's
     checkpoint is written into (`weight_v000042/`, renamed into place once complete) and the engines load from
     (/update_weights_from_disk, /load_lora_adapter). Where the engines see it elsewhere, give the gateway that path."""
+    update_weight_mode: Literal["full", "delta"] = "full"
+    """`delta`: a sync sends only the 2-byte words that changed since the engines' version, where every engine holds
+    it (a new or restarted engine gets every bucket whole), checked per tensor by checksum. Needs the weight receivers
+    (the gateway's --weight-receiver-port-offset; a gateway that starts its engines starts their receivers at offset
+    1); keeps a copy of the model's weights on the trainer's GPU and one beside each engine's (docs/rollout.md, "Delta
+    sync")."""
     weight_sync_timeout_s: float = Field(120.0, gt=0)
     """Deadline of each step of a weight sync: joining the group, each bucket, each engine call, the commit. An engine
     past it is evicted and the sync goes on without it; the trainer's own waits are a multiple of it."""

@@ -12,6 +12,11 @@ from services.common.redis_connection import RedisConfig
 from services.common.run_facts import RunConfig
 from services.rollout.allowlist import LOOPBACK
 
+DELTA_NEEDS_RECEIVERS = (
+    "--update-weight-mode delta sends the changes through a weight receiver beside each engine: start "
+    "`slipstream receiver` beside each one and pass --weight-receiver-port-offset (docs/rollout.md)"
+)
+
 
 class RolloutConfig(ServiceConfig):
     """The rollout gateway: engine pool, rollout workers, evaluation and the weight-sync control plane."""
@@ -168,6 +173,10 @@ class RolloutConfig(ServiceConfig):
                 "give one of them"
             )
         self.eval_sets()  # a bad file stops here, naming the set and the key
+        if self.update_weight_mode == "delta" and self.weight_receiver_port_offset is None:
+            if not self.rollout_num_gpus:  # engines it does not start: their receivers neither
+                raise ValueError(DELTA_NEEDS_RECEIVERS)
+            self.weight_receiver_port_offset = 1  # the engines it starts get their receivers beside them
         if self.use_router and self.redis.url:
             raise ValueError("--use-router routes through one router per gateway; with --redis-url drop it")
         teachers = bool(self.opd_teacher_urls or self.opd_teacher_hf_checkpoint)

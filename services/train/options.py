@@ -235,14 +235,6 @@ def route(argv: list[str]) -> dict[str, list[str]]:
         folder = str((run_dir / "adapters").resolve())  # the engines it launches read the adapters there
         routed["trainer"] += ["--update-weight-disk-dir", folder]
         routed["rollout"] += ["--update-weight-disk-dir", folder]
-    if _value(argv, "--update-weight-mode") == "delta" and _value(argv, "--weight-receiver-port-offset") is None:
-        # Engines it does not start: their receivers neither.
-        if _value(argv, "--rollout-addr") or _value(argv, "--engine-urls"):
-            raise ConfigError(
-                "--update-weight-mode delta sends the changes through a weight receiver beside each engine: start "
-                "`slipstream receiver` beside each one and pass --weight-receiver-port-offset (docs/rollout.md)"
-            )
-        routed["rollout"] += ["--weight-receiver-port-offset", "1"]  # the engines it starts get theirs
     if options.debug_rollout_only:  # the engines keep their weights: no group may be dropped as stale
         routed["buffer"] += ["--stale-policy", "mark"]
     return routed
@@ -258,6 +250,9 @@ def parse(argv: list[str]) -> Plan:
         raise ConfigError("--use-wandb needs the wandb package: pip install wandb")
     # Checked with the addresses the launcher will add, so that what needs them (--colocate) is judged as it will run.
     started = {"rollout": ["--reward-addr", "launched:0"], "trainer": ["--buffer-addr", "launched:0"]}
+    given = ("--engine-urls", "--rollout-num-gpus", "--rollout-addr")
+    if not any(_value(argv, flag) for flag in given) and _value(argv, "--hf-checkpoint"):
+        routed["rollout"] += ["--rollout-num-gpus", "1"]  # the gateway it starts launches one engine
     if not plan.options.debug_train_only:
         started["trainer"] += ["--rollout-addr", "launched:0"]
     for name, model in SERVICES.items():

@@ -90,12 +90,10 @@ class Run:
         self.addr["buffer"] = self.plan.joined.get("buffer") or self._service("buffer", [])
         if not o.debug_train_only:
             self.addr["reward"] = self.plan.joined.get("reward") or self._service("reward", [])
-            given = self.plan.configs["rollout"].rollout_num_gpus
-            engines = ["--rollout-num-gpus", "1"] if self._launched_engines() > given else []
             # The trainer's --weight-sync-address is the one master its engines may be pointed at.
             masters = [*self.plan.configs["rollout"].allowed_weight_sync_hosts, trainer.weight_sync_address]
             own = ["--buffer-addr", self.addr["buffer"], "--reward-addr", self.addr["reward"],
-                   "--engine-log-dir", str(self.logs), "--allowed-weight-sync-hosts", *masters, *engines]  # fmt: skip
+                   "--engine-log-dir", str(self.logs), "--allowed-weight-sync-hosts", *masters]  # fmt: skip
             self.addr["rollout"] = self.plan.joined.get("rollout") or self._service("rollout", own)
         for name in ("buffer", "reward"):
             if name in self.addr:
@@ -157,10 +155,9 @@ class Run:
             )
 
     def _launched_engines(self) -> int:
-        """GPUs (or CPU engines) of the engines the gateway launches: --rollout-num-gpus, else one unless
-        --engine-urls names running ones."""
-        rollout = self.plan.configs["rollout"]
-        return rollout.rollout_num_gpus or (0 if rollout.engine_urls else 1)
+        """GPUs (or CPU engines) of the engines the gateway launches: --rollout-num-gpus (one unless given or
+        --engine-urls names running ones: options.parse)."""
+        return self.plan.configs["rollout"].rollout_num_gpus
 
     def _service(self, name: str, own: list[str], nproc: int = 1, env: dict | None = None) -> str:
         port, host = self._free_port(), self.options.host

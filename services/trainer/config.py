@@ -131,11 +131,6 @@ class TrainerConfig(ServiceConfig):
     """Weight buckets sent before the first of them is answered. Engines that take ordered buckets (the reference
     engine) receive the next while they load one; SGLang engines take one at a time. Each costs a bucket of memory on
     the trainer, and on those engines."""
-    update_weight_mode: Literal["full", "delta"] = "full"
-    """`delta`: a sync sends only the 2-byte words that changed since the engines' version, where every engine holds
-    it (a new or restarted engine gets every bucket whole), checked per tensor by checksum. Needs the weight receivers
-    (the gateway's --weight-receiver-port-offset); keeps a copy of the model's weights on the trainer's GPU and one
-    beside each engine's (docs/rollout.md, "Delta sync")."""
     update_weight_transport: Literal["nccl", "disk"] = "nccl"
     """How the weights travel: `nccl`, over the weight group the gateway sets up (gloo on CPU; CUDA IPC handles with
     --colocate); `disk`, as an HF checkpoint written under --update-weight-disk-dir at each sync, which the engines
