@@ -152,3 +152,14 @@ def test_each_flag_has_one_owner():
     from services.train.options import SERVICES, TrainOptions, takers
 
     takers({**SERVICES, "train": TrainOptions})  # raises on a flag with two owners
+
+
+def test_no_function_in_services_is_over_80_lines():
+    """A function longer than a screen is split into named steps (the style guide's bar)."""
+    long = [
+        f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(SERVICES.rglob("*.py"))
+        for node in ast.walk(parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80
+    ]
+    assert long == []

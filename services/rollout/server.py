@@ -31,24 +31,10 @@ async def build(config: RolloutConfig) -> Service:
         me = config.advertise_addr or own_address(config.host, config.port)
         fleet = Fleet(redis_handle.async_client(), config.redis.prefix, config.run_id, me, config.fleet_ttl_s)
         pool.paused_elsewhere = fleet.syncing
-    children = await launch_engines(config) if config.rollout_num_gpus else []
     teacher = Teacher(config) if config.use_opd and config.opd_type == "sglang" else None
+    children: list = []
     try:
-        children += await launch_teachers(config)
-        if teacher is not None:
-            await teacher.register(
-                [*config.opd_teacher_urls, *(c.url for c in children if c.name.startswith("teacher"))]
-            )
-        if config.use_router:
-            children.append(router := await launch_router(config))
-            pool.use_router(router.url)
-        for url in [*config.engine_urls, *(c.url for c in children if c.name.startswith("engine"))]:
-            if fleet is not None:  # the gateway whose share it is admits it
-                await fleet.add(normalize(url))
-            else:
-                await pool.register(url)  # an engine that is down now is kept evicted and admitted once it answers
-        if config.use_router:
-            await wait_workers(router, [e.url for e in pool.healthy()])
+        children = await _children(config, pool, fleet, teacher)
         # gRPC channels after the children: forking while gRPC threads run makes gRPC log a warning per child
         # Workers lease, submit and score as `worker`; the weight sync's commit tells the buffer the new version as
         # the trainer whose sync it completes.
@@ -107,6 +93,32 @@ async def build(config: RolloutConfig) -> Service:
     sync = WeightSync(config, pool, buffer_pb2_grpc.BufferServiceStub(version_channel), fleet)
     servicer = Servicer.of(RolloutServicer(pool, rollout, sync, config, fleet))
     return Service("rollout", config, [servicer], ready=ready, on_stop=[close], finished=failed)
+
+
+async def _children(config: RolloutConfig, pool: EnginePool, fleet, teacher) -> list:
+    """Starts the engines, teachers and router the gateway launches and admits every engine (with a fleet, the
+    gateway whose share it is admits it); what it started stops again when any of it fails."""
+    children = await launch_engines(config) if config.rollout_num_gpus else []
+    try:
+        children += await launch_teachers(config)
+        if teacher is not None:
+            await teacher.register(
+                [*config.opd_teacher_urls, *(c.url for c in children if c.name.startswith("teacher"))]
+            )
+        if config.use_router:
+            children.append(router := await launch_router(config))
+            pool.use_router(router.url)
+        for url in [*config.engine_urls, *(c.url for c in children if c.name.startswith("engine"))]:
+            if fleet is not None:
+                await fleet.add(normalize(url))
+            else:
+                await pool.register(url)  # an engine that is down now is kept evicted and admitted once it answers
+        if config.use_router:
+            await wait_workers(router, [e.url for e in pool.healthy()])
+    except BaseException:
+        await stop(children)
+        raise
+    return children
 
 
 def _tokenizer(config: RolloutConfig):

@@ -155,15 +155,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             request.delta_base_version,
             tuple(specs(b.tensors) for b in request.plan),
         )
-        world_size, ranks, created, transport, base, taken = prepared
-        engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in ranks]
+        engines = [rollout_pb2.EngineRank(url=u, rank_offset=o, tp_size=t) for u, o, t in prepared.ranks]
         return rollout_pb2.PrepareWeightSyncResponse(
-            world_size=world_size,
+            world_size=prepared.world_size,
             engines=engines,
-            group_created=created,
-            transport=transport,
-            delta_base_version=base,
-            plan_taken=taken,
+            group_created=prepared.created,
+            transport=prepared.transport,
+            delta_base_version=prepared.delta_base,
+            plan_taken=prepared.plan_taken,
         )
 
     async def SyncWeightBuckets(self, request_iterator, context):

@@ -49,6 +49,14 @@ class Group:
     def names(self) -> list[str]:
         return [name for name, _, _ in self.sources]
 
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(ranks for _, ranks in self.members)
+
+    def offsets(self) -> list[int]:
+        """Each member's first rank (the sender is rank 0)."""
+        return [1 + sum(ranks for _, ranks in self.members[:i]) for i in range(len(self.members))]
+
 
 class Phase(enum.Enum):
     """Where a sync attempt is (docs/rollout.md, "The protocol in one place")."""
@@ -103,6 +111,18 @@ class Attempt:
         return Phase.LOADING in (self.phase, self.before)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A Prepare's answer (PrepareWeightSyncResponse)."""
+
+    world_size: int
+    ranks: list[tuple[str, int, int]]  # (engine url, rank offset, ranks) of each member
+    created: bool  # the senders must join new groups
+    transport: int  # the WeightTransport chosen
+    delta_base: int  # the delta's base version, or 0
+    plan_taken: bool  # the plan that came with Prepare is on its way to the receivers
+
+
 @dataclass
 class Result:
     url: str
@@ -140,88 +160,121 @@ class WeightSync:
         delta: bool = False,
         delta_base: int = 0,
         plan=(),
-    ):
+    ) -> "Prepared":
         """`sources`: (group name, master address, port) of each sender; `backend`: a weight group's collective backend;
         `asked`: the WeightTransport the trainer asks for; `delta`: the senders send deltas against version `delta_base`
         where every engine holds it; `plan`: a lone sender's whole plan (each bucket's names, dtypes, shapes), delivered
-        at once where the sync streams over a group already joined. Returns (world size, [(url, rank offset, ranks)],
-        whether the senders must join new groups, the WeightTransport chosen, the delta's base version or 0, whether the
-        plan was taken). Called again with the same version after an engine left, it starts the sync over with the
-        engines still healthy."""
+        at once where the sync streams over a group already joined. Called again with the same version after an engine
+        left, it starts the sync over with the engines still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
             raise InvalidArgument("sources", f"each sender needs its own group_name, got {[n for n, _, _ in sources]}")
         kind = choose(asked, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
-        if self.version is not None and self.version != version:  # its trainer is gone: a new one starts over
-            await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
-        again = self.attempt is not None  # the same version: an engine left, and the trainer starts over
-        if not again:
-            self.attempt = Attempt(version, asyncio.get_running_loop().create_future())
-        attempt = self.attempt
-        attempt.move("prepare")
-        attempt.sender_gone.clear()
+        attempt, again = await self._open_attempt(version)
         try:
             self._watch(0)
-            if attempt.planned is not None:  # the last Prepare's plan, never claimed: its receives wait in vain
-                planned, attempt.planned = attempt.planned, None
-                if not planned.done() and self.group is not None:
-                    await self._break("prepare", [])
-                await asyncio.wait({planned})
-            # A trainer that heard of a failed bucket prepares again at once; buckets posted after it may still be
-            # loading, and the one whose failure took the group down evicts the engine at fault once it ends.
-            if self.deliveries:
-                await asyncio.wait(set(self.deliveries))
-            if again and self.group is not None:  # the trainer lost the group (it could not join)
-                if attempt.joining is not None:
-                    attempt.joining.cancel()
-                await self._break("joining", [])
-            await self._mark_syncing(True)
-            # A dead member would stall the group: pausing weeds them out (a failed control call evicts), or a probe.
-            if self.pool.running.is_set() and kind.pauses:
-                await self.pool.pause(self.config.pause_mode)
-            else:
-                await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))
-            engines = self.pool.healthy()
-            if not engines:  # the pool goes on (its health checks pause with it): a restarted engine is re-admitted
-                self._end(attempt, "abort")
-                await self.pool.resume()
-                raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
+            await self._settle(attempt, again)
+            engines = await self._take_part(attempt, kind)
             transport = choose(asked, engines, self.config, self.pool.adapters)
-            members = tuple((e.url, transport.member(e)[1]) for e in engines)
-            group = Group(members, tuple(sources), backend, transport.name, tuple(e.admissions for e in engines))
-            offsets = [1 + sum(ranks for _, ranks in members[:i]) for i in range(len(members))]
-            world_size = 1 + sum(ranks for _, ranks in members)
-            created = self.group != group and transport.uses_group  # colocated: tensors travel as handles, no group
-            if not transport.uses_group:
-                self.group = group
-            if created:
-                if self.group is not None:  # its members, by the transport that built it
-                    await self._destroy(self._members())
-                    hosted = {(address, port) for _, address, port in self.group.sources}
-                    if any((address, port) in hosted for _, address, port in group.sources):
-                        await self._rehost(group)
-                self.group, self.transport = group, transport
-                # An engine may still hold a group of these names (it joined one whose trainer failed to host it, and
-                # was left out of the teardown): joining again under a held name fails, so each name goes first.
-                await self._destroy(engines)
-                # Each engine's call returns only once the sender has joined too: it runs while Prepare answers.
-                attempt.joining = asyncio.create_task(self._join(engines, offsets, world_size))
+            group, created = await self._group_for(attempt, engines, sources, backend, transport)
             transport.open(version, group.names)
-            base = 0
-            if delta and transport.streamed:  # the base is every receiver's copy of the last version all engines took
-                same = not created and all(e.weight_version == str(delta_base) for e in engines)
-                base = delta_base if same else 0
-                transport.delta = {"version": version, "base_version": base}
+            base = self._delta_base(transport, engines, created, delta, delta_base, version)
             self.engines, self.transport = engines, transport
-            if self.released:  # the weights come back first, to be overwritten in place
-                await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
-            if transport.pauses:
-                await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
-            ranks = [(url, offset, n) for (url, n), offset in zip(members, offsets, strict=True)]
+            await self._ready(engines, transport)
             if plan and transport.streamed and not created and len(sources) == 1:  # it runs once Prepare answered
                 attempt.planned = asyncio.ensure_future(self._deliver_plan(attempt, plan, self.group))
-            return world_size, ranks, created, transport.kind, base, attempt.planned is not None
+            offsets = group.offsets()
+            ranks = [(url, offset, n) for (url, n), offset in zip(group.members, offsets, strict=True)]
+            return Prepared(group.world_size, ranks, created, transport.kind, base, attempt.planned is not None)
         finally:  # armed whatever happened here: a trainer silent past it is gone, and the sync is aborted
             self._watch()
+
+    async def _open_attempt(self, version: int) -> tuple[Attempt, bool]:
+        """The attempt of `version`, and whether it is one started over (an engine left): another version's open sync
+        is aborted first (its trainer is gone, and a new one starts over)."""
+        if self.version is not None and self.version != version:
+            await self.abort(self.version, f"PrepareWeightSync of version {version} arrived before it ended")
+        again = self.attempt is not None
+        if not again:
+            self.attempt = Attempt(version, asyncio.get_running_loop().create_future())
+        self.attempt.move("prepare")
+        self.attempt.sender_gone.clear()
+        return self.attempt, again
+
+    async def _settle(self, attempt: Attempt, again: bool) -> None:
+        """What the last Prepare left behind ends first: its unclaimed plan (whose receives wait in vain), buckets still
+        loading (a trainer that heard of a failed bucket prepares again at once; the one whose failure took the group
+        down evicts the engine at fault once it ends), and a group the trainer could not join."""
+        if attempt.planned is not None:
+            planned, attempt.planned = attempt.planned, None
+            if not planned.done() and self.group is not None:
+                await self._break("prepare", [])
+            await asyncio.wait({planned})
+        if self.deliveries:
+            await asyncio.wait(set(self.deliveries))
+        if again and self.group is not None:
+            if attempt.joining is not None:
+                attempt.joining.cancel()
+            await self._break("joining", [])
+
+    async def _take_part(self, attempt: Attempt, kind: Transport) -> list[Engine]:
+        """The engines that take part: paused (a failed control call evicts a dead member, which would stall the
+        group) or probed; none healthy ends the sync."""
+        await self._mark_syncing(True)
+        if self.pool.running.is_set() and kind.pauses:
+            await self.pool.pause(self.config.pause_mode)
+        else:
+            await asyncio.gather(*(self._probe(e) for e in self.pool.healthy()))
+        engines = self.pool.healthy()
+        if not engines:  # the pool goes on (its health checks pause with it): a restarted engine is re-admitted
+            self._end(attempt, "abort")
+            await self.pool.resume()
+            raise Unavailable("no healthy engine to send weights to; register one (RegisterEngine) first")
+        return engines
+
+    async def _group_for(
+        self, attempt: Attempt, engines: list[Engine], sources: list, backend: str, transport: Transport
+    ) -> tuple[Group, bool]:
+        """The sync's group of `engines` and whether it is a new one, which the senders must join: the last one where
+        nothing changed; colocated, tensors travel as handles and no group is built."""
+        members = tuple((e.url, transport.member(e)[1]) for e in engines)
+        group = Group(members, tuple(sources), backend, transport.name, tuple(e.admissions for e in engines))
+        created = self.group != group and transport.uses_group
+        if not transport.uses_group:
+            self.group = group
+        if created:
+            if self.group is not None:  # its members, by the transport that built it
+                await self._destroy(self._members())
+                hosted = {(address, port) for _, address, port in self.group.sources}
+                if any((address, port) in hosted for _, address, port in group.sources):
+                    await self._rehost(group)
+            self.group, self.transport = group, transport
+            # An engine may still hold a group of these names (it joined one whose trainer failed to host it, and was
+            # left out of the teardown): joining again under a held name fails, so each name goes first.
+            await self._destroy(engines)
+            # Each engine's call returns only once the sender has joined too: it runs while Prepare answers.
+            attempt.joining = asyncio.create_task(self._join(engines, group.offsets(), group.world_size))
+        return self.group, created
+
+    @staticmethod
+    def _delta_base(
+        transport: Transport, engines: list[Engine], created: bool, delta: bool, delta_base: int, version: int
+    ) -> int:
+        """The version the senders send changes against: every receiver's copy of the last version all engines took,
+        where the group is the last one; 0 (every bucket whole) otherwise."""
+        if not (delta and transport.streamed):
+            return 0
+        same = not created and all(e.weight_version == str(delta_base) for e in engines)
+        base = delta_base if same else 0
+        transport.delta = {"version": version, "base_version": base}
+        return base
+
+    async def _ready(self, engines: list[Engine], transport: Transport) -> None:
+        """The engines made ready to take the weights: released memory back (to be overwritten in place), and a weight
+        update session begun where the transport pauses them."""
+        if self.released:
+            await self._each(engines, "/resume_memory_occupation", {"tags": ["weights"]})
+        if transport.pauses:
+            await self._each(_sessions(engines), "/begin_weight_update", {"selector": "all"})
 
     async def _rehost(self, group: Group) -> None:
         """The engines taking part changed, and a sender offers the port of its old group: it must host the new one

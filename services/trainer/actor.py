@@ -199,18 +199,7 @@ class Actor:
         mask_BR = tensors["loss_mask_BR"]
         self.model.eval()  # the old policy's log-probs: no dropout
         steps = split_steps(list(range(len(batch))), c.num_steps_per_rollout)
-        if self.routing is not None:  # in the training's micro-batches: recorded (or the engines'), then replayed
-            self.routing.clear()
-            mbs = [mb for indices in steps for mb in self._micro_batches(batch, indices)]
-            if c.use_rollout_routing_replay:
-                for mb in mbs:
-                    self.routing.recorded[tuple(mb)] = self._engines_routing(batch, mb)
-            old_BR = self.full_logprobs(self.model, batch, mbs, "replay" if c.use_rollout_routing_replay else "record")
-            old_BR = tensors["rollout_logprobs_BR"] if c.loss.use_rollout_logprobs else old_BR
-        elif c.loss.use_rollout_logprobs:
-            old_BR = tensors["rollout_logprobs_BR"]
-        else:
-            old_BR = self.full_logprobs(self.model, batch)
+        old_BR = self._old_logprobs(batch, steps, tensors["rollout_logprobs_BR"])
         ref_BR = self._reference_logprobs(batch)
         values_BR = self.critic.full_values(batch) if self.critic is not None else None
         kl_BR = approx_kl(old_BR, ref_BR, "k1") * mask_BR if ref_BR is not None and c.kl_coef else None
@@ -278,6 +267,20 @@ class Actor:
             if part is not None:
                 part._gather_weights()
         return results
+
+    def _old_logprobs(self, batch: RolloutBatch, steps: list, rollout_BR: torch.Tensor) -> torch.Tensor:
+        """The old policy's log-probs: the engines' under --use-rollout-logprobs, else a forward pass; an MoE model's
+        forward in the training's micro-batches, its routing recorded (or the engines', replayed) for the steps."""
+        c = self.config
+        if self.routing is not None:
+            self.routing.clear()
+            mbs = [mb for indices in steps for mb in self._micro_batches(batch, indices)]
+            if c.use_rollout_routing_replay:
+                for mb in mbs:
+                    self.routing.recorded[tuple(mb)] = self._engines_routing(batch, mb)
+            old_BR = self.full_logprobs(self.model, batch, mbs, "replay" if c.use_rollout_routing_replay else "record")
+            return rollout_BR if c.loss.use_rollout_logprobs else old_BR
+        return rollout_BR if c.loss.use_rollout_logprobs else self.full_logprobs(self.model, batch)
 
     def _agreement(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
         """Train-rollout agreement, as slime and verl report it: the mean and max over every data-parallel rank of

@@ -78,17 +78,7 @@ def init_parallel(
 
     apply_cpu_shims()
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    if world_size % (tp_size * pp_size) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor-parallel size {tp_size} times pipeline-parallel size "
-            f"{pp_size}; launch a multiple of {tp_size * pp_size} processes"
-        )
-    etp = etp_size or tp_size
-    if world_size % (etp * ep_size * pp_size):
-        raise ValueError(
-            f"world size {world_size} is not divisible by expert-tensor-parallel size {etp} x "
-            f"expert-parallel size {ep_size} x pipeline-parallel size {pp_size}"
-        )
+    _check_world(world_size, tp_size, pp_size, ep_size, etp_size or tp_size)
     if cuda_available():
         apply_nccl_settings()  # before this process's first communicator: the weight group's members must agree
         apply_cpu_threads()
@@ -137,6 +127,19 @@ def init_parallel(
         dp_size=parallel_state.get_data_parallel_world_size(),
         ep_rank=parallel_state.get_expert_model_parallel_rank() if ep_size > 1 else None,
     )
+
+
+def _check_world(world_size: int, tp_size: int, pp_size: int, ep_size: int, etp: int) -> None:
+    if world_size % (tp_size * pp_size) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor-parallel size {tp_size} times pipeline-parallel size "
+            f"{pp_size}; launch a multiple of {tp_size * pp_size} processes"
+        )
+    if world_size % (etp * ep_size * pp_size):
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert-tensor-parallel size {etp} x "
+            f"expert-parallel size {ep_size} x pipeline-parallel size {pp_size}"
+        )
 
 
 def destroy_parallel() -> None:
