@@ -283,14 +283,15 @@ def test_a_gateway_applies_the_run_rules_wherever_it_loads_its_config(tmp_path):
     1), one given running engines says what to add, the same sentence from `slipstream train` and from the gateway's
     own config file (as compose and k8s start it)."""
     from services.common.config import ConfigError, load_config
-    from services.rollout.config import DELTA_NEEDS_RECEIVERS, RolloutConfig
+    from services.rollout.config import RolloutConfig, needs_receivers
 
     launching = load_config(RolloutConfig, ["--update-weight-mode", "delta", "--rollout-num-gpus", "1",
                                             "--hf-checkpoint", str(tmp_path)], "slipstream rollout")  # fmt: skip
     assert launching.weight_receiver_port_offset == 1
     assert load_config(RolloutConfig, ["--rollout-num-gpus", "1", "--hf-checkpoint", str(tmp_path)],
                        "slipstream rollout").weight_receiver_port_offset is None  # fmt: skip
-    with pytest.raises(ConfigError, match=re.escape(DELTA_NEEDS_RECEIVERS)):
+    refusal = needs_receivers("--update-weight-mode delta")
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
         load_config(RolloutConfig, ["--update-weight-mode", "delta", "--engine-urls", "http://engine:30000"], "x")
     config = tmp_path / "rollout.yaml"
     config.write_text(yaml.safe_dump({"update_weight_mode": "delta", "engine_urls": ["http://engine:30000"]}))
@@ -298,7 +299,7 @@ def test_a_gateway_applies_the_run_rules_wherever_it_loads_its_config(tmp_path):
     train = run_cli("train", "--check", "--update-weight-mode", "delta", "--engine-urls", "http://engine:30000",
                     "--hf-checkpoint", str(tmp_path), "--prompt-data", str(config))  # fmt: skip
     for process in (gateway, train):
-        assert process.returncode == 2 and DELTA_NEEDS_RECEIVERS in process.stderr, process.stderr
+        assert process.returncode == 2 and refusal in process.stderr, process.stderr
 
 
 def test_train_names_the_closest_option(tmp_path):

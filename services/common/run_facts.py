@@ -56,6 +56,13 @@ class RunConfig(StrictModel):
     """With --update-weight-transport disk (or --lora-rank): the folder, shared with the engines, that each sync's
     checkpoint is written into (`weight_v000042/`, renamed into place once complete) and the engines load from
     (/update_weights_from_disk, /load_lora_adapter). Where the engines see it elsewhere, give the gateway that path."""
+    update_weight_transport: str = "auto"
+    """How the weights travel, decided once for the run, checked by the trainer and the gateway as they load their
+    settings (services/weightsync/factory.py) and confirmed by the gateway at each sync: `auto` (LoRA adapters with
+    --lora-rank, the tensors' CUDA IPC handles with --colocate, else a weight group: streamed through the weight
+    receivers where the gateway has them, else broadcast), or one by name: `broadcast`, `streamed`, `handles`, `lora`,
+    or `disk` (an HF checkpoint written under --update-weight-disk-dir at each sync, which the engines load through
+    /update_weights_from_disk: for engines the trainer's network cannot reach). `nccl` is `auto`."""
     update_weight_mode: Literal["full", "delta"] = "full"
     """`delta`: a sync sends only the 2-byte words that changed since the engines' version, where every engine holds
     it (a new or restarted engine gets every bucket whole), checked per tensor by checksum. Needs the weight receivers

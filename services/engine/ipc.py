@@ -27,8 +27,8 @@ import zmq
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.common.weight_group import flat_views
 from services.engine.responses import control
+from services.weightsync.group import flat_views
 
 MAX_KNOWN = 4096  # buckets' messages kept with their views
 

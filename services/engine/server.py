@@ -7,8 +7,8 @@ import sys
 import torch
 
 from services.common.errors import StartupError
-from services.common.weight_group import apply_nccl_settings
 from services.engine.config import EngineConfig
+from services.weightsync.group import apply_nccl_settings
 
 log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005

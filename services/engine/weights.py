@@ -18,7 +18,9 @@ import torch.multiprocessing  # registers the tensor reductions ForkingPickler r
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.common.weight_group import (
+from services.engine.checkpoint_names import checkpoint_tensors, parameter_view
+from services.engine.responses import control, error, json_response
+from services.weightsync.group import (
     abort_group,
     end_group,
     group_settings,
@@ -26,8 +28,6 @@ from services.common.weight_group import (
     unflatten,
     wait_for,
 )
-from services.engine.checkpoint_names import checkpoint_tensors, parameter_view
-from services.engine.responses import control, error, json_response
 
 POLL_S = 0.0001  # how often a receive looks at its broadcasts, the cancel flag and the deadline
 

@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.common.weight_group import abort_group, end_group, group_settings, init_custom_process_group
 from services.engine.responses import control
 from services.receiver.config import ReceiverConfig
 from services.receiver.stream import Bucket, Buffers, Copies, EngineRoute, Sync
+from services.weightsync.group import abort_group, end_group, group_settings, init_custom_process_group
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,8 @@ def _bucket(body: dict) -> Bucket:
 def serve(config: ReceiverConfig) -> int:
     import uvicorn
 
-    from services.common.weight_group import apply_nccl_settings
     from services.engine.server import require_api_key
+    from services.weightsync.group import apply_nccl_settings
 
     apply_nccl_settings()  # both ends of the weight group must agree (the trainer sets the same)
     torch.multiprocessing.set_sharing_strategy("file_system")  # a CPU buffer goes to the engine by file name

@@ -28,9 +28,9 @@ import torch.multiprocessing
 import zmq
 from torch.multiprocessing.reductions import reduce_tensor
 
-from services.common import weight_delta
-from services.common.weight_group import bucket_layout, wait_for
 from services.engine.ipc import device_key
+from services.weightsync import delta as weight_delta
+from services.weightsync.group import bucket_layout, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Buffers:
 
 class Copies(Buffers):
     """--update-weight-mode delta: every bucket of one weight group's syncs, kept on each of the engine's devices as
-    the base of the next sync's deltas (services/common/weight_delta.py), and room for one bucket's payload."""
+    the base of the next sync's deltas (services/weightsync/delta.py), and room for one bucket's payload."""
 
     def __init__(self, devices: list[torch.device]):
         super().__init__(devices, budget=0)

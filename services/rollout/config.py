@@ -11,11 +11,14 @@ from services.common.eval_sets import EvalSets
 from services.common.redis_connection import RedisConfig
 from services.common.run_facts import RunConfig
 from services.rollout.allowlist import LOOPBACK
+from services.weightsync import factory
 
-DELTA_NEEDS_RECEIVERS = (
-    "--update-weight-mode delta sends the changes through a weight receiver beside each engine: start "
-    "`slipstream receiver` beside each one and pass --weight-receiver-port-offset (docs/rollout.md)"
-)
+
+def needs_receivers(flag: str) -> str:
+    return (
+        f"{flag} sends the weights through a weight receiver beside each engine: start `slipstream receiver` beside "
+        "each one and pass --weight-receiver-port-offset (docs/rollout.md)"
+    )
 
 
 class RolloutConfig(ServiceConfig):
@@ -147,6 +150,19 @@ class RolloutConfig(ServiceConfig):
         """The sets of --eval-config (none without it: --eval-prompt-data's have no settings of their own)."""
         return eval_sets.read(self.eval_config)
 
+    def _check_weight_sync(self) -> None:
+        """The run's weight-sync rules (services/weightsync/factory.py), and the receivers that delta and streamed
+        syncs go through: the engines it starts get theirs beside them (offset 1); others must have them."""
+        if refused := factory.refusal(self.run):
+            raise ValueError(refused)
+        flag = {"delta": "--update-weight-mode delta"}.get(self.update_weight_mode)
+        if self.update_weight_transport == "streamed":
+            flag = "--update-weight-transport streamed"
+        if flag and self.weight_receiver_port_offset is None:
+            if not self.rollout_num_gpus:
+                raise ValueError(needs_receivers(flag))
+            self.weight_receiver_port_offset = 1
+
     @model_validator(mode="after")
     def _check_launch(self) -> "RolloutConfig":
         if self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
@@ -173,10 +189,7 @@ class RolloutConfig(ServiceConfig):
                 "give one of them"
             )
         self.eval_sets()  # a bad file stops here, naming the set and the key
-        if self.update_weight_mode == "delta" and self.weight_receiver_port_offset is None:
-            if not self.rollout_num_gpus:  # engines it does not start: their receivers neither
-                raise ValueError(DELTA_NEEDS_RECEIVERS)
-            self.weight_receiver_port_offset = 1  # the engines it starts get their receivers beside them
+        self._check_weight_sync()
         if self.use_router and self.redis.url:
             raise ValueError("--use-router routes through one router per gateway; with --redis-url drop it")
         teachers = bool(self.opd_teacher_urls or self.opd_teacher_hf_checkpoint)

@@ -12,9 +12,9 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engines import DRAINING, EVICTED, HEALTHY, STARTING, Engine, EnginePool, normalize
 from services.rollout.evaluation import evaluate
 from services.rollout.fleet import reconcile
-from services.rollout.transports import Bucket, specs
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
+from services.weightsync.protocol import Bucket, specs
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -16,14 +16,15 @@ kept across syncs and rebuilt only when the engines taking part change.
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import logging
 from dataclasses import dataclass, field
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EVICTED, Engine, EngineFailure, EnginePool, EngineTimeout
-from services.rollout.transports import Bucket, Transport, choose
+from services.weightsync.factory import gateway_half
+from services.weightsync.halves import Gateway
+from services.weightsync.protocol import BACK, GATEWAY_MOVES, Bucket, GatewayPhase
 from slipstream.v1 import buffer_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -58,27 +59,6 @@ class Group:
         return [1 + sum(ranks for _, ranks in self.members[:i]) for i in range(len(self.members))]
 
 
-class Phase(enum.Enum):
-    """Where a sync attempt is (docs/rollout.md, "The protocol in one place")."""
-
-    PREPARED = "prepared"  # the engines paused and joining; none holds any of the sync yet
-    LOADING = "loading"  # an engine loaded part of the sync: its weights are of no version until a sync completes
-    COMMITTING = "committing"  # the trainer's word is in: no deadline but its calls'
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-
-
-BACK = None  # a failed commit returns to the phase before it
-MOVES = {  # phase -> {event: the next phase}; any other event in that phase is a bug, raised as one
-    Phase.PREPARED: {"prepare": Phase.PREPARED, "loaded": Phase.LOADING, "commit": Phase.COMMITTING,
-                     "abort": Phase.ABORTED},
-    Phase.LOADING: {"prepare": Phase.LOADING, "loaded": Phase.LOADING, "commit": Phase.COMMITTING,
-                    "abort": Phase.ABORTED},
-    Phase.COMMITTING: {"loaded": Phase.COMMITTING, "committed": Phase.COMMITTED, "failed": BACK,
-                       "abort": Phase.ABORTED},
-}  # fmt: skip
-
-
 @dataclass
 class Attempt:
     """The gateway's side of one sync (of one version, started over by a Prepare of that version after an engine
@@ -86,8 +66,8 @@ class Attempt:
 
     version: int
     aborted: asyncio.Future  # resolves with the reason when the sync is aborted (a trainer on its stream hears it)
-    phase: Phase = Phase.PREPARED
-    before: Phase = Phase.PREPARED  # what a failed commit returns to
+    phase: GatewayPhase = GatewayPhase.PREPARED
+    before: GatewayPhase = GatewayPhase.PREPARED  # what a failed commit returns to
     joining: asyncio.Task | None = None  # the engines joining the groups, awaited by the first bucket or the commit
     planned: asyncio.Task | None = None  # the plan that came with Prepare, on its way; the sender's stream claims it
     sender_gone: asyncio.Event = field(default_factory=asyncio.Event)  # a sender's stream was cut since the last
@@ -95,20 +75,20 @@ class Attempt:
     deadline: asyncio.TimerHandle | None = None  # the trainer silent past it is gone: the sync is aborted
 
     def move(self, event: str) -> None:
-        moves = MOVES.get(self.phase, {})
+        moves = GATEWAY_MOVES.get(self.phase, {})
         if event not in moves:  # a Prepare while the commit is under way: the trainer prepares again after it
             raise FailedPrecondition(f"the weight sync of version {self.version} is {self.phase.value}: no {event} now")
         after = moves[event]
-        if after is Phase.COMMITTING and self.phase is not Phase.COMMITTING:
+        if after is GatewayPhase.COMMITTING and self.phase is not GatewayPhase.COMMITTING:
             self.before = self.phase
-        elif event == "loaded" and self.phase is Phase.COMMITTING:
-            self.before = Phase.LOADING
+        elif event == "loaded" and self.phase is GatewayPhase.COMMITTING:
+            self.before = GatewayPhase.LOADING
         self.phase = self.before if after is BACK else after
 
     @property
     def partial(self) -> bool:
         """Engines hold part of it: generation waits for a complete sync."""
-        return Phase.LOADING in (self.phase, self.before)
+        return GatewayPhase.LOADING in (self.phase, self.before)
 
 
 @dataclass(frozen=True)
@@ -140,7 +120,7 @@ class WeightSync:
         self.released = False  # colocated: the engines gave their GPU memory to the trainer
         self.delivering = asyncio.Lock()  # buckets reach the engines in turn, whichever sender sent them
         self.deliveries: set[asyncio.Future] = set()  # buckets being loaded: a Prepare waits for them (below)
-        self.transport: Transport = choose(rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED, [], config)  # of the open sync
+        self.transport: Gateway = gateway_half(rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED, [], config)  # of the open sync
 
     @property
     def version(self) -> int | None:
@@ -149,7 +129,7 @@ class WeightSync:
 
     @property
     def committing(self) -> bool:
-        return self.attempt is not None and self.attempt.phase is Phase.COMMITTING
+        return self.attempt is not None and self.attempt.phase is GatewayPhase.COMMITTING
 
     async def prepare(
         self,
@@ -168,13 +148,13 @@ class WeightSync:
         left, it starts the sync over with the engines still healthy."""
         if len({name for name, _, _ in sources}) != len(sources):
             raise InvalidArgument("sources", f"each sender needs its own group_name, got {[n for n, _, _ in sources]}")
-        kind = choose(asked, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
+        kind = gateway_half(asked, [], self.config, self.pool.adapters)  # refuses one not set up here, before pausing
         attempt, again = await self._open_attempt(version)
         try:
             self._watch(0)
             await self._settle(attempt, again)
             engines = await self._take_part(attempt, kind)
-            transport = choose(asked, engines, self.config, self.pool.adapters)
+            transport = gateway_half(asked, engines, self.config, self.pool.adapters)
             group, created = await self._group_for(attempt, engines, sources, backend, transport)
             transport.open(version, group.names)
             base = self._delta_base(transport, engines, created, delta, delta_base, version)
@@ -216,7 +196,7 @@ class WeightSync:
                 attempt.joining.cancel()
             await self._break("joining", [])
 
-    async def _take_part(self, attempt: Attempt, kind: Transport) -> list[Engine]:
+    async def _take_part(self, attempt: Attempt, kind: Gateway) -> list[Engine]:
         """The engines that take part: paused (a failed control call evicts a dead member, which would stall the
         group) or probed; none healthy ends the sync."""
         await self._mark_syncing(True)
@@ -232,7 +212,7 @@ class WeightSync:
         return engines
 
     async def _group_for(
-        self, attempt: Attempt, engines: list[Engine], sources: list, backend: str, transport: Transport
+        self, attempt: Attempt, engines: list[Engine], sources: list, backend: str, transport: Gateway
     ) -> tuple[Group, bool]:
         """The sync's group of `engines` and whether it is a new one, which the senders must join: the last one where
         nothing changed; colocated, tensors travel as handles and no group is built."""
@@ -257,7 +237,7 @@ class WeightSync:
 
     @staticmethod
     def _delta_base(
-        transport: Transport, engines: list[Engine], created: bool, delta: bool, delta_base: int, version: int
+        transport: Gateway, engines: list[Engine], created: bool, delta: bool, delta_base: int, version: int
     ) -> int:
         """The version the senders send changes against: every receiver's copy of the last version all engines took,
         where the group is the last one; 0 (every bucket whole) otherwise."""
@@ -268,7 +248,7 @@ class WeightSync:
         transport.delta = {"version": version, "base_version": base}
         return base
 
-    async def _ready(self, engines: list[Engine], transport: Transport) -> None:
+    async def _ready(self, engines: list[Engine], transport: Gateway) -> None:
         """The engines made ready to take the weights: released memory back (to be overwritten in place), and a weight
         update session begun where the transport pauses them."""
         if self.released:
@@ -404,7 +384,7 @@ class WeightSync:
         try:
             return await self._commit(version)
         finally:  # a commit that failed leaves the sync open: the trainer prepares again, or is waited out
-            if attempt is self.attempt and attempt.phase is Phase.COMMITTING:
+            if attempt is self.attempt and attempt.phase is GatewayPhase.COMMITTING:
                 attempt.move("failed")
                 self._watch()
 

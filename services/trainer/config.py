@@ -10,6 +10,7 @@ from services.common.config import ServiceConfig, StrictModel
 from services.common.redis_connection import RedisConfig
 from services.common.run_facts import RunConfig
 from services.trainer.batching import BatchSizeError, BatchSizes
+from services.weightsync import factory
 
 
 class LossSettings(StrictModel):
@@ -131,10 +132,6 @@ class TrainerConfig(ServiceConfig):
     """Weight buckets sent before the first of them is answered. Engines that take ordered buckets (the reference
     engine) receive the next while they load one; SGLang engines take one at a time. Each costs a bucket of memory on
     the trainer, and on those engines."""
-    update_weight_transport: Literal["nccl", "disk"] = "nccl"
-    """How the weights travel: `nccl`, over the weight group the gateway sets up (gloo on CPU; CUDA IPC handles with
-    --colocate); `disk`, as an HF checkpoint written under --update-weight-disk-dir at each sync, which the engines
-    load through /update_weights_from_disk (for engines the trainer's network cannot reach)."""
     update_weight_disk_keep_files: bool = False
     """Keep each sync's checkpoint folder once the engines loaded it (by default it is removed then)."""
     weight_sync_address: str = "127.0.0.1"
@@ -317,6 +314,8 @@ class TrainerConfig(ServiceConfig):
                 "--update-weight-mode delta sends changes over the weight group, and colocated engines "
                 "share the trainer's tensors by handle: drop one of them"
             )
+        if refused := factory.refusal(self.run, colocate=self.colocate):
+            raise ValueError(refused)
         if self.update_weight_transport == "disk":
             self._check_disk()
         self._check_opd()

@@ -8,9 +8,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.common.weight_group import apply_nccl_settings
 from services.trainer.config import ParallelSettings
 from services.trainer.cpu_shims import apply_cpu_shims, cuda_available, seed_model_parallel_rng
+from services.weightsync.group import apply_nccl_settings
 
 
 @dataclass(frozen=True)

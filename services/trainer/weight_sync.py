@@ -7,7 +7,6 @@ No sync can hang the trainer: broadcasts are asynchronous, every wait has a dead
 ends its kernels) rather than destroyed, and a watchdog ends a sync that stops making progress."""
 
 import contextlib
-import enum
 import logging
 import os
 import queue
@@ -18,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import grpc
 import torch
@@ -25,9 +25,17 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from services.common.clients import Credentials, open_channel
-from services.common.weight_group import abort_group, end_group, init_custom_process_group
-from services.trainer import transports
-from services.trainer.transports import EnginesLeft, GatewayLeft, Unreachable, WeightSyncFailed
+from services.trainer.export import copy_hf_metadata, write_index
+from services.weightsync import factory, halves
+from services.weightsync.group import abort_group, end_group, init_custom_process_group
+from services.weightsync.protocol import (
+    SENDER_MOVES,
+    EnginesLeft,
+    GatewayLeft,
+    SenderPhase,
+    Unreachable,
+    WeightSyncFailed,
+)
 from slipstream.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,52 +47,31 @@ GRACE_S = 30.0  # after the watchdog aborted a stalled sync, the sync must retur
 STALLED_EXIT_CODE = 75
 
 
-class Phase(enum.Enum):
-    """Where one attempt at sending a version is (docs/rollout.md, 'The protocol in one place')."""
-
-    PREPARING = "preparing"  # Prepare asked; the weight group joined where the gateway built a new one
-    SENDING = "sending"  # buckets going out: broadcasts may be in flight, colocated peers wait in a hand-over
-    SENT = "sent"  # the engines loaded every bucket: nothing in flight, no peer waiting
-    COMMITTING = "committing"  # the coordinator asked the gateway to commit
-    COMMITTED = "committed"  # every sender's outcome is success: the engines serve the version
-    FAILED = "failed"  # any failure, here or at another sender: the next attempt starts from a new one
-
-
-MOVES = {
-    Phase.PREPARING: {Phase.SENDING, Phase.FAILED},
-    Phase.SENDING: {Phase.SENT, Phase.FAILED},
-    Phase.SENT: {Phase.COMMITTING, Phase.COMMITTED, Phase.FAILED},  # a sender other than the coordinator commits none
-    Phase.COMMITTING: {Phase.COMMITTED, Phase.FAILED},
-    Phase.COMMITTED: set(),
-    Phase.FAILED: set(),
-}
-
-
 class SendAttempt:
     """One attempt at sending `version`, with everything that lives only as long as it: its phase, the bucket stream
     (the watchdog cancels it), the gateway's choice of transport, whether broadcasts are in flight (the group is then
     aborted, not destroyed), whether colocated peers wait in the next hand-over, and its timings."""
 
     def __init__(self, version: int, peers_waiting: bool):
-        self.version, self.phase = version, Phase.PREPARING
+        self.version, self.phase = version, SenderPhase.PREPARING
         self.stream = None
-        self.transport: transports.Transport | None = None
+        self.transport: halves.Sender | None = None
         self.in_flight = False  # broadcasts were started on the group and not all have completed
         self.peers_waiting = peers_waiting  # the sender's: the colocated peers wait in the next bucket's hand-over
         # prepare_s, send_s, commit_s; streamed, within send_s: waited_s (for broadcasts to complete) and answers_s
         # (after the last broadcast, for the engines to load)
         self.timings: dict[str, float] = {}
 
-    def move(self, to: Phase) -> None:
-        if to not in MOVES[self.phase]:
+    def move(self, to: SenderPhase) -> None:
+        if to not in SENDER_MOVES[self.phase]:
             raise RuntimeError(f"weight sync of version {self.version}: no move from {self.phase.value} to {to.value}")
         self.phase = to
-        if to is Phase.SENT:  # every broadcast completed, and the peers are past the last bucket
+        if to is SenderPhase.SENT:  # every broadcast completed, and the peers are past the last bucket
             self.in_flight = self.peers_waiting = False
 
     def end(self, failure: Exception | None) -> None:
-        if self.phase not in (Phase.COMMITTED, Phase.FAILED):
-            self.move(Phase.FAILED if failure is not None else Phase.COMMITTED)
+        if self.phase not in (SenderPhase.COMMITTED, SenderPhase.FAILED):
+            self.move(SenderPhase.FAILED if failure is not None else SenderPhase.COMMITTED)
 
 
 class WeightSender:
@@ -145,7 +132,7 @@ class WeightSender:
         return self.attempt.timings if self.attempt is not None else {}
 
     @property
-    def transport(self) -> "transports.Transport | None":
+    def transport(self) -> "halves.Sender | None":
         """The last attempt's half of the gateway's choice (services/trainer/transports)."""
         return self.attempt.transport if self.attempt is not None else None
 
@@ -223,7 +210,7 @@ class WeightSender:
             stream.cancel()
 
     def _send(self, attempt: SendAttempt, buckets, watchdog: "Watchdog") -> None:
-        grouped = transports.asked(self.config) == rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED
+        grouped = factory.asked(self.config) == rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED
         started = time.perf_counter()
         prepared = self._prepare(attempt.version, grouped)
         if grouped and (prepared.group_created or self.group is None):
@@ -232,18 +219,18 @@ class WeightSender:
             self._join(prepared)
         watchdog.progress("after joining the weight group")
         attempt.timings["prepare_s"] = time.perf_counter() - started
-        attempt.move(Phase.SENDING)
+        attempt.move(SenderPhase.SENDING)
         requests: queue.Queue = queue.Queue()
         responses = attempt.stream = self.gateway.SyncWeightBuckets(iter(requests.get, None), timeout=3600)
         try:
-            attempt.transport = transport = transports.choose(
+            attempt.transport = transport = factory.sender_half(
                 self, prepared, attempt.version, requests, responses, watchdog
             )
             for index, (specs, tensors) in enumerate(buckets):
                 transport.send(index, specs, tensors)
                 watchdog.progress(f"after bucket {index}")
             transport.finish()
-            attempt.move(Phase.SENT)
+            attempt.move(SenderPhase.SENT)
         finally:
             requests.put(None)
             attempt.stream = None
@@ -266,8 +253,8 @@ class WeightSender:
                     rollout_pb2.PrepareWeightSyncRequest(
                         version=version,
                         sources=sources,
-                        backend=transports.group_backend(),
-                        transport=transports.asked(self.config),
+                        backend=group_backend(),
+                        transport=factory.asked(self.config),
                         delta=self.config.update_weight_mode == "delta",
                         delta_base_version=self.copies_version,
                         plan=self.plan if grouped and self.senders is None else [],  # see Streamed
@@ -291,7 +278,7 @@ class WeightSender:
 
     def _commit(self, attempt: SendAttempt) -> None:
         started, version = time.perf_counter(), attempt.version
-        attempt.move(Phase.COMMITTING)
+        attempt.move(SenderPhase.COMMITTING)
         engines = attempt.transport.commit_results  # the gateway committed with its last answer
         if engines is None:
             attempt.transport.publish()
@@ -305,9 +292,8 @@ class WeightSender:
                 f"no engine committed version {version}: " + "; ".join(f"{e.url}: {e.message}" for e in engines)
             )
         attempt.transport.committed()
-        attempt.move(Phase.COMMITTED)
-        name = type(attempt.transport).__name__.lower()
-        log.info("weights of version %d sent to %d engine(s) (%s)", version, live, name)
+        attempt.move(SenderPhase.COMMITTED)
+        log.info("weights of version %d sent to %d engine(s) (%s)", version, live, attempt.transport.name)
 
     def _join(self, prepared: rollout_pb2.PrepareWeightSyncResponse) -> None:
         """Hosts the weight group as rank 0 and waits for the engines to join it."""
@@ -319,7 +305,7 @@ class WeightSender:
             raise EnginesLeft("the gateway built a new weight group on the port of the old one")
         try:
             self.group = init_custom_process_group(
-                transports.group_backend(),
+                group_backend(),
                 f"tcp://{address}",
                 prepared.world_size,
                 0,
@@ -401,6 +387,18 @@ class WeightSender:
         if self.sender:
             self.attempt.peers_waiting = bool(flag[0])
         return bool(flag[0])
+
+    def hf_files(self, folder: Path, weight_map: dict[str, str], total: int) -> None:
+        """Makes `folder`, holding a sync's shards, an HF checkpoint (the disk transport's): its index and the
+        checkpoint's other files (config, tokenizer)."""
+        write_index(folder, weight_map, total)
+        copy_hf_metadata(self.config.hf_checkpoint, folder)
+
+    def adapter_config(self, tensors: dict) -> dict:
+        """The peft adapter_config.json of a sync's adapters (the LoRA transport's)."""
+        from services.trainer import lora  # megatron's layers: only runs with LoRA need them here
+
+        return lora.adapter_config(lora.settings_of(self.config), self.config.hf_checkpoint, tensors)
 
     def group_names(self) -> list[str]:
         """Every sender's group name, in stage order."""
@@ -567,6 +565,11 @@ def _failure(watchdog: Watchdog, step: Callable, *args) -> Exception | None:
     except RuntimeError as e:  # joining the group failed, or a broadcast did
         return EnginesLeft(watchdog.stalled or str(e))
     return None
+
+
+def group_backend() -> str:
+    """A weight group's collective backend."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _group_name(stage: int | None) -> str:

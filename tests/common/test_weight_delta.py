@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from services.common import weight_delta
+from services.weightsync import delta as weight_delta
 
 
 @pytest.mark.parametrize(("share", "kind"), [(0.0, weight_delta.INDICES), (0.01, weight_delta.INDICES),

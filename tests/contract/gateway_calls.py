@@ -21,9 +21,9 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engines import EnginePool
 from services.rollout.generate import GenerateContext, generate_group
 from services.rollout.teacher import Teacher
-from services.rollout.transports import Bucket
 from services.rollout.weight_sync import WeightSync
 from services.rollout.workers import Rollout
+from services.weightsync.protocol import Bucket
 from slipstream import samples
 from slipstream.v1 import common_pb2, rollout_pb2
 from tests.python_source import parse
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 GATEWAY = [
     *sorted((REPO / "services" / "rollout").glob("*.py")),
     *sorted((REPO / "services" / "common").glob("*.py")),
-    *sorted((REPO / "services" / "rollout" / "transports").glob("*.py")),
+    *sorted((REPO / "services" / "weightsync").glob("*.py")),
 ]
 ROUTE = re.compile(r"^/[a-z_]+(/[a-z_]*)*$")
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from services.common.weight_group import bucket_layout, flat_views, flatten, flatten_aligned, init_custom_process_group
+from services.weightsync.group import bucket_layout, flat_views, flatten, flatten_aligned, init_custom_process_group
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.common.weight_group import bucket_layout, flatten_aligned, init_custom_process_group
 from services.receiver.stream import Bucket, Buffers, Copies, EngineRoute, Sync
+from services.weightsync.group import bucket_layout, flatten_aligned, init_custom_process_group
 from tests.rollout.conftest import wait_healthy, weights_of
 
 

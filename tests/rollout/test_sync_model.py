@@ -22,8 +22,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import EVICTED, EnginePool
-from services.rollout.transports import Bucket
-from services.rollout.weight_sync import PEERS_FAIL_S, Phase, WeightSync
+from services.rollout.weight_sync import PEERS_FAIL_S, WeightSync
+from services.weightsync.protocol import Bucket
+from services.weightsync.protocol import GatewayPhase as Phase
 
 BUCKETS = 2  # of every version: "v3.b0", "v3.b1"
 SOURCES = [("weights-0", "127.0.0.1", 29500)]

@@ -23,11 +23,11 @@ from safetensors.torch import load_file
 
 from services.common.config import AuthConfig, TlsConfig
 from services.common.processes import free_port_pair
-from services.common.weight_group import abort_group, init_custom_process_group
 from services.rollout.engines import Engine
-from services.rollout.transports.handles import _handed_over
 from services.train.tiny_checkpoint import write_tiny_model
 from services.trainer.weight_sync import WeightSender, WeightSyncFailed
+from services.weightsync.group import abort_group, init_custom_process_group
+from services.weightsync.handles import _handed_over
 from slipstream.v1 import buffer_pb2, common_pb2, rollout_pb2
 from tests.rollout.conftest import get_batch, wait_completed, wait_healthy, weights_of
 
@@ -310,7 +310,7 @@ def test_a_bucket_answered_before_its_broadcast_reports_done_is_not_awaited_agai
     """A sender's first streamed sync (no plan yet) awaits each bucket's answer before the next. On a loaded machine
     the answer can come while the broadcast is still reported busy (the thread that marks it done is starved): here
     each broadcast reports done only once its answer was read. The sync goes through at its first attempt."""
-    from services.trainer.transports import streamed
+    from services.weightsync import streamed
 
     class Late:  # a broadcast reported done once the bucket's answer is in
         def __init__(self, work, transport):
@@ -322,13 +322,13 @@ def test_a_bucket_answered_before_its_broadcast_reports_done_is_not_awaited_agai
         def wait(self):
             return self.work.wait()
 
-    broadcast = streamed.Streamed._broadcast
+    broadcast = streamed.Sender._broadcast
 
     def late(transport, index, tensors):
         broadcast(transport, index, tensors)
         transport.works[-1] = Late(transport.works[-1], transport)
 
-    monkeypatch.setattr(streamed.Streamed, "_broadcast", late)
+    monkeypatch.setattr(streamed.Sender, "_broadcast", late)
     system = make_system(num_engines=1, receivers=True)
     hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
     sent = {n: t * 2 for n, t in hf.items()}
@@ -366,6 +366,33 @@ def test_a_disk_sync_is_an_hf_checkpoint_loaded_once_complete(make_system, tiny_
     assert [p.name for p in disk.iterdir()] == ["weight_v000002"]  # the failed one's staging folder removed
     exported = AutoModelForCausalLM.from_pretrained(disk / "weight_v000002", dtype=torch.float32)
     assert all(torch.equal(exported.state_dict()[name], sent[name]) for name in sent)
+
+
+def test_a_transport_plugs_in_as_one_module_and_a_line_of_the_factory(make_system, tiny_model, tmp_path, monkeypatch):
+    """A new transport is its module (both halves, tests/weightsync/folder_transport.py) and its line in the factory's
+    table: the run's --update-weight-transport names it, the trainer asks for it, the gateway confirms it, and the
+    engines serve the sync bit for bit."""
+    from services.weightsync import factory
+    from tests.weightsync import folder_transport
+
+    monkeypatch.setitem(factory.TRANSPORTS, "folder", folder_transport)
+    disk = tmp_path / "weights"
+    system = make_system(num_engines=2, disk=disk)
+    hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
+    sent = {n: t * 0.5 for n, t in hf.items()}
+    sender = _sender(system, disk=disk, hf_checkpoint=tiny_model)
+    sender.config.update_weight_transport = "folder"
+    sender.weights = lambda: iter(sent.items())
+    try:
+        assert factory.asked(sender.config) == folder_transport.KIND
+        assert sender.sync(1)
+    finally:
+        sender.close()
+    for url in system.engines:
+        assert _engines(system)[url].weight_version == "1"
+        for name in sent:
+            assert torch.equal(weights_of(url, name), sent[name])
+    assert not any(disk.iterdir())  # loaded, then removed as the disk transport does
 
 
 @pytest.mark.parametrize(("when", "path"), [("between-syncs", "broadcast"), ("mid-sync", "broadcast"),
@@ -605,12 +632,12 @@ def test_an_unclaimed_plan_taken_at_prepare_is_ended_by_the_trainers_next_prepar
     """The trainer fails between Prepare and its stream, after the gateway sent its plan to the receivers: their
     receives would wait for broadcasts that never come. The trainer's next Prepare takes the group down first, and the
     sync goes on over a new one."""
-    from services.trainer import transports
+    from services.weightsync import factory
 
     system = make_system(num_engines=2, receivers=True)
     hf = {name: t.contiguous() for name, t in sorted(load_file(tiny_model / "model.safetensors").items())}
     sender = _sender(system)
-    choose, failed = transports.choose, []
+    choose, failed = factory.sender_half, []
 
     def fails_once(sender, prepared, version, *args):
         if prepared.plan_taken and not failed:
@@ -621,7 +648,7 @@ def test_an_unclaimed_plan_taken_at_prepare_is_ended_by_the_trainers_next_prepar
     try:
         sender.weights = lambda: iter(hf.items())
         assert sender.sync(1)  # the plan is known from now on
-        monkeypatch.setattr(transports, "choose", fails_once)
+        monkeypatch.setattr(factory, "sender_half", fails_once)
         sent = {n: t + 2 for n, t in hf.items()}
         sender.weights = lambda: iter(sent.items())
         assert sender.sync(2)

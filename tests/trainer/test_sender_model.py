@@ -24,8 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from services.common.processes import free_port
 from services.trainer.config import TrainerConfig
-from services.trainer.transports import WeightSyncFailed
-from services.trainer.weight_sync import ATTEMPTS, Phase, WeightSender
+from services.trainer.weight_sync import ATTEMPTS, WeightSender
+from services.weightsync.protocol import SenderPhase as Phase
+from services.weightsync.protocol import WeightSyncFailed
 from slipstream.v1 import rollout_pb2, rollout_pb2_grpc
 
 TIMEOUT_S = 2.0  # the weight-sync timeout: the watchdog acts after 1.5 times as long

@@ -8,8 +8,10 @@ import time
 
 import pytest
 
-from services.common.weight_group import NCCL_SETTINGS, apply_nccl_settings
-from services.trainer.weight_sync import MOVES, STALLED_EXIT_CODE, Phase, SendAttempt, Watchdog
+from services.trainer.weight_sync import STALLED_EXIT_CODE, SendAttempt, Watchdog
+from services.weightsync.group import NCCL_SETTINGS, apply_nccl_settings
+from services.weightsync.protocol import SENDER_MOVES as MOVES
+from services.weightsync.protocol import SenderPhase as Phase
 
 
 def test_every_member_gets_sglangs_nccl_settings_unless_its_environment_says_otherwise(caplog):

@@ -1,33 +1,103 @@
-"""Streamed to the weight receivers beside the engines: the sync's whole plan (every bucket's specs) goes to the
-gateway first, in one message (a lone sender's with PrepareWeightSync, whose answer says the receivers have it: its
-stream then only asks for the answer), then each bucket is broadcast as one uint8 tensor at aligned offsets
-(`bucket_layout`), with no answer awaited between buckets. Two staging buffers: bucket k is written into buffer k % 2
-once bucket k - 2's broadcast completed (the receivers keep more). The gateway answers the plan once every engine
-loaded the sync (a lone sender's plan: and it committed the version); a failure answer ends the sync at once.
+"""Streamed through the weight receiver beside each engine (services/receiver): the receivers are the weight group's
+members (one rank each); a sender's whole plan (every bucket's names, dtypes and shapes) goes first, then each bucket
+is broadcast as one uint8 tensor at aligned offsets (`group.bucket_layout`), with no answer awaited between buckets.
 
-The first sync of a run knows no plan yet (the buckets are formed as the weights are converted): each bucket goes as
-a plan of its own (num_buckets 0), answered before the next, and the plan is known from then on."""
+The gateway's half: a sender's whole plan (in one message, or a message a bucket) goes to every receiver in one
+/receive_weights call once complete, and the receivers answer once their engines loaded every bucket, fed through
+SGLang's /update_weights_from_ipc. Buckets sent a message each are answered at once but for the last. The last
+sender's whole plan carries the sync's version, which the engines take with a load that succeeded: the commit has no
+version to post.
+
+The trainer's half: the plan in one message (a lone sender's with PrepareWeightSync, whose answer says the receivers
+have it: its stream then only asks for the answer). Two staging buffers (`tensors.Staging`): bucket k is written into
+buffer k % 2 once bucket k - 2's broadcast completed (the receivers keep more). The gateway answers the plan once
+every engine loaded the sync (a lone sender's plan: and it committed the version); a failure answer ends the sync at
+once. The first sync of a run knows no plan yet (the buckets are formed as the weights are converted): each bucket
+goes as a plan of its own (num_buckets 0), answered before the next, and the plan is known from then on."""
 
 import contextlib
 import queue
 import threading
 import time
+from urllib.parse import urlsplit, urlunsplit
 
-import torch
-import torch.distributed as dist
-
-from services.common import weight_delta
-from services.common.weight_group import bucket_layout, copy_all, flatten_aligned, places_of
-from services.trainer.transports import EnginesLeft, Transport
+from services.common.errors import FailedPrecondition
+from services.weightsync import halves
+from services.weightsync.protocol import EnginesLeft
 from slipstream.v1 import rollout_pb2
 
 POLL_S = 0.0005  # how often a wait for a broadcast looks at the gateway's answers
 
 
-class Streamed(Transport):
+class Gateway(halves.Gateway):
+    kind, name = rollout_pb2.WEIGHT_TRANSPORT_STREAMED, "streamed"
+    streamed = True
+    takes_delta = True
+
+    @classmethod
+    def of(cls, config, engines: list, adapters=None) -> "Gateway":
+        if config.weight_receiver_port_offset is None:
+            raise FailedPrecondition(
+                "the trainer streams weights through the weight receivers (--update-weight-transport streamed): "
+                "start the gateway with --weight-receiver-port-offset, a `slipstream receiver` beside each engine"
+            )
+        return cls(config.weight_receiver_port_offset)
+
+    def __init__(self, port_offset: int):
+        self.port_offset = port_offset
+        self.plans: dict[str, list[dict]] = {}  # each sender's buckets so far, by its group
+        self.delta: dict | None = None  # --update-weight-mode delta: this sync's version and base version (0: none)
+        self.version, self.waiting = None, set()  # the sync's, and the groups whose whole plan has not gone yet
+
+    def open(self, version: int, groups: list[str]) -> None:
+        self.version, self.waiting = version, set(groups)
+
+    @property
+    def labelled(self) -> bool:  # every sender's whole plan went, the last with the version
+        return self.version is not None and not self.waiting
+
+    def member(self, engine) -> tuple[str, int]:
+        return receiver_url(engine.url, self.port_offset), 1
+
+    def target(self, engine) -> str:
+        return receiver_url(engine.url, self.port_offset)
+
+    def requests(self, engines: list, bucket) -> tuple[str, dict] | None:
+        if bucket.plan:  # the whole plan in one message
+            plan = [{"names": n, "dtypes": d, "shapes": s} for n, d, s in bucket.plan]
+        else:  # a bucket's specs a message
+            plan = self.plans.setdefault(bucket.group_name, [])
+            plan.append({"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes})
+            if len(plan) < bucket.num_buckets:  # 0: a plan of one (a sender's first sync, before it knows its plan)
+                return None
+            del self.plans[bucket.group_name]
+        body = {"group_name": bucket.group_name, "buckets": plan}
+        if self.delta is not None:
+            body["delta"] = self.delta
+        if bucket.plan or bucket.num_buckets:  # the sender's whole plan
+            self.waiting.discard(bucket.group_name)
+            # The last plan takes the version: SGLang sets it once the load succeeded, and nothing is left to load.
+            if self.labelled:
+                body["weight_version"] = str(self.version)
+        return "/receive_weights", {e.url: body for e in engines}
+
+
+def receiver_url(engine_url: str, port_offset: int) -> str:
+    """The receiver beside the engine at `engine_url`: the same host, on the engine's port plus the offset."""
+    parts = urlsplit(engine_url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return urlunsplit((parts.scheme, f"{host}:{port + port_offset}", "", "", ""))
+
+
+class Sender(halves.Sender):
     takes_views = True  # each is copied into its place in the staging buffer (flatten_aligned)
 
     def __init__(self, *args):
+        import torch
+
+        from services.weightsync.tensors import Staging
+
         super().__init__(*args)
         sender, layout = self.sender, self.sender.layout
         self.planned = layout is not None
@@ -57,14 +127,17 @@ class Streamed(Transport):
         sender.copies_version = 0  # the copies change from now on
         sender.timings.update(words=0, changed_words=0)
         stages = 3 if self.delta else 2  # staging buffers: one converting, (delta) one pending, one broadcast
-        staging = sender.kept.pop(Streamed, None)
+        staging = sender.kept.pop(Sender, None)
         if staging is None or not staging.fits(layout, stages, self.device):
             staging = None  # the last one's buffers go before the new ones are made
             staging = Staging(layout or [], stages, self.device)
-        self.staging = sender.kept[Streamed] = staging
+        self.staging = sender.kept[Sender] = staging
         self.works: list = []  # each bucket's broadcast
 
     def send(self, index: int, specs: list, tensors) -> None:
+        from services.weightsync.group import bucket_layout, flatten_aligned
+        from services.weightsync.tensors import types
+
         stages = self.staging.stages
         if index >= stages:
             self._wait(self.works[index - stages], index - stages)  # its staging buffer is free again
@@ -72,7 +145,7 @@ class Streamed(Transport):
             dtypes, shapes = self.staging.types[index]
             flat = self.staging.write(index, tensors)
         else:  # a plan of its own, answered before the next
-            dtypes, shapes = _types(specs)
+            dtypes, shapes = types(specs)
             self.requests.put(
                 rollout_pb2.WeightBucket(
                     version=self.version, bucket_index=index, tensors=specs, group_name=self.sender.group_name
@@ -93,7 +166,9 @@ class Streamed(Transport):
             self._wait(self.works[index], index)
             self._answers_due()
 
-    def _broadcast(self, index: int, tensors: list[torch.Tensor]) -> None:
+    def _broadcast(self, index: int, tensors: list) -> None:
+        import torch.distributed as dist
+
         try:
             for tensor in tensors:
                 work = dist.broadcast(tensor, src=0, group=self.sender.group, async_op=True)
@@ -107,14 +182,20 @@ class Streamed(Transport):
             pending, self.pending = self.pending, None
             self._broadcast(pending[0], self._delta(*pending))
 
-    def _compare(self, index: int, flat: torch.Tensor, dtypes: list, shapes: list) -> tuple:
+    def _compare(self, index: int, flat, dtypes: list, shapes: list) -> tuple:
         """Bucket `index`'s checksums and, against the sender's copy of it, its changes, counted on the GPU: the count
         comes to the host when the GPU gets there, without waiting for it."""
+        import torch
+
+        from services.weightsync import delta as weight_delta
+        from services.weightsync.group import bucket_layout
+        from services.weightsync.tensors import has_copy
+
         copies = self.sender.copies
         sizes = [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in zip(dtypes, shapes, strict=True)]
         sums = weight_delta.checksums(flat, bucket_layout(dtypes, shapes)[0], sizes)
         mask = count = None
-        if self.base and _has_copy(copies, index, flat):
+        if self.base and has_copy(copies, index, flat):
             mask, on_device = weight_delta.changes(flat, copies[index])
             count = torch.empty(1, dtype=on_device.dtype, pin_memory=flat.is_cuda)
             count.copy_(on_device.view(1), non_blocking=True)
@@ -123,9 +204,12 @@ class Streamed(Transport):
             done.record()
         return index, flat, sums, mask, count, done
 
-    def _delta(self, index: int, flat: torch.Tensor, sums, mask, count, done) -> list[torch.Tensor]:
-        """The header and the payload of a compared bucket (services/common/weight_delta.py); the bucket becomes the
+    def _delta(self, index: int, flat, sums, mask, count, done) -> list:
+        """The header and the payload of a compared bucket (services/weightsync/delta.py); the bucket becomes the
         sender's copy of it."""
+        from services.weightsync import delta as weight_delta
+        from services.weightsync.tensors import has_copy
+
         copies, timings = self.sender.copies, self.sender.timings
         if mask is None:
             kind, changed = weight_delta.FULL, flat.numel() // 2
@@ -137,7 +221,7 @@ class Streamed(Transport):
         payload = weight_delta.payload(kind, flat, mask, changed)
         timings["words"] += flat.numel() // 2
         timings["changed_words"] += changed
-        if _has_copy(copies, index, flat):
+        if has_copy(copies, index, flat):
             copies[index].copy_(flat)
         else:
             del copies[index:]  # another layout: the copies are made anew
@@ -193,46 +277,3 @@ class Streamed(Transport):
             self.answers.put(e)
         else:  # answers still awaited never come
             self.answers.put(EnginesLeft("the gateway ended the bucket stream before answering every bucket"))
-
-
-class Staging:
-    """The staging buffers of a layout's syncs, with each bucket's dtypes, shapes and places in them, made once and
-    kept by the sender from one sync to the next (the last sync's transport held its buffers until the next anyway):
-    a bucket is then written with a copy call or two and no view made."""
-
-    def __init__(self, layout: list, stages: int, device):
-        self.layout, self.stages, self.device = layout, stages, device
-        self.types = [_types(specs) for specs in layout]
-        self.layouts = [bucket_layout(*types) for types in self.types]  # each bucket's offsets and size
-        size = max((size for _, size in self.layouts), default=0)
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(stages)]
-        self.places: dict[int, list[torch.Tensor]] = {}  # by bucket, in buffer index % stages
-
-    def fits(self, layout: list | None, stages: int, device) -> bool:
-        """Whether it serves a sync of `layout` (None: a sync with no plan yet, which grows the buffers it needs)."""
-        return (layout is None or layout is self.layout) and self.stages == stages and self.device == device
-
-    def write(self, index: int, tensors) -> torch.Tensor:
-        """Bucket `index` of the layout written into its buffer; the bucket's part of it."""
-        buffer, (offsets, size), tensors = self.buffers[index % self.stages], self.layouts[index], list(tensors)
-        if index not in self.places:
-            self.places[index] = places_of(buffer, tensors, self.types[index][0], offsets)
-        copy_all(self.places[index], tensors)
-        return buffer[:size]
-
-    def fit(self, index: int, size: int) -> torch.Tensor:
-        """Bucket `index`'s buffer, of at least `size` bytes (a sync with no plan yet: its buckets' sizes come one by
-        one)."""
-        stage = index % self.stages
-        if self.buffers[stage].numel() < size:
-            self.buffers[stage] = torch.empty(size, dtype=torch.uint8, device=self.device)
-        return self.buffers[stage]
-
-
-def _has_copy(copies: list[torch.Tensor], index: int, flat: torch.Tensor) -> bool:
-    """Whether the sender holds a copy of bucket `index` as laid out now."""
-    return index < len(copies) and copies[index].numel() == flat.numel()
-
-
-def _types(specs: list) -> tuple[list[torch.dtype], list[list[int]]]:
-    return [getattr(torch, s.dtype) for s in specs], [list(s.shape) for s in specs]

@@ -1,17 +1,18 @@
 """Colocated: each bucket is its tensors' handles (CUDA IPC; on the CPU, shared-memory files), one set per trainer
-GPU, posted to the engines' /update_weights_from_tensor; no weight group."""
+GPU, posted to the engines' /update_weights_from_tensor; no weight group. Every trainer rank waits for the gateway's
+answer: the tensors must live until the engines copied them."""
 
 import base64
 
-from services.rollout.transports import Bucket, Transport
+from services.weightsync import halves
 from slipstream.v1 import rollout_pb2
 
 
-class Handles(Transport):
-    kind = rollout_pb2.WEIGHT_TRANSPORT_HANDLES
+class Gateway(halves.Gateway):
+    kind, name = rollout_pb2.WEIGHT_TRANSPORT_HANDLES, "handles"
     uses_group = False
 
-    def requests(self, engines: list, bucket: Bucket) -> tuple[str, dict]:
+    def requests(self, engines: list, bucket) -> tuple[str, dict]:
         encoded = [base64.b64encode(p).decode() for p in bucket.payloads]
         return "/update_weights_from_tensor", {e.url: _handed_over(encoded, e) for e in engines}
 
@@ -26,3 +27,8 @@ def _handed_over(payloads: list[str], engine) -> dict | str:
         )
     chosen = payloads if len(payloads) == 1 else [payloads[gpu] for gpu in engine.gpus]
     return {"serialized_named_tensors": chosen, "flush_cache": False}
+
+
+class Sender(halves.Sender):
+    def send(self, index: int, specs: list, tensors) -> None:
+        self.sender._hand_over(self.version, index, specs, tensors, self.requests, self.responses)

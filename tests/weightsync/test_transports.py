@@ -6,8 +6,9 @@ import pytest
 
 from services.common.errors import FailedPrecondition
 from services.rollout.config import RolloutConfig
-from services.rollout.transports import Bucket, choose
-from services.rollout.transports.streamed import receiver_url
+from services.weightsync.factory import gateway_half as choose
+from services.weightsync.protocol import Bucket
+from services.weightsync.streamed import receiver_url
 from slipstream.v1 import rollout_pb2
 
 UNSPECIFIED, HANDLES, DISK = (rollout_pb2.WEIGHT_TRANSPORT_UNSPECIFIED, rollout_pb2.WEIGHT_TRANSPORT_HANDLES,
@@ -89,3 +90,36 @@ def test_the_last_senders_whole_plan_carries_the_syncs_version():
     first_sync.open(1, ["g0"])
     body = first_sync.requests(engines, Bucket(0, ["w"], ["bfloat16"], [[2]], group_name="g0"))[1]
     assert "weight_version" not in body["http://a:30000"] and not first_sync.labelled
+
+
+def _run(transport: str = "auto", mode: str = "full", lora_rank: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(update_weight_transport=transport, update_weight_mode=mode, lora_rank=lora_rank)
+
+
+def test_the_runs_transport_is_checked_with_its_other_settings_once_for_both_sides():
+    """The rules the trainer and the gateway apply as they load their settings: a transport by name, delta only where
+    the transport takes it, LoRA only as adapters, colocated only by handle (the trainer's)."""
+    from services.weightsync.factory import refusal
+
+    for fine in (_run(), _run("nccl"), _run(mode="delta"), _run("streamed", "delta"), _run("lora", lora_rank=8),
+                 _run(lora_rank=8), _run("disk")):  # fmt: skip
+        assert refusal(fine) is None and refusal(fine, colocate=False) is None
+    assert refusal(_run("handles"), colocate=True) is None and refusal(_run(), colocate=True) is None
+    assert "not one of auto, broadcast, streamed, handles, disk, lora" in refusal(_run("rdma"))
+    assert refusal(_run("disk", "delta")) == (
+        "--update-weight-mode delta: disk sends whole weights; use --update-weight-transport auto or streamed"
+    )
+    assert "--update-weight-transport lora (or auto)" in refusal(_run("disk", lora_rank=8))
+    assert "add --lora-rank" in refusal(_run("lora"))
+    assert "drop --update-weight-transport broadcast" in refusal(_run("broadcast"), colocate=True)
+    assert "add --colocate" in refusal(_run("handles"), colocate=False)
+
+
+def test_each_side_refuses_the_same_contradiction_as_it_loads_its_config(tmp_path):
+    from services.common.config import ConfigError, load_config
+    from services.trainer.config import TrainerConfig
+
+    bad = ["--update-weight-transport", "broadcast", "--update-weight-mode", "delta"]
+    for model in (TrainerConfig, RolloutConfig):
+        with pytest.raises(ConfigError, match="delta: broadcast sends whole weights"):
+            load_config(model, [*bad, "--hf-checkpoint", str(tmp_path)], "slipstream")

@@ -1,33 +1,63 @@
-"""--update-weight-transport disk: each sync is an HF checkpoint folder under --update-weight-disk-dir, which the
-engines load at the commit (the gateway posts /update_weights_from_disk). Each sender writes its buckets as shards
-named for its stage (`model-<group>-NNNNN.safetensors`) and its part of the index into the sync's staging folder; the
-coordinator, once every sender wrote, merges the index, copies the checkpoint's other files (config, tokenizer) and
-renames the folder to the version's name, so no engine ever loads a half-written one. Each bucket's specs still go
-to the gateway as it is written: their answers keep the sync alive while a large checkpoint is written."""
+"""Disk (--update-weight-transport disk): each sync is an HF checkpoint folder under --update-weight-disk-dir, which
+the engines load at the commit through /update_weights_from_disk; no weight group.
+
+The trainer's half: each sender writes its buckets as shards named for its stage (`model-<group>-NNNNN.safetensors`)
+and its part of the index into the sync's staging folder; the coordinator, once every sender wrote, merges the index,
+copies the checkpoint's other files (config, tokenizer) and renames the folder to the version's name, so no engine
+ever loads a half-written one. Each bucket's specs still go to the gateway as it is written: their answers keep the
+sync alive while a large checkpoint is written. The gateway's half answers them at once and, at the commit, has every
+engine load the folder from the gateway's --update-weight-disk-dir (the same folder as the engines see it), the
+trainer naming only the version."""
 
 import json
 import logging
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-import torch
-
-from services.common import weight_folders
-from services.trainer.export import copy_hf_metadata, write_index
-from services.trainer.transports import Transport
+from services.common.errors import FailedPrecondition
+from services.weightsync import folders, halves
 from slipstream.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
 
 
-class Disk(Transport):
+class Gateway(halves.Gateway):
+    kind, name = rollout_pb2.WEIGHT_TRANSPORT_DISK, "disk"
+    uses_group = False
+
+    @classmethod
+    def of(cls, config, engines: list, adapters=None) -> "Gateway":
+        return cls(config.update_weight_disk_dir)
+
+    def __init__(self, folder: str | None):
+        if not folder:
+            raise FailedPrecondition(
+                "the trainer sends weights through disk (--update-weight-transport disk): start the gateway with "
+                "--update-weight-disk-dir, the trainer's folder as the engines see it"
+            )
+        self.folder = PurePosixPath(folder)
+
+    def requests(self, engines: list, bucket) -> None:
+        return None
+
+    def loads(self, engines: list, version: int) -> tuple[str, dict]:
+        body = {
+            "model_path": str(self.folder / folders.published(version)),
+            "weight_version": str(version),
+            "abort_all_requests": False,
+            "flush_cache": False,
+        }
+        return "/update_weights_from_disk", {e.url: body for e in engines}
+
+
+class Sender(halves.Sender):
     shard = "model"  # the shards' names: model-<group>-NNNNN.safetensors
     keeps_latest = False  # the committed folder stays for engines admitted later
 
     def __init__(self, *args):
         super().__init__(*args)
         self.root = Path(self.sender.config.update_weight_disk_dir)
-        self.folder = self.root / weight_folders.staging(self.version)
+        self.folder = self.root / folders.staging(self.version)
         self.weight_map: dict[str, str] = {}
         self.total = 0
 
@@ -65,7 +95,7 @@ class Disk(Transport):
                 total += part["total_size"]
                 path.unlink()
             self.assemble(weight_map, total)
-            target = self.root / weight_folders.published(self.version)
+            target = self.root / folders.published(self.version)
             shutil.rmtree(target, ignore_errors=True)  # of an attempt whose commit failed, or of an earlier run
             self.folder.rename(target)
 
@@ -73,8 +103,7 @@ class Disk(Transport):
 
     def assemble(self, weight_map: dict[str, str], total: int) -> None:
         """The folder made loadable from every sender's shards: an HF checkpoint's index and other files."""
-        write_index(self.folder, weight_map, total)
-        copy_hf_metadata(self.sender.config.hf_checkpoint, self.folder)
+        self.sender.hf_files(self.folder, weight_map, total)
 
     def committed(self) -> None:
         """The engines loaded it: unless --update-weight-disk-keep-files this sync's folder goes, with those of
@@ -82,17 +111,19 @@ class Disk(Transport):
         go in any case."""
         keep = self.sender.config.update_weight_disk_keep_files
         for path in self.root.iterdir():
-            version, published = weight_folders.version_of(path.name), weight_folders.is_published(path.name)
+            version, published = folders.version_of(path.name), folders.is_published(path.name)
             if version is None or version > self.version or (published and keep):
                 continue
             if not (published and version == self.version and self.keeps_latest):
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _on_host(names: list[str], tensors) -> dict[str, torch.Tensor]:
+def _on_host(names: list[str], tensors) -> dict:
     """Copies of the tensors in host memory, one copy a dtype, not one a tensor (each a device round trip: an
     adapter's sync has 504 small tensors). Copies: converted tensors can be views of one fused tensor, or one tensor
     under several names (a fused layer's adapter A), which safetensors refuses to write."""
+    import torch
+
     tensors, by_dtype = list(tensors), {}
     for k, tensor in enumerate(tensors):
         by_dtype.setdefault(tensor.dtype, []).append(k)
