@@ -18,7 +18,7 @@ import httpx
 import torch
 
 from services.common.processes import free_port
-from services.common.weight_group import apply_nccl_settings, flatten, init_custom_process_group
+from services.weightsync.group import apply_nccl_settings, flatten, init_custom_process_group
 from services.train.tiny_checkpoint import write_tiny_model
 
 

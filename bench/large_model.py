@@ -144,7 +144,7 @@ def raw_rank(rank: int, stages: list, num_engines: int, gpus: list[int], ports: 
     import torch
     import torch.distributed as dist
 
-    from services.common.weight_group import apply_nccl_settings, init_custom_process_group
+    from services.weightsync.group import apply_nccl_settings, init_custom_process_group
 
     apply_nccl_settings()  # as every member of a weight group
     cuda = torch.cuda.is_available()

@@ -125,7 +125,7 @@ def stop_mps(env: dict) -> None:
 
 def receive_raw(port: int, specs: list, reps: int) -> None:
     """The raw receiver (GPU 1): every tensor by its own broadcast, as the engine receives, `reps` times."""
-    from services.common.weight_group import apply_nccl_settings, init_custom_process_group
+    from services.weightsync.group import apply_nccl_settings, init_custom_process_group
 
     apply_nccl_settings()  # as every member of a weight group
     cuda = torch.cuda.is_available()
@@ -144,7 +144,7 @@ def receive_raw(port: int, specs: list, reps: int) -> None:
 
 
 def raw_broadcast(tensors: list[torch.Tensor], reps: int) -> list[float]:
-    from services.common.weight_group import init_custom_process_group
+    from services.weightsync.group import init_custom_process_group
 
     port = free_port()
     specs = [(t.dtype, list(t.shape)) for t in tensors]
