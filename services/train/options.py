@@ -196,7 +196,9 @@ def takers(parts: dict[str, type[StrictModel]]) -> dict[str, list[str]]:
 
 def route(argv: list[str]) -> dict[str, list[str]]:
     """Each service's flags (and the launcher's own, under "train") from a `slipstream train` command line, with what
-    slime's flags imply for them (`--async-buffer-size k` → the buffer's `--max-staleness k`)."""
+    only the launcher knows: slime's `--async-buffer-size k` (the buffer's `--max-staleness k`), a LoRA run's adapter
+    folder in its run folder, and its --debug-rollout-only mode. Rules between the services' settings are not made
+    here but in their configs, which every way of starting a service applies (services/weightsync/factory.py)."""
     flags = takers({**SERVICES, "train": TrainOptions})
     routed: dict[str, list[str]] = {name: [] for name in [*SERVICES, "train"]}
     ignored = []
