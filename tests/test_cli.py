@@ -231,12 +231,19 @@ def test_train_checks_the_model_folder_and_the_data_before_starting_anything(tmp
               "--hf-checkpoint /nowhere/model: no such folder; pass the folder of an HF checkpoint"),
              (["--hf-checkpoint", str(tmp_path), "--prompt-data", "p.jsonl"],
               f"--hf-checkpoint {tmp_path} has no config.json"),
+             (["--hf-checkpoint", "model/typo", "--prompt-data", "p.jsonl"],  # org/name, but under a folder here
+              "--hf-checkpoint model/typo: no such folder; pass the folder of an HF checkpoint (config.json, the "
+              "weights and the tokenizer), or a Hub id (org/name), which needs the network"),
              (["--hf-checkpoint", str(model), "--prompt-data", "p.jsonl@[0:10]"],
               "--prompt-data p.jsonl@[0:10]: p.jsonl does not exist; pass a .jsonl or .parquet file")]  # fmt: skip
     for args, said in cases:
         result = run_cli("train", *args, cwd=tmp_path)
         assert result.returncode == 2 and said in result.stderr, result.stderr
     assert not (tmp_path / "runs").exists()
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1?", "label": "2"}\n')
+    from services.train.options import parse  # a Hub id stays one: transformers fetches it at the start
+
+    parse(["--hf-checkpoint", "Qwen/Qwen3-0.6B", "--prompt-data", str(tmp_path / "p.jsonl")])
 
 
 FIRST_MISTAKES = {  # a new user's, each with the sentence that refuses it
@@ -403,3 +410,19 @@ def test_a_flag_two_models_declare_is_refused_before_any_run():
     with pytest.raises(TypeError, match="--lr is declared by Buffer and Trainer: a setting has one owner"):
         takers({"buffer": Buffer, "trainer": Trainer})
     assert takers({"buffer": Buffer})["--lr"] == ["buffer"]
+
+
+def test_train_refuses_at_once_an_address_to_join_where_no_service_answers(tmp_path, free_port):
+    """A running service to join that is not there: `--check` says so (no connection), and a start stops after the
+    few seconds a running service takes to answer its health check, before it starts anything, naming the flag."""
+    model = write_tiny_model(tmp_path / "model")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1?", "label": "2"}\n')
+    address = f"127.0.0.1:{free_port()}"
+    args = ["--hf-checkpoint", str(model), "--prompt-data", "p.jsonl", "--buffer-addr", address]
+    checked = run_cli("train", *args, "--check", cwd=tmp_path)
+    said = f"--buffer-addr {address}: no buffer service there (Connection refused); start it there, or drop"
+    assert checked.returncode == 2 and said in checked.stderr, checked.stderr
+    started = run_cli("train", *args, cwd=tmp_path)
+    said = f"gave up waiting for the buffer service at {address} (--buffer-addr) to serve after 5 s"
+    assert started.returncode == 1 and said in started.stderr, started.stderr
+    assert not list((tmp_path / "runs" / "default" / "logs").glob("*.log"))  # nothing was started

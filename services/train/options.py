@@ -8,6 +8,7 @@ import difflib
 import importlib.util
 import logging
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -296,10 +297,10 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "Qwen/Qwen3-0.6B": transformers fet
 def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
     """The model folder and the data files, before any service starts (each would stop its service, one by one)."""
     model = Path(trainer.hf_checkpoint)
-    if not model.exists() and not HUB_ID.match(trainer.hf_checkpoint):
+    if not model.exists() and (_looks_local(trainer.hf_checkpoint) or not HUB_ID.match(trainer.hf_checkpoint)):
         raise ConfigError(
             f"--hf-checkpoint {model}: no such folder; pass the folder of an HF checkpoint "
-            "(config.json, the weights and the tokenizer)"
+            "(config.json, the weights and the tokenizer), or a Hub id (org/name), which needs the network"
         )
     if model.is_dir() and not (model / "config.json").exists():
         raise ConfigError(
@@ -313,6 +314,26 @@ def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
         path = parse_spec(spec)[0]
         if not path.exists():
             raise ConfigError(f"{flag} {spec}: {path} does not exist; pass a .jsonl or .parquet file")
+
+
+def check_joined(plan: Plan, timeout_s: float = 5.0) -> None:
+    """Each running service the run joins takes a connection (`--check`; a start asks for its health too)."""
+    for name, address in plan.joined.items():
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        except (OSError, ValueError) as e:
+            reason = "no answer" if isinstance(e, TimeoutError) else getattr(e, "strerror", None) or str(e)
+            raise ConfigError(
+                f"{JOIN[name]} {address}: no {name} service there ({reason}); start it there, or drop {JOIN[name]} "
+                f"and the run starts its own"
+            ) from None
+
+
+def _looks_local(path: str) -> bool:
+    """A path meant as a folder here, not a Hub id: absolute, relative (./, ../, ~) or under a folder that exists
+    (`runs/modle`: a typo of `runs/model`, which the Hub would be asked for, and fail to give, a minute later)."""
+    return path.startswith(("/", ".", "~")) or ("/" in path and Path(path).expanduser().parent.is_dir())
 
 
 def _check_ranks(options: TrainOptions, trainer: TrainerConfig) -> None:

@@ -25,12 +25,13 @@ from services.common.processes import PORT_RANGE_ENV, free_port, port_range_shar
 from services.common.redis_connection import open_redis
 from services.train import report, wandb_log
 from services.train.help import full_help, short_help
-from services.train.options import SERVICES, Plan, parse
+from services.train.options import JOIN, SERVICES, Plan, check_joined, parse
 from services.train.stall import LOG_PREFIX, RunStalled, StallWatch, last_error
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger("slipstream.train")
 
+JOIN_S = 5.0  # a service the run joins answers its health check within this
 POLL_S = 0.2
 STALL_CHECK_S = 2.0
 
@@ -84,6 +85,9 @@ class Run:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.wandb = wandb_log.start(self.plan)
         self._secure()
+        for name, address in self.plan.joined.items():  # what it joins answers before it starts anything
+            self.addr[name] = address
+            self._wait_serving(name)
         # The services start together (each knows the others' addresses, and none calls another before it serves);
         # the trainer once the buffer serves, while the gateway starts its engines, unless it must find them serving:
         # a resumed trainer gives them its weights first, a colocated one shares their GPUs.
@@ -196,19 +200,23 @@ class Run:
                 except grpc.RpcError:
                     return False
 
-            joined = name in self.plan.joined
-            where = f"its own log (in compose: `docker compose logs {name}`)" if joined else None
-            self._wait_for(serving, f"the {name} service at {self.addr[name]} to serve", where)
+            if name in self.plan.joined:  # running already: it answers at once, or the run stops at once
+                flag = JOIN[name]
+                where = f"its own log (in compose: `docker compose logs {name}`), or fix {flag}"
+                self._wait_for(serving, f"the {name} service at {self.addr[name]} ({flag}) to serve", where, JOIN_S)
+            else:
+                self._wait_for(serving, f"the {name} service at {self.addr[name]} to serve")
 
-    def _wait_for(self, ready, what: str, logs: str | None = None) -> None:
-        deadline = time.monotonic() + self.options.startup_timeout_s
+    def _wait_for(self, ready, what: str, logs: str | None = None, limit_s: float | None = None) -> None:
+        limit_s = limit_s or self.options.startup_timeout_s
+        deadline = time.monotonic() + limit_s
         while not ready():
             self._check_interrupted()
             self._check_children()
             if time.monotonic() > deadline:
+                flag = "" if limit_s != self.options.startup_timeout_s else " (--startup-timeout-s)"
                 raise StartupError(
-                    f"gave up waiting for {what} after {self.options.startup_timeout_s:.0f} s "
-                    f"(--startup-timeout-s); see {logs or f'the logs in {self.logs}'}"
+                    f"gave up waiting for {what} after {limit_s:.0f} s{flag}; see {logs or f'the logs in {self.logs}'}"
                 )
             time.sleep(POLL_S)
 
@@ -439,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     check = "--check" in argv  # validate every service's settings and what they must agree on, start nothing
     try:
         plan = parse([a for a in argv if a != "--check"])
+        if check:
+            check_joined(plan)
     except ConfigError as e:
         for line in str(e).splitlines():
             print(f"slipstream train: error: {line}", file=sys.stderr)
