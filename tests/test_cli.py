@@ -426,3 +426,27 @@ def test_train_refuses_at_once_an_address_to_join_where_no_service_answers(tmp_p
     said = f"gave up waiting for the buffer service at {address} (--buffer-addr) to serve after 5 s"
     assert started.returncode == 1 and said in started.stderr, started.stderr
     assert not list((tmp_path / "runs" / "default" / "logs").glob("*.log"))  # nothing was started
+
+
+def test_a_slime_flag_refused_here_says_why_as_docs_arguments_does():
+    """A newcomer's slime flag we refuse is named as refused with the reason docs/ARGUMENTS.md gives, not as an
+    unknown flag with the closest name's hint (`--offload` → "did you mean --load?")."""
+    from services.common.config import ConfigError
+    from services.train.options import SERVICES, TrainOptions, route, takers
+    from services.train.refused import REFUSED
+
+    documented = {}
+    for line in (Path(__file__).parents[1] / "docs" / "ARGUMENTS.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[2] == "refused":
+            reason = re.sub(r"\[([^\]]+)\]\([^)]+\)", r"docs/\1", cells[3].replace("`", ""))
+            documented |= {
+                f: reason for f in re.findall(r"`(--[a-z0-9-]+)`", cells[0]) if not f.startswith("--sglang-")
+            }
+    assert documented == REFUSED
+    assert not set(REFUSED) & set(takers({**SERVICES, "train": TrainOptions}))  # none is a flag we take
+    for flag in ("--offload", "--optimizer-cpu-offload"):
+        with pytest.raises(ConfigError) as refused:
+            route([flag])
+        assert str(refused.value) == f"{flag} (slime's) is not taken here: {REFUSED[flag]} (docs/ARGUMENTS.md)"
+        assert "did you mean" not in str(refused.value)

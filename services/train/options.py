@@ -24,6 +24,7 @@ from services.reward.config import RewardConfig
 from services.rollout import preflight as rollout_preflight
 from services.rollout import sglang_options
 from services.rollout.config import RolloutConfig
+from services.train.refused import REFUSED
 from services.trainer import preflight as trainer_preflight
 from services.trainer.batching import BatchSizeError
 from services.trainer.config import TrainerConfig
@@ -215,6 +216,8 @@ def route(argv: list[str]) -> dict[str, list[str]]:
             neutral, reason = NEUTRAL[flag]
             if not _is_number(values, float(neutral)):
                 raise ConfigError(f"{flag} {' '.join(values)}: only {neutral} is supported ({reason})")
+        elif flag in REFUSED:
+            raise ConfigError(f"{flag} (slime's) is not taken here: {REFUSED[flag]} (docs/ARGUMENTS.md)")
         elif flag in RECOMPUTE:
             if flag == "--recompute-granularity" and values != ["selective"]:
                 routed["trainer"].append("--recompute-activations")
