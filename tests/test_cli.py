@@ -39,12 +39,15 @@ def test_help_lists_the_subcommands_without_heavy_imports():
     assert result.returncode == 0, result.stderr
     for command in [*SERVICES, "engine", "receiver", "train", "demo"]:
         assert f"  {command} " in result.stdout
+    listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert listed[:2] == ["train", "demo"]  # what a newcomer runs first, before each service on its own
 
 
-def test_unknown_command():
+def test_unknown_command_names_the_closest():
     result = run_cli("trian")
     assert result.returncode == 2
-    assert "unknown command 'trian'" in result.stderr
+    assert "unknown command 'trian'; did you mean train?" in result.stderr
+    assert "choose one of train, demo, buffer" in run_cli("xyzzy").stderr
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -450,3 +453,13 @@ def test_a_slime_flag_refused_here_says_why_as_docs_arguments_does():
             route([flag])
         assert str(refused.value) == f"{flag} (slime's) is not taken here: {REFUSED[flag]} (docs/ARGUMENTS.md)"
         assert "did you mean" not in str(refused.value)
+
+
+def test_a_negative_value_reaches_the_fields_check():
+    """`--lr -1e-3`: argparse would take the value for a flag and say only "expected one argument"."""
+    from services.common.config import ConfigError, load_config
+    from services.trainer.config import TrainerConfig
+
+    with pytest.raises(ConfigError, match=re.escape("--lr: Input should be greater than 0 (got '-1e-3')")):
+        load_config(TrainerConfig, ["--lr", "-1e-3"], "slipstream trainer")
+    assert load_config(TrainerConfig, ["--lr", "1e-3", "--weight-decay", "-0"], "x").lr == 1e-3

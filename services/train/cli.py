@@ -3,19 +3,20 @@
 `slipstream --help` must be instant, so subcommands are looked up in a table and their modules imported only when run.
 """
 
+import difflib
 import importlib
 import importlib.util
 import sys
 
-COMMANDS = {
+COMMANDS = {  # in the order a newcomer reaches for them: a run first, each service on its own after
+    "train": ("services.train.run", "start the whole system locally (or join running services) and train"),
+    "demo": ("services.train.demo", "train a tiny model on a toy task and show that it learns"),
     "buffer": ("services.buffer.__main__", "run the data buffer service (datasets, leases, batches; port 50051)"),
     "rollout": ("services.rollout.__main__", "run the rollout gateway (engines, rollout workers, weight sync; 50052)"),
     "reward": ("services.reward.__main__", "run the reward service (verifiers, custom and remote rewards; 50053)"),
     "trainer": ("services.trainer.__main__", "run the trainer's control service (50054)"),
     "engine": ("services.engine.__main__", "run the reference engine (SGLang's HTTP API on HF models; 30000)"),
     "receiver": ("services.receiver.__main__", "run the weight receiver beside an engine (streamed weights; 30100)"),
-    "train": ("services.train.run", "start the whole system locally (or join running services) and train"),
-    "demo": ("services.train.demo", "train a tiny model on a toy task and show that it learns"),
     "convert-gguf": ("services.train.convert_gguf", "write a GGUF model (or the packaged smollm2) as an HF checkpoint"),
     "reasoning-gym": ("services.buffer.reasoning_gym", "write a reasoning-gym task's problems as prompt data (JSONL)"),
 }
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"slipstream: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(COMMANDS)}"
+        print(f"slipstream: unknown command {name!r}; {hint}", file=sys.stderr)
         return 2
     if any(arg.startswith("@") for arg in rest):  # a run file (services/train/runfile.py)
         from services.common.config import ConfigError
