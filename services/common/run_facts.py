@@ -33,10 +33,10 @@ class RunConfig(StrictModel):
     """Training steps (rollouts) of the run; no prompts are handed out beyond what they need, and unset trains until
     the buffer runs out."""
     rm_type: str = ""
-    """Reward type: math, deepscaler, dapo, gsm8k, exact, f1, multiple_choice, random (a boxed_ prefix extracts
-    \\boxed{} first), remote_rm (HTTP, --rm-url) or remote_grpc (--rm-grpc-addr); unset, the reward service's default,
-    math. The gateway asks the reward service for it (unset: for the service's own); an item's rm_type (also
-    metadata.rm_type, as an eval set sets it) overrides it."""
+    """Reward type: a built-in verifier (math, deepscaler, dapo, gsm8k, exact, f1, multiple_choice, reasoning_gym,
+    random; a boxed_ prefix extracts \\boxed{} first), remote_rm (HTTP, --rm-url) or remote_grpc (--rm-grpc-addr);
+    unset, the reward service's default, math. The gateway asks the reward service for it (unset: for the service's
+    own); an item's rm_type (also metadata.rm_type, as an eval set sets it) overrides it."""
     group_rm: bool = False
     """Score each group with one ScoreGroup call (a --custom-rm-path that sees the whole group, e.g. a pairwise
     judge), as slime's --group-rm; off, samples are scored one by one (in one Score call per group)."""

@@ -123,3 +123,13 @@ def test_a_bad_value_names_a_help_command_that_runs():
     command = re.search(r"see `slipstream ([^`]*)`", str(error.value)).group(1).split()
     assert command == ["train", "--help-all"]
     assert run_cli(*command).returncode == 0
+
+
+def test_the_reward_types_are_named_whole():
+    """--help's --rm-type row is not cut, and --help-all names every reward type the services take."""
+    from services.reward.verifiers import RM_TYPES
+
+    row = next(line for line in run_cli("train", "--help").stdout.splitlines() if line.startswith("  --rm-type "))
+    assert "…" not in row
+    everything = " ".join(run_cli("train", "--help-all").stdout.split())
+    assert all(name in everything for name in RM_TYPES), [name for name in RM_TYPES if name not in everything]
