@@ -463,3 +463,26 @@ def test_a_negative_value_reaches_the_fields_check():
     with pytest.raises(ConfigError, match=re.escape("--lr: Input should be greater than 0 (got '-1e-3')")):
         load_config(TrainerConfig, ["--lr", "-1e-3"], "slipstream trainer")
     assert load_config(TrainerConfig, ["--lr", "1e-3", "--weight-decay", "-0"], "x").lr == 1e-3
+
+
+def test_check_reads_every_row_of_the_data_and_says_how_many(tmp_path, monkeypatch, caplog):
+    """A bad row far into the file is found before any service starts, by its line, across the blocks the file is
+    read in; a good file's row count is said."""
+    import logging
+
+    from services.buffer import preflight
+    from services.buffer.config import BufferConfig
+    from services.common.config import ConfigError
+
+    monkeypatch.setattr(preflight, "BLOCK_BYTES", 4096)  # many blocks
+    rows = [json.dumps({"prompt": f"{i} + 1?", "label": str(i + 1)}) for i in range(12_000)]
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(rows) + "\n")
+    with caplog.at_level(logging.INFO, logger=preflight.__name__):
+        preflight.check(BufferConfig(prompt_data=str(good), label_key="label", hf_checkpoint=str(tmp_path)))
+    assert f"--prompt-data {good}: 12000 rows, each valid" in caplog.text
+    rows[9_999] = '{"prompt": "9999 + 1?" "label": "10000"}'
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(rows) + "\n")
+    with pytest.raises(ConfigError, match=re.escape("--prompt-data: bad.jsonl line 10000: not valid JSON")):
+        preflight.check(BufferConfig(prompt_data=str(bad), label_key="label", hf_checkpoint=str(tmp_path)))
