@@ -486,3 +486,21 @@ def test_check_reads_every_row_of_the_data_and_says_how_many(tmp_path, monkeypat
     bad.write_text("\n".join(rows) + "\n")
     with pytest.raises(ConfigError, match=re.escape("--prompt-data: bad.jsonl line 10000: not valid JSON")):
         preflight.check(BufferConfig(prompt_data=str(bad), label_key="label", hf_checkpoint=str(tmp_path)))
+
+
+def test_the_engine_says_its_name_for_the_model_and_a_port_in_use_before_it_loads(tmp_path):
+    """`slipstream engine --hf-checkpoint` (slime's name) names the engine's flag; a port in use is refused in one
+    sentence before the model loads, not as uvicorn's [Errno 98] once it has."""
+    import socket
+
+    result = run_cli("engine", "--hf-checkpoint", str(tmp_path))
+    assert result.returncode == 2 and "unknown option --hf-checkpoint; slipstream engine's is --model-path" in (
+        result.stderr
+    ), result.stderr
+    model = write_tiny_model(tmp_path / "model")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_cli("engine", "--model-path", str(model), "--port", str(port))
+    said = f"cannot listen on 127.0.0.1:{port} (Address already in use): pass --port with a free port"
+    assert result.returncode == 1 and said in result.stderr, result.stderr
+    assert "loaded" not in result.stderr.lower()

@@ -77,6 +77,9 @@ class StrictModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
     flat: ClassVar[bool] = False
+    # Other commands' names for this model's flags, said when one is given here (the engine's --model-path is
+    # --hf-checkpoint elsewhere): {"--hf-checkpoint": "--model-path"}.
+    other_names: ClassVar[dict[str, str]] = {}
     """A group of settings passed whole (the trainer's loss settings) whose fields keep their own flag names and
     config-file keys (`--eps-clip`, `eps_clip:`) where it is nested: slime's names stay as they are."""
 
@@ -193,6 +196,7 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
     """Parses `--config FILE` plus one flag per field of `model`; the flags override the file."""
     usage = "%(prog)s [--config FILE] [--SETTING VALUE ...]"
     parser = _Parser(prog=prog, usage=usage, description=description or model.__doc__, formatter_class=HelpFormatter)
+    parser.other_names = model.other_names
     parser.add_argument(
         "--config", type=Path, metavar="FILE", help="YAML or TOML file with the settings below (snake_case keys)"
     )
@@ -350,6 +354,8 @@ class HelpFormatter(argparse.HelpFormatter):
 class _Parser(argparse.ArgumentParser):
     """Reports bad flags as one sentence (a ConfigError), with the closest valid flag when there is one."""
 
+    other_names: dict[str, str] = {}  # the model's (StrictModel.other_names)
+
     @property
     def help_command(self) -> str:
         """The command that lists these options: `slipstream train (trainer)`, the trainer's part of `slipstream
@@ -366,6 +372,8 @@ class _Parser(argparse.ArgumentParser):
             raise ConfigError(f"unexpected argument {unknown[0]!r}; settings are given as --name value")
         close = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
         hint = f"did you mean {close[0]}?" if close else f"see `{self.help_command}` for the options"
+        if flag in self.other_names:
+            hint = f"{self.prog}'s is {self.other_names[flag]}"
         raise ConfigError(f"unknown option {flag}; {hint}")
 
 

@@ -10,6 +10,8 @@ from services.common.config import StrictModel
 class EngineConfig(StrictModel):
     """The reference engine: SGLang's HTTP API on an HF transformers model, on CPU or GPU."""
 
+    other_names = {"--hf-checkpoint": "--model-path", "--model": "--model-path"}  # slime's and vLLM's name for it
+
     model_path: str
     """HF checkpoint folder (config, safetensors, tokenizer) of a Llama, Qwen2 or Qwen3 model."""
     host: str = "127.0.0.1"

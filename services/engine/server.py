@@ -2,6 +2,8 @@
 
 import hmac
 import logging
+import os
+import socket
 import sys
 
 import torch
@@ -88,6 +90,7 @@ def serve(config: EngineConfig) -> int:
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
     try:
+        held = _hold_port(config.host, config.port)  # a port in use is said at once, not after the model loads
         engine = load(config)
     except StartupError as e:
         log.error("%s", e)
@@ -108,5 +111,18 @@ def serve(config: EngineConfig) -> int:
     app = EngineAPI(engine, info, config.weight_update_timeout_s, config.weight_disk_dir).app()
     if config.api_key:
         app = require_api_key(app, config.api_key)
+    held.close()
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
+
+
+def _hold_port(host: str, port: int) -> socket.socket:
+    """A listening socket on the engine's address, held while the model loads (and closed for the server's own)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise StartupError(
+            f"cannot listen on {host}:{port} ({os.strerror(e.errno) if e.errno else e}): pass --port with a free port, "
+            "or stop the process holding it"
+        ) from None
