@@ -91,6 +91,7 @@ def summarize(groups: list[common_pb2.PromptGroup]) -> dict:
     rewards = np.array([s.reward for g in groups for s in g.samples])
     lengths = np.array([s.response_length for g in groups for s in g.samples])
     truncated = sum(s.status == common_pb2.SAMPLE_STATUS_TRUNCATED for g in groups for s in g.samples)
+    failed = sum(s.HasField("reward_error") for g in groups for s in g.samples)  # scored 0: said beside the mean
     metrics = {
         "num_samples": float(len(rewards)),
         "mean_reward": float(rewards.mean()),
@@ -99,6 +100,7 @@ def summarize(groups: list[common_pb2.PromptGroup]) -> dict:
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
         "truncated_ratio": truncated / len(rewards),
+        "reward_failed": failed / len(rewards),
     }
     k = 1
     while k <= min(len(g.samples) for g in groups):

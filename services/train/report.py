@@ -56,7 +56,7 @@ class Progress:
                     self.console.print(error["traceback"], markup=False)
 
     def eval(self, result: dict) -> None:
-        parts = [f"{name} {m['mean_reward']:.3f}" for name, m in result["results"].items()]
+        parts = [f"{name} {m['mean_reward']:.3f}" + _failed(m) for name, m in result["results"].items()]
         self.console.print(f"[cyan]eval @ step {result['step']}: " + ", ".join(parts))
 
 
@@ -74,7 +74,8 @@ def summary_line(line: dict) -> str:
     if "step_s" in m:
         split = split_times(m)
         text += f"  {m['step_s']:.2f}s (" + " ".join(f"{k} {v:.2f}" for k, v in split.items()) + ")"
-        text += f"  {m.get('samples_per_s', 0):.0f} samples/s"
+        rate = m.get("samples_per_s", 0.0)
+        text += f"  {rate:.0f} samples/s" if rate >= 10 else f"  {rate:.2g} samples/s"
     return text
 
 
@@ -96,7 +97,7 @@ def finish(run_dir: Path, steps: list[dict], evals: list[dict], plan) -> None:
     if not steps:
         console.print("no step was trained")
         return
-    png = plot(run_dir / "reward.png", steps, evals)
+    png = plot(run_dir / "reward.png", steps, evals, f"{run_dir.name}: mean reward per step")
     rewards = [s["metrics"]["reward"] for s in steps]
     tail = rewards[-20:]
     console.print(
@@ -104,7 +105,7 @@ def finish(run_dir: Path, steps: list[dict], evals: list[dict], plan) -> None:
         f"{rewards[-1]:.3f} (mean of the last {len(tail)}: {sum(tail) / len(tail):.3f})"
     )
     for result in evals[-1:]:
-        parts = [f"{name} {m['mean_reward']:.3f}" for name, m in result["results"].items()]
+        parts = [f"{name} {m['mean_reward']:.3f}" + _failed(m) for name, m in result["results"].items()]
         console.print(f"eval at step {result['step']}: " + ", ".join(parts))
     trainer = plan.configs.get("trainer")
     if trainer is not None and trainer.save:
@@ -138,11 +139,18 @@ def reward_failed(steps: list[dict]) -> dict:
     return {"share": sum(shares) / len(shares), "by_kind": dict(sorted(counts.items()))}
 
 
-def plot(path: Path, steps: list[dict], evals: list[dict]) -> Path:
+def _failed(metrics: dict) -> str:
+    """How many of an evaluation's samples had no reward (scored 0), where any had none."""
+    share, samples = metrics.get("reward_failed", 0.0), metrics.get("num_samples", 0)
+    return f" ({share * samples:.0f} of {samples:.0f} rewards failed)" if share else ""
+
+
+def plot(path: Path, steps: list[dict], evals: list[dict], title: str = "") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([s["step"] for s in steps], [s["metrics"]["reward"] for s in steps], label="train", alpha=0.8)
@@ -150,6 +158,8 @@ def plot(path: Path, steps: list[dict], evals: list[dict]) -> Path:
     for name in names:
         points = [(e["step"], e["results"][name]["mean_reward"]) for e in evals if name in e["results"]]
         ax.plot(*zip(*points, strict=True), marker="o", label=f"eval: {name}")
+    ax.set_title(title or "mean reward per step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: a short run's ticks too
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     if all(0 <= s["metrics"]["reward"] <= 1 for s in steps):

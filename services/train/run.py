@@ -128,6 +128,8 @@ class Run:
             if trainer.load:  # a resumed trainer first gives the engines its weights: no sample of the old ones
                 self._wait_for(lambda: self._status().phase in ("waiting_batch", "train", "stopped"), "resume")
             self.rollout.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
+        if trainer.load and (step := self._status().step):
+            print(f"slipstream train: resuming from step {step} ({trainer.load})", flush=True)
 
     def _secure(self) -> None:
         """The services' token file: the one given (--auth-token-file), else a new one of this run with a random
