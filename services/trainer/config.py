@@ -185,10 +185,11 @@ class TrainerConfig(ServiceConfig):
     """Seed of initialisation, dropout and data order."""
 
     # Batches (slime's names and constraint)
-    global_batch_size: int = Field(256, ge=1)
-    """Samples per optimizer step, across data-parallel ranks."""
-    num_steps_per_rollout: int = Field(1, ge=1)
-    """Optimizer steps per rollout."""
+    global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step, across data-parallel ranks; unset, a rollout's samples / --num-steps-per-rollout."""
+    num_steps_per_rollout: int | None = Field(None, ge=1)
+    """Optimizer steps per rollout; unset, a rollout's samples / --global-batch-size, as slime works it out
+    (--global-batch-size 128 with --rollout-batch-size 32 x --n-samples-per-prompt 8: two steps a rollout)."""
     micro_batch_size: int = Field(1, ge=1)
     """Samples per micro-batch (without --use-dynamic-batch-size)."""
     use_dynamic_batch_size: bool = False
@@ -294,6 +295,19 @@ class TrainerConfig(ServiceConfig):
             dp_size,
             self.micro_batch_size,
         )
+
+    @model_validator(mode="after")
+    def _steps_of_a_rollout(self) -> "TrainerConfig":
+        """--global-batch-size and --num-steps-per-rollout from each other, or from a rollout's samples, as slime works
+        them out; one that does not divide them is left for the batch check to name (batching.BatchSizes.check)."""
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.num_steps_per_rollout is None:
+            divides = self.global_batch_size and samples % self.global_batch_size == 0
+            self.num_steps_per_rollout = samples // self.global_batch_size if divides else 1
+        if self.global_batch_size is None:
+            divides = samples % self.num_steps_per_rollout == 0
+            self.global_batch_size = samples // self.num_steps_per_rollout if divides else samples
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":

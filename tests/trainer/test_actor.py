@@ -287,3 +287,44 @@ def test_rollout_routing_replay_routes_every_forward_as_the_engine_did(tmp_path)
                 for position, experts in enumerate(engine[sample][:, layer]):
                     chosen = routing_map[position * len(indices) + b].nonzero().flatten()
                     assert sorted(chosen.tolist()) == sorted(experts.tolist())
+
+
+def test_slimes_global_batch_size_gives_two_optimizer_steps_a_rollout_each_the_step_on_its_half():
+    """slime's arithmetic: --global-batch-size 128 with 32 prompts x 8 samples is two optimizer steps a rollout
+    (--num-steps-per-rollout worked out), and the rollout trains as the step called on its first half, then on its
+    second, with the old policy's log-probs and the advantages of the whole rollout."""
+    import random
+
+    from services.common.config import load_config
+
+    flags = ["--global-batch-size", "128", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+             "--lr", "1e-2", "--clip-grad", "0", "--micro-batch-size", "16"]  # fmt: skip
+    config = load_config(TrainerConfig, flags, "slipstream trainer")
+    assert (config.global_batch_size, config.num_steps_per_rollout) == (128, 2)
+    rng = random.Random(0)
+    groups = [_group(f"g{i}", [[rng.randrange(1, 14) for _ in range(rng.randrange(1, 5))] for _ in range(8)],
+                     [float(rng.random() < 0.5) for _ in range(8)]) for i in range(32)]  # fmt: skip
+    batch = from_groups(groups, 8)
+    actors = []
+    for _ in range(2):
+        model = TinyLM()
+        optimizer = build_optimizer(model, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8)
+        scheduler = build_scheduler(optimizer, 0, None, "constant", config.lr, 0.0)
+        actors.append(Actor(config, model, optimizer, scheduler, Groups()))
+    rollout, halves = actors
+    halves.model.load_state_dict(rollout.model.state_dict())
+    calls, step = [], rollout._step
+
+    def recorded(batch, indices, per_step):
+        calls.append((list(indices), per_step))
+        return step(batch, indices, per_step)
+
+    rollout._step = recorded
+    trained = rollout.train_rollout(batch)
+    assert [indices for indices, _ in calls] == [list(range(128)), list(range(128, 256))]
+    halves.model.train()
+    by_half = [halves._step(batch, indices, per_step) for indices, per_step in calls]
+    assert len(trained) == 2
+    for whole, half in zip(trained, by_half, strict=True):
+        assert whole["pg_loss"] == pytest.approx(half["pg_loss"], abs=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(rollout.model.parameters(), halves.model.parameters(), strict=True))
