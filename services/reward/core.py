@@ -21,6 +21,7 @@ from services.reward.isolation import (
     run_builtin,
     run_custom,
     run_custom_group,
+    run_custom_trl,
     together,
 )
 from services.reward.remote import GrpcRewardModel, HttpRewardModel
@@ -46,6 +47,7 @@ class Scorer:
     pool: WorkerPool
     http: HttpRewardModel | None = None
     grpc: GrpcRewardModel | None = None
+    trl_style: bool = False  # --custom-rm-path is a function written for TRL (trl_style.py): it scores a call at once
 
     def functions(self) -> list[tuple[str, bool, str]]:
         """(name, scores groups, description) of every reward this service offers."""
@@ -65,7 +67,7 @@ class Scorer:
                 "timeout_seconds", f"must be 0 (the service's --rm-timeout-s) to {MAX_TIMEOUT_S}, got {timeout_s}"
             )
         timeout_s = timeout_s or self.config.rm_timeout_s
-        if group and self.config.custom_rm_path and self.config.group_rm:
+        if self.trl_style or (group and self.config.custom_rm_path and self.config.group_rm):
             return await self._score_group(samples, timeout_s)
         outcomes = [None] * len(samples)
         remote_grpc = [i for i, s in enumerate(samples) if s.rm_type == "remote_grpc"]
@@ -129,8 +131,12 @@ class Scorer:
         return (run_builtin, sample.rm_type, sample.response, sample.label, sample.metadata)
 
     async def _score_group(self, samples: list[RewardSample], timeout_s: float):
+        """Every item in one call of the custom function: --group-rm's (args, samples), or a TRL-style function's."""
         ITEMS.labels("custom_group").inc(len(samples))
-        outcome = await self.pool.run(timeout_s, run_custom_group, self.config.custom_rm_path, self.config, samples)
+        if self.trl_style:
+            outcome = await self.pool.run(timeout_s, run_custom_trl, self.config.custom_rm_path, samples)
+        else:
+            outcome = await self.pool.run(timeout_s, run_custom_group, self.config.custom_rm_path, self.config, samples)
         if not isinstance(outcome, Failure) and (not isinstance(outcome, list | tuple) or len(outcome) != len(samples)):
             outcome = Failure("exception", f"the group reward function must return a list of {len(samples)} rewards")
         outcomes = outcome if isinstance(outcome, list | tuple) else [outcome] * len(samples)

@@ -30,6 +30,7 @@ from pebble import ProcessExpired, ProcessPool
 
 from services.common.plugins import load_callable
 from services.common.processes import die_with_parent
+from services.reward.trl_style import trl_kwargs
 from services.reward.verifiers import score_builtin
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,13 @@ def run_custom(path: str, args, sample: RewardSample) -> Any:
 
 def run_custom_group(path: str, args, samples: list[RewardSample]) -> Any:
     return _call(_custom(path), args, samples)
+
+
+def run_custom_trl(path: str, samples: list[RewardSample]) -> Any:
+    """A reward function written for TRL, on every item of the call at once (services/reward/trl_style.py)."""
+    function = _custom(path)
+    result = function(**trl_kwargs(samples))
+    return asyncio.run(result) if inspect.isawaitable(result) else result
 
 
 async def together(awaitables: list) -> list:

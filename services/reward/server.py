@@ -15,7 +15,7 @@ from services.reward.verifiers import DEFAULT_RM_TYPE, imports_of
 
 async def build(config: RewardConfig) -> Service:
     try:  # fail at start, in one sentence, rather than on every item
-        preflight.check(config)
+        trl_style = preflight.check(config)
     except ConfigError as e:
         raise StartupError(str(e)) from None
     backoff = Backoff(config.rm_max_retries, config.rm_retry_backoff_s)
@@ -29,5 +29,5 @@ async def build(config: RewardConfig) -> Service:
         types.add("math")
     pool = WorkerPool(config.num_workers, config.reward_worker_memory_mb, config.custom_rm_path, imports_of(types))
     await pool.warm()
-    scorer = Scorer(config, pool, http, remote)
+    scorer = Scorer(config, pool, http, remote, trl_style)
     return Service("reward", config, [Servicer.of(RewardServicer(scorer))], on_stop=[scorer.close])
