@@ -455,15 +455,6 @@ def test_a_slime_flag_refused_here_says_why_as_docs_arguments_does():
         assert "did you mean" not in str(refused.value)
 
 
-def test_a_negative_value_reaches_the_fields_check():
-    """`--lr -1e-3`: argparse would take the value for a flag and say only "expected one argument"."""
-    from services.common.config import ConfigError, load_config
-    from services.trainer.config import TrainerConfig
-
-    with pytest.raises(ConfigError, match=re.escape("--lr: Input should be greater than 0 (got '-1e-3')")):
-        load_config(TrainerConfig, ["--lr", "-1e-3"], "slipstream trainer")
-    assert load_config(TrainerConfig, ["--lr", "1e-3", "--weight-decay", "-0"], "x").lr == 1e-3
-
 
 def test_check_reads_every_row_of_the_data_and_says_how_many(tmp_path, monkeypatch, caplog):
     """A bad row far into the file is found before any service starts, by its line, across the blocks the file is

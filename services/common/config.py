@@ -203,7 +203,7 @@ def load_config(model: type[Config], argv: list[str] | None, prog: str, descript
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument("--check", action="store_true", help="validate the settings and exit without starting")
     _add_field_flags(parser, model, ())
-    namespace, unknown = parser.parse_known_args(_negatives_joined(argv))
+    namespace, unknown = parser.parse_known_args(argv)
     args = vars(namespace)
     unknown = _take_passthrough(model, unknown, args)
     if unknown:
@@ -304,21 +304,6 @@ def _redact_options(args: list) -> list:
             arg = arg.split("=")[0] + "=***"
         shown.append(arg)
     return shown
-
-
-def _negatives_joined(argv: list[str] | None) -> list[str] | None:
-    """`--lr -1e-3` as `--lr=-1e-3`: argparse takes a value that starts with "-" (and is not a plain negative number)
-    for a flag, and says only "expected one argument"; joined, the value reaches the field's check."""
-    if argv is None:
-        return None
-    joined: list[str] = []
-    for arg in argv:
-        value = arg.startswith("-") and not arg.startswith("--") and len(arg) > 1
-        if value and joined and joined[-1].startswith("--") and "=" not in joined[-1]:
-            joined[-1] = f"{joined[-1]}={arg}"
-        else:
-            joined.append(arg)
-    return joined
 
 
 def _take_passthrough(model: type[StrictModel], unknown: list[str], args: dict) -> list[str]:
