@@ -455,7 +455,6 @@ def test_a_slime_flag_refused_here_says_why_as_docs_arguments_does():
         assert "did you mean" not in str(refused.value)
 
 
-
 def test_check_reads_every_row_of_the_data_and_says_how_many(tmp_path, monkeypatch, caplog):
     """A bad row far into the file is found before any service starts, by its line, across the blocks the file is
     read in; a good file's row count is said."""
