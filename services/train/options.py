@@ -8,7 +8,6 @@ import difflib
 import importlib.util
 import logging
 import re
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -317,20 +316,6 @@ def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
         path = parse_spec(spec)[0]
         if not path.exists():
             raise ConfigError(f"{flag} {spec}: {path} does not exist; pass a .jsonl or .parquet file")
-
-
-def check_joined(plan: Plan, timeout_s: float = 5.0) -> None:
-    """Each running service the run joins takes a connection (`--check`; a start asks for its health too)."""
-    for name, address in plan.joined.items():
-        host, _, port = address.rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-        except (OSError, ValueError) as e:
-            reason = "no answer" if isinstance(e, TimeoutError) else getattr(e, "strerror", None) or str(e)
-            raise ConfigError(
-                f"{JOIN[name]} {address}: no {name} service there ({reason}); start it there, or drop {JOIN[name]} "
-                f"and the run starts its own"
-            ) from None
 
 
 def _looks_local(path: str) -> bool:
