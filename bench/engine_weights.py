@@ -18,8 +18,8 @@ import httpx
 import torch
 
 from services.common.processes import free_port
-from services.weightsync.group import apply_nccl_settings, flatten, init_custom_process_group
 from services.train.tiny_checkpoint import write_tiny_model
+from services.weightsync.group import apply_nccl_settings, flatten, init_custom_process_group
 
 
 def start_engine(model: Path) -> tuple[subprocess.Popen, str]:
