@@ -10,6 +10,7 @@ DDP with torch's AdamW (the trainer's default) and with megatron's DistributedOp
 none of its memory saving, which grows with the data-parallel size).
 
 Run (GPU):  python bench/trainer_step.py --shape qwen3-1.7b --use-distributed-optimizer
+            python bench/trainer_step.py --shape qwen3-0.6b --seq-len 16384 --micro-batches 1 --log-probs-from-hidden
 Run (CPU, a tiny model, to check the script): .venv/bin/python bench/trainer_step.py --shape tiny --seq-len 64
 """
 
@@ -21,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {  # Qwen3-1.7B's layers with an untied output layer (2.03 B parameters)
+SHAPES = {  # Qwen3-1.7B's layers with an untied output layer (2.03 B parameters); 0.6B and 4B tie it
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936),
     "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=6144, vocab_size=151936),
     "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -109,10 +112,11 @@ def free_memory() -> None:
 
 
 def run_megatron(path: Path, args, device: str, compile_layers: bool = False, max_tokens: int | None = None,
-                 data_parallel: str = "", lora_rank: int = 0) -> float:  # fmt: skip
+                 data_parallel: str = "", lora_rank: int = 0, from_hidden: bool = False) -> float:  # fmt: skip
     """The actor's step; `data_parallel` "ddp": inside megatron's DDP with torch's AdamW, "sharded": with megatron's
     DistributedOptimizer; "": neither (the actor alone, as on one GPU before megatron's DDP). `lora_rank`: LoRA
-    adapters of that rank on every linear layer, the base frozen."""
+    adapters of that rank on every linear layer, the base frozen. `from_hidden`: log-probs streamed over the
+    vocabulary from the last hidden states (--log-probs-from-hidden), not from full logits."""
     from services.trainer import data_parallel as dp
     from services.trainer.actor import Actor, Groups
     from services.trainer.config import TrainerConfig
@@ -132,7 +136,8 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
     config = TrainerConfig(rollout_batch_size=1, n_samples_per_prompt=n, global_batch_size=n, micro_batch_size=1,
                            lr=1e-6, clip_grad=0.0, eps_clip=0.2, use_dynamic_batch_size=max_tokens is not None,
                            max_tokens_per_gpu=max_tokens, compile_model=compile_layers, bf16=dtype == torch.bfloat16,
-                           adam_beta2=0.999, use_distributed_optimizer=data_parallel == "sharded")  # fmt: skip
+                           adam_beta2=0.999, use_distributed_optimizer=data_parallel == "sharded",
+                           log_probs_from_hidden=from_hidden)  # fmt: skip
     groups = Groups(vocab_size=gpt.shape.vocab_size)
     if data_parallel:
         ddp, optimizer, scheduler = dp.build(model, config, config.optimizer)
@@ -169,16 +174,22 @@ def main() -> None:
                              "DistributedOptimizer")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="print each path's top GPU kernels")
     parser.add_argument("--lora-rank", type=int, default=0, help="also time the trainer with LoRA of this rank")
+    parser.add_argument("--log-probs-from-hidden", action="store_true",
+                        help="also time the trainer with log-probs streamed from the hidden states (no full logits)")
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
-        write_model(Path(tmp), shape, device, tie=args.shape == "qwen3-4b")
+        write_model(Path(tmp), shape, device, tie=args.shape != "qwen3-1.7b")
         results = [("HF transformers (sdpa)", run_hf(Path(tmp), args, device), peak_gib())]
         free_memory()
         results.append(("slipstream trainer (Megatron-core + SDPA)", run_megatron(Path(tmp), args, device), peak_gib()))
         free_memory()
+        if args.log_probs_from_hidden:
+            label = "slipstream trainer, --log-probs-from-hidden"
+            results.append((label, run_megatron(Path(tmp), args, device, from_hidden=True), peak_gib()))
+            free_memory()
         if args.lora_rank:
             label = f"slipstream trainer, LoRA rank {args.lora_rank} on all linear layers"
             results.append((label, run_megatron(Path(tmp), args, device, lora_rank=args.lora_rank), peak_gib()))
@@ -225,7 +236,8 @@ def report(results, args, shape: dict, device: str) -> None:
           f"--micro-batches {args.micro_batches}{' --compile' if args.compile else ''}"
           f"{' --use-distributed-optimizer' if args.use_distributed_optimizer else ''}"
           f"{f' --max-tokens-per-gpu {args.max_tokens_per_gpu}' if args.max_tokens_per_gpu else ''}"
-          f"{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}")  # fmt: skip
+          f"{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}"
+          f"{' --log-probs-from-hidden' if args.log_probs_from_hidden else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":
