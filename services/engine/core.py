@@ -49,6 +49,8 @@ class Engine:
         cache=None,
         pick=None,
     ):
+        if device.type == "cuda" and device.index is None:  # the engine thread sets its device by index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.model, self.tokenizer, self.device, self.routing = model, tokenizer, device, routing
         self.adapters = adapters  # LoRA adapters (services/engine/lora.py) under --enable-lora
         self.max_batch_size = max_batch_size
