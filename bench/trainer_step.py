@@ -174,8 +174,11 @@ def main() -> None:
                              "DistributedOptimizer")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="print each path's top GPU kernels")
     parser.add_argument("--lora-rank", type=int, default=0, help="also time the trainer with LoRA of this rank")
-    parser.add_argument("--log-probs-from-hidden", action="store_true",
-                        help="also time the trainer with log-probs streamed from the hidden states (no full logits)")
+    parser.add_argument(
+        "--log-probs-from-hidden",
+        action="store_true",
+        help="also time the trainer with log-probs streamed from the hidden states (no full logits)",
+    )
     args = parser.parse_args()
     args.prompt_len = min(args.prompt_len, args.seq_len // 2)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -64,6 +64,7 @@ class Run:
         self.wandb: wandb_log.WandbRun | None = None
         self._next_step: int | None = None  # --debug-rollout-only
         self.interrupted = False  # set by the signal handler, raised as Interrupted at the next poll
+        self.serving = False  # every service up and the run under way
         # Disjoint port shares: the first for the ports this launcher hands out, one for each service it starts (the
         # gateway draws its engines' ports): no service can draw a port handed to another that has not bound it yet.
         self.port_shares = [port_range_share(i, 1 + len(SERVICES)) for i in range(1 + len(SERVICES))]
@@ -235,8 +236,12 @@ class Run:
             own = last_error(child.log_path, warnings=False) if child.log_path.exists() else None
             if code == STOPPED and own:  # the run stopped itself: its sentence says it all
                 raise ChildFailed(LOG_PREFIX.sub("", own))
+            exited = {c.name for c in self.children if c.proc.poll() is not None}
+            # What it gave up waiting for, if anything: once all serve (a starting one does not answer yet).
+            hung = [name for name in self._silent() if name not in exited] if self.serving else []
             raise ChildFailed(
-                f"the {child.name} service exited with code {code}"
+                (f"the {' and the '.join(hung)} service does not answer its health check (hung?), and " if hung else "")
+                + f"the {child.name} service exited with code {code}"
                 + (f": {own}" if own else "")
                 + f"\nits log {child.log_path} ends with:\n{child.tail(15)}"
             )
@@ -259,6 +264,7 @@ class Run:
         if eval_sets and first == 0:  # as slime, before training
             self._evaluate(0)
         stall = StallWatch(self.options.stall_timeout_s, self.logs, self._silent)
+        self.serving = True
         with report.Progress(total, first) as progress:
             offset = self.steps_file.stat().st_size if self.steps_file.exists() else 0
             last_status, last_stall_check = 0.0, 0.0

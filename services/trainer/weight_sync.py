@@ -27,7 +27,7 @@ import torch.multiprocessing
 from services.common.clients import Credentials, open_channel
 from services.trainer.export import copy_hf_metadata, write_index
 from services.weightsync import factory, halves
-from services.weightsync.group import abort_group, end_group, init_custom_process_group
+from services.weightsync.group import abort_group, destroy_group, end_group, init_custom_process_group
 from services.weightsync.protocol import (
     SENDER_MOVES,
     EnginesLeft,
@@ -490,7 +490,7 @@ class WeightSender:
         """A group that is still here has no broadcast pending (a failed sync dropped it), so it is destroyed, which
         ends it at once (an aborted gloo group is kept until its transfers end)."""
         if self.group is not None:
-            dist.destroy_process_group(self.group)
+            destroy_group(self.group)
             self.group = None
         if self.listener is not None:
             self.listener.close()

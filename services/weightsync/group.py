@@ -105,11 +105,20 @@ def abort_group(group, linger_s: float | None = None) -> None:
         _aborted.append((now + linger, group))
 
 
+def destroy_group(group) -> None:
+    """Destroys `group` unless it was aborted already (a watchdog ended its sync; abort_group keeps it referenced)."""
+    if group in c10d._world.pg_map:
+        torch.distributed.destroy_process_group(group)
+
+
 def end_group(group, in_flight: bool, linger_s: float | None = None) -> None:
     """Ends `group`: a gloo group with no collective in flight is destroyed at once, with its sockets and store (an
-    aborted one would hold them for `linger_s`); any other is aborted (abort_group)."""
+    aborted one would hold them for `linger_s`); any other is aborted (abort_group). One aborted already (a watchdog
+    ended its sync) is left as abort_group keeps it."""
+    if group not in c10d._world.pg_map:
+        return
     if not in_flight and _is_gloo(group):
-        torch.distributed.destroy_process_group(group)
+        destroy_group(group)
     else:
         abort_group(group, linger_s)
 
