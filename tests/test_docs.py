@@ -144,3 +144,10 @@ def test_the_check_catches_what_it_is_for():
     )  # fmt: skip
     for not_a_path in not_paths:
         assert path_like(not_a_path) is None, not_a_path
+
+
+def test_the_benchmarks_page_holds_the_current_figures_in_25_kb():
+    """docs/BENCHMARKS.md is a reference: the history goes to the dated reports under docs/benchmarks/."""
+    page = REPO / "docs" / "BENCHMARKS.md"
+    assert page.stat().st_size <= 25_000, f"{page} is {page.stat().st_size} bytes: move history to docs/benchmarks/"
+    assert "## Current figures" in page.read_text()
