@@ -170,20 +170,37 @@ def test_greedy_output_equals_transformers_for_64_prompts_at_once(hf_model, cach
         assert any(seq.num_retractions for seq in sequences)
 
 
-@pytest.mark.gpu
+BF16_DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", BF16_DEVICES)
 @pytest.mark.parametrize(("cache", "shared"), CACHES)
-def test_in_bf16_on_a_gpu_the_first_32_tokens_agree_for_most_prompts(hf_model, cache, shared):
-    model, tokenizer = copy.deepcopy(hf_model[0]).to("cuda", torch.bfloat16), hf_model[1]
+def test_in_bf16_greedy_output_leaves_transformers_only_at_a_near_tie(hf_model, cache, shared, device):
+    """In bf16 two correct implementations part at near-ties: on this model transformers' own bf16 `generate`
+    equals its float32 one for only 39-47 of the 64 prompts, each time between float32's two best tokens. So each
+    sequence equals transformers' bf16 tokens up to where they part, and there the two tokens score within 2 % of
+    the largest logit in float32 (bf16's error in that gap reaches about 1.3 %; a wrong page, position or row parts
+    where the gap is typically 8 %, and 97 % of these sequences have a position past 2 %); most agree whole."""
+    reference = copy.deepcopy(hf_model[0]).to(device)  # float32
+    model, tokenizer = copy.deepcopy(hf_model[0]).to(device, torch.bfloat16), hf_model[1]
     params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
     sequences = [Sequence(rid=str(i), prompt_ids=p, params=params) for i, p in enumerate(mixed_prompts(shared))]
-    run_engine(model, tokenizer, sequences, cache, "cuda")
-    agree = 0
+    run_engine(model, tokenizer, sequences, cache, device)
+    whole = 0
     for seq in sequences:
         with torch.no_grad():
-            expected = model.generate(torch.tensor([seq.prompt_ids], device="cuda"), max_new_tokens=32,
+            expected = model.generate(torch.tensor([seq.prompt_ids], device=device), max_new_tokens=32,
                                       min_new_tokens=32, do_sample=False, eos_token_id=None)  # fmt: skip
-        agree += seq.output_ids == expected[0, len(seq.prompt_ids) :].tolist()
-    assert agree >= 0.95 * len(sequences)
+        expected = expected[0, len(seq.prompt_ids) :].tolist()
+        parted = next((k for k, (a, b) in enumerate(zip(seq.output_ids, expected, strict=True)) if a != b), None)
+        if parted is None:
+            whole += 1
+            continue
+        with torch.no_grad():
+            logits = reference(torch.tensor([seq.prompt_ids + expected[:parted]], device=device)).logits[0, -1]
+        gap = abs(logits[seq.output_ids[parted]] - logits[expected[parted]])
+        assert gap <= 0.02 * logits.abs().max(), f"sequence {seq.rid} parts at token {parted}, not at a near-tie"
+    assert whole >= len(sequences) // 2
 
 
 def test_a_step_is_queued_before_the_last_ones_tokens_are_read_and_no_row_runs_past_its_length(hf_model):
