@@ -47,29 +47,16 @@ def render(form: str, data: Path) -> dict:
     return yaml.safe_load(result.stdout)
 
 
-@pytest.mark.skipif(TOOL is None, reason="needs podman-compose (with podman) or docker compose")
-@pytest.mark.parametrize("form", sorted(FORMS))
-def test_every_container_command_line_is_accepted(form, tmp_path):
-    data = tmp_path / "data"
-    for item in FORMS[form][2]:  # what the run file names, so that the checks of files pass
-        target = data / item
-        if target.suffix == ".jsonl":
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text('{"prompt": "1 + 1", "label": "2"}\n')
-        else:
-            write_tiny_model(target)
-    config = render(form, data)
-    services = config["services"]
-    assert {"redis", "buffer", "reward", "rollout", "engine-0", "job"} <= set(services)
-    redis_command = " ".join(services["redis"]["command"])
-    assert "requirepass $(cat /run/secrets/redis_password)" in redis_command and "--appendonly yes" in redis_command
-    for name in ("buffer", "rollout", "job"):  # Redis's password reaches them as a file, never on a command line
-        assert services[name]["secrets"] == ["redis_password"]
-        assert "/run/secrets/redis_password" in services[name]["command"] and "@redis:" not in str(services[name])
+def run_flags(services: dict, data: Path, tmp_path: Path, extra: str = "") -> Path:
+    """The stack's run file, its /data this test's folder, with `extra` flags at its end."""
     run_file = next(Path(v.split(":")[0]) for v in services["job"]["volumes"] if "/etc/slipstream/run.flags" in v)
-    flags = tmp_path / "run.flags"  # the containers' /data is this test's folder
-    flags.write_text((COMPOSE / run_file).read_text().replace("/data", str(data)))
-    checked = []
+    flags = tmp_path / "run.flags"
+    flags.write_text((COMPOSE / run_file).read_text().replace("/data", str(data)) + extra)
+    return flags
+
+
+def check_commands(services: dict, flags: Path, data: Path, tmp_path: Path):
+    """Each slipstream container's command line run here with `--check`: (name, the finished process)."""
     for name, service in services.items():
         if not str(service.get("image", "")).startswith("slipstream") or service.get("entrypoint") not in (
             None,
@@ -79,8 +66,55 @@ def test_every_container_command_line_is_accepted(form, tmp_path):
         args = [a.replace("@/etc/slipstream/run.flags", f"@{flags}").replace("/data", str(data))
                 for a in service["command"]]  # fmt: skip
         args = [a.replace("/runs", str(tmp_path / "runs")) for a in args]
-        result = subprocess.run([sys.executable, "-m", "services", *args, "--check"], capture_output=True,
-                                text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+        yield name, subprocess.run([sys.executable, "-m", "services", *args, "--check"], capture_output=True,
+                                   text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+
+
+def write_data(form: str, data: Path) -> None:
+    for item in FORMS[form][2]:  # what the run file names, so that the checks of files pass
+        target = data / item
+        if target.suffix == ".jsonl":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text('{"prompt": "1 + 1", "label": "2"}\n')
+        else:
+            write_tiny_model(target)
+
+
+@pytest.mark.skipif(TOOL is None, reason="needs podman-compose (with podman) or docker compose")
+def test_the_stack_refuses_a_contradiction_in_its_run_file_as_slipstream_train_does(tmp_path):
+    """A cross-service rule holds wherever a service loads its settings: each container that takes the weight-sync
+    flags from the run file refuses them in the sentence `slipstream train --check` gives; the others start."""
+    data = tmp_path / "data"
+    write_data("cpu", data)
+    services = render("cpu", data)["services"]
+    flags = run_flags(services, data, tmp_path, "--update-weight-transport broadcast --update-weight-mode delta\n")
+    sentence = (
+        "--update-weight-mode delta: broadcast sends whole weights; use --update-weight-transport auto or streamed"
+    )
+    refused = set()
+    for name, result in check_commands(services, flags, data, tmp_path):
+        if result.returncode:
+            assert sentence in result.stderr, f"{name}: {result.stderr}"
+            refused.add(name)
+    assert refused == {"rollout", "job"}  # the gateway, and the job's trainer (slipstream train joining the rest)
+
+
+@pytest.mark.skipif(TOOL is None, reason="needs podman-compose (with podman) or docker compose")
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_every_container_command_line_is_accepted(form, tmp_path):
+    data = tmp_path / "data"
+    write_data(form, data)
+    config = render(form, data)
+    services = config["services"]
+    assert {"redis", "buffer", "reward", "rollout", "engine-0", "job"} <= set(services)
+    redis_command = " ".join(services["redis"]["command"])
+    assert "requirepass $(cat /run/secrets/redis_password)" in redis_command and "--appendonly yes" in redis_command
+    for name in ("buffer", "rollout", "job"):  # Redis's password reaches them as a file, never on a command line
+        assert services[name]["secrets"] == ["redis_password"]
+        assert "/run/secrets/redis_password" in services[name]["command"] and "@redis:" not in str(services[name])
+    flags = run_flags(services, data, tmp_path)
+    checked = []
+    for name, result in check_commands(services, flags, data, tmp_path):
         assert result.returncode == 0, f"{name}: {result.stderr}"
         checked.append(name)
     expected = {"buffer", "reward", "rollout", "job", "receiver-0"} | ({"engine-0"} if form == "cpu" else set())
