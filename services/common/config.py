@@ -336,10 +336,18 @@ class HelpFormatter(argparse.HelpFormatter):
         return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # argparse's own misses the exponent
+
+
 class _Parser(argparse.ArgumentParser):
     """Reports bad flags as one sentence (a ConfigError), with the closest valid flag when there is one."""
 
     other_names: dict[str, str] = {}  # the model's (StrictModel.other_names)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER  # `--lr -1e-3` is a value, as `--lr -0.001` is
+
 
     @property
     def help_command(self) -> str:

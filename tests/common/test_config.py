@@ -1,5 +1,7 @@
 """Config files plus flags, and the one-sentence errors a user sees for bad settings."""
 
+import re
+
 import pytest
 import yaml
 
@@ -192,3 +194,12 @@ def test_the_optimizer_and_the_parallel_layout_are_flat_groups_too():
         load_config(TrainerConfig, ["--adam-beta2", "1"], prog="t")
     with pytest.raises(ConfigError, match="sequence_parallel splits sequences over tensor-parallel ranks"):
         load_config(TrainerConfig, ["--sequence-parallel"], prog="t")
+
+
+def test_a_negative_number_in_any_notation_is_a_value_not_a_flag():
+    from services.trainer.config import TrainerConfig
+
+    for value in ("-1e-3", "-0.001", "-1E+2", "-.5"):
+        with pytest.raises(ConfigError, match=rf"--lr: Input should be greater than 0 \(got '{re.escape(value)}'\)"):
+            load_config(TrainerConfig, ["--lr", value], "slipstream trainer")
+    assert load_config(TrainerConfig, ["--lr", "1e-3"], "slipstream trainer").lr == 1e-3
