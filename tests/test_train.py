@@ -103,6 +103,7 @@ def test_sigkill_mid_run_then_load_resumes_exactly(service_process, tmp_path):
     resumed_at = after[0]["step"]
     assert resumed_at % 3 == 0 and resumed_at <= killed_at + 1  # the last checkpoint
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+    assert f"resuming from step {resumed_at} (" in second.log
     assert [s["step"] for s in after] == list(range(resumed_at, steps))
     assert all(s["policy_version"] == s["step"] + 1 for s in before + after)
 

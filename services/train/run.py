@@ -125,9 +125,11 @@ class Run:
             self._wait_serving("rollout")
         self._wait_serving("trainer")
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._channel(self.addr["trainer"]))
+        if trainer.load:  # a resumed trainer first gives the engines its weights: no sample of the old ones
+            self._wait_for(lambda: self._status().phase in ("waiting_batch", "train", "stopped"), "resume")
+            if step := self._status().step:
+                print(f"slipstream train: resuming from step {step} ({trainer.load})", flush=True)
         if "rollout" in self.addr:
-            if trainer.load:  # a resumed trainer first gives the engines its weights: no sample of the old ones
-                self._wait_for(lambda: self._status().phase in ("waiting_batch", "train", "stopped"), "resume")
             self.rollout.StartRollout(rollout_pb2.StartRolloutRequest(), timeout=30)
 
     def _secure(self) -> None:

@@ -117,6 +117,7 @@ class Trainer:
             part.load_state_dict(state[name])
         self.step, self.policy_version = state["step"], state["policy_version"]
         log.info("resumed from %s at step %d (policy version %d)", path, self.step, self.policy_version)
+        self.control.step, self.control.policy_version = self.step, self.policy_version  # the launcher says it
         if dist.get_rank() == 0:  # what the buffer holds from steps after the checkpoint is generated again
             request = buffer_pb2.RewindRequest(step=self.step, policy_version=self.policy_version)
             returned = self.buffer.Rewind(request, timeout=60).num_returned_groups
