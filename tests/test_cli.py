@@ -238,7 +238,8 @@ def test_train_checks_the_model_folder_and_the_data_before_starting_anything(tmp
               "--hf-checkpoint model/typo: no such folder; pass the folder of an HF checkpoint (config.json, the "
               "weights and the tokenizer), or a Hub id (org/name), which needs the network"),
              (["--hf-checkpoint", str(model), "--prompt-data", "p.jsonl@[0:10]"],
-              "--prompt-data p.jsonl@[0:10]: p.jsonl does not exist; pass a .jsonl or .parquet file")]  # fmt: skip
+              "--prompt-data p.jsonl@[0:10]: dataset p.jsonl does not exist; pass a .jsonl or .parquet file, a glob of "
+              "them, or a folder written by datasets' save_to_disk")]  # fmt: skip
     for args, said in cases:
         result = run_cli("train", *args, cwd=tmp_path)
         assert result.returncode == 2 and said in result.stderr, result.stderr
@@ -492,3 +493,21 @@ def test_the_engine_says_its_name_for_the_model_and_a_port_in_use_before_it_load
     said = f"cannot listen on 127.0.0.1:{port} (Address already in use): pass --port with a free port"
     assert result.returncode == 1 and said in result.stderr, result.stderr
     assert "loaded" not in result.stderr.lower()
+
+
+def test_train_takes_a_saved_datasets_folder_and_a_glob_and_scans_every_row(tmp_path):
+    import datasets
+
+    model = write_tiny_model(tmp_path / "model")
+    rows = [{"prompt": f"{i} + 1?", "label": str(i + 1)} for i in range(12)]
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "saved", num_shards=2)
+    (tmp_path / "parts").mkdir()
+    for i in range(3):
+        (tmp_path / "parts" / f"{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[4 * i : 4 * i + 4]))
+    for data in ("saved", "parts/*.jsonl"):
+        result = run_cli("train", "--hf-checkpoint", str(model), "--prompt-data", data, "--check", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert f"--prompt-data {data}: 12 rows, each valid" in result.stdout + result.stderr
+    (tmp_path / "parts" / "3.jsonl").write_text('{"prompt": "x"\n')
+    result = run_cli("train", "--hf-checkpoint", str(model), "--prompt-data", "parts/*.jsonl", cwd=tmp_path)
+    assert result.returncode == 2 and "--prompt-data: 3.jsonl line 1: not valid JSON" in result.stderr, result.stderr

@@ -1,10 +1,12 @@
-"""Prompt datasets: JSONL and Parquet files, `path@[a:b]` row slices, read eagerly or lazily in blocks.
+"""Prompt datasets: JSONL and Parquet files, globs of them, folders written by `datasets`' `save_to_disk`, `path@[a:b]`
+row slices of one file, read eagerly or lazily in blocks.
 
 A dataset is a list of blocks. Eagerly read data is one block; with streaming, a JSONL file is cut into byte ranges
 at line starts and a Parquet file into its row groups, so the first prompts are ready without reading the whole file.
 The epoch order shuffles the blocks, then the rows inside each block, from a seed, so it is the same after a restart.
 """
 
+import glob
 import itertools
 import json
 import re
@@ -16,6 +18,7 @@ import numpy as np
 from services.common.errors import InvalidArgument
 
 SLICE = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+GLOB = re.compile(r"[*?\[]")
 STREAM_BLOCK_BYTES = 8 * 1024 * 1024
 
 
@@ -29,11 +32,11 @@ class DatasetError(InvalidArgument):
 
 @dataclass(frozen=True)
 class Block:
-    """Part of a dataset file: a byte range of a JSONL file, a row range of a Parquet file."""
+    """Part of a dataset file: a byte range of a JSONL file, a row range of a Parquet or Arrow file."""
 
     path: Path
-    kind: str  # "jsonl" or "parquet"
-    start: int  # JSONL: byte offset; Parquet: first row (absolute)
+    kind: str  # "jsonl", "parquet" or "arrow" (an Arrow stream file of a saved `datasets` folder)
+    start: int  # JSONL: byte offset; Parquet and Arrow: first row (absolute)
     stop: int
     first_line: int | None = None  # JSONL: 0-based line number of `start`, when known
 
@@ -83,19 +86,63 @@ def file_kind(path: Path) -> str:
     raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
 
 
+def dataset_files(path: Path) -> list[tuple[Path, str]]:
+    """The files of dataset `path` with their kinds: a JSONL or Parquet file, the files a glob matches (in name
+    order), or the Arrow files of a folder written by `datasets`' `save_to_disk` (in its order)."""
+    if GLOB.search(str(path)):
+        files = sorted(Path(p) for p in glob.glob(str(path.expanduser()), recursive=True) if Path(p).is_file())
+        if not files:
+            raise DatasetError(f"no file matches {path}; check the pattern given to --prompt-data / --eval-prompt-data")
+        return [(file, file_kind(file)) for file in files]
+    if path.is_dir():
+        return _saved_dataset(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset {path} does not exist; pass a .jsonl or .parquet file, a glob of them, or a "
+                           "folder written by datasets' save_to_disk")  # fmt: skip
+    return [(path, file_kind(path))]
+
+
+def _saved_dataset(folder: Path) -> list[tuple[Path, str]]:
+    state, splits = folder / "state.json", folder / "dataset_dict.json"
+    if splits.is_file():
+        names = json.loads(splits.read_text()).get("splits", [])
+        raise DatasetError(f"{folder} holds the splits {', '.join(names)} of a DatasetDict; name one, e.g. "
+                           f"{folder / (names or ['train'])[0]}")  # fmt: skip
+    if not state.is_file():
+        raise DatasetError(f"{folder} is a folder, but not one written by datasets' save_to_disk (no state.json); "
+                           "pass a .jsonl or .parquet file, a glob of them, or such a folder")  # fmt: skip
+    return [(folder / entry["filename"], "arrow") for entry in json.loads(state.read_text())["_data_files"]]
+
+
 def open_blocks(spec: str, streaming: bool, block_bytes: int = STREAM_BLOCK_BYTES) -> list[Block]:
     """The blocks of dataset `spec` (`path` or `path@[a:b]`)."""
     path, start, stop = parse_spec(spec)
-    if not path.is_file():
-        raise DatasetError(f"dataset {path} does not exist; check --prompt-data / --eval-prompt-data")
-    kind = file_kind(path)
-    if kind == "parquet":
-        blocks = _parquet_blocks(path, start, stop, streaming)
-    else:
-        blocks = _jsonl_blocks(path, start, stop, streaming, block_bytes)
+    files = dataset_files(path)
+    if len(files) > 1 and (start, stop) != (None, None):
+        raise DatasetError(f"{spec}: a slice @[a:b] takes one file, and {path} has {len(files)}; slice one of them")
+    blocks = []
+    for file, kind in files:
+        if kind == "parquet":
+            blocks += _parquet_blocks(file, start, stop, streaming)
+        elif kind == "arrow":
+            blocks += _arrow_blocks(file, start, stop)
+        else:
+            blocks += _jsonl_blocks(file, start, stop, streaming, block_bytes)
     if not blocks:
         raise DatasetError(f"dataset {spec} has no rows; check the file and the @[a:b] slice")
     return blocks
+
+
+def _arrow_table(path: Path):
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_stream(source).read_all()
+
+
+def _arrow_blocks(path: Path, start: int | None, stop: int | None) -> list[Block]:
+    lo, hi, _ = slice(start, stop).indices(_arrow_table(path).num_rows)
+    return [Block(path, "arrow", lo, hi)] if hi > lo else []
 
 
 def _parquet_blocks(path: Path, start: int | None, stop: int | None, streaming: bool) -> list[Block]:
@@ -163,8 +210,9 @@ def _line_offset(path: Path, line: int) -> int:
 
 def read_block(block: Block) -> list[RawRow]:
     """The rows of `block`, in file order; blank JSONL lines are skipped."""
-    if block.kind == "parquet":
-        table = _read_parquet_rows(block)
+    if block.kind in ("parquet", "arrow"):
+        whole = _arrow_table(block.path) if block.kind == "arrow" else None
+        table = _read_parquet_rows(block) if whole is None else whole.slice(block.start, block.stop - block.start)
         return [RawRow(record, block.path, block.start + i) for i, record in enumerate(table.to_pylist())]
     with open(block.path, "rb") as f:
         f.seek(block.start)

@@ -37,7 +37,7 @@ def _check_rows(path: str, spec: RowSpec) -> int:
     the row's line); returns how many rows there are."""
     count, line = 0, 0
     for block in open_blocks(path, streaming=True, block_bytes=BLOCK_BYTES):
-        if block.kind == "jsonl":
+        if block.kind == "jsonl":  # a file's first block knows its line; the next ones follow it
             block = dataclasses.replace(block, first_line=line if block.first_line is None else block.first_line)
             line = block.first_line + _newlines(block)
         rows = read_block(block)

@@ -16,7 +16,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from services.buffer import preflight as buffer_preflight
 from services.buffer.config import BufferConfig
-from services.buffer.datasets import parse_spec
+from services.buffer.datasets import DatasetError, dataset_files, parse_spec
 from services.common.config import ConfigError, ServiceConfig, StrictModel, field_flags, load_config
 from services.reward import preflight as reward_preflight
 from services.reward.config import RewardConfig
@@ -313,9 +313,10 @@ def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
     source = "--eval-config" if buffer.eval_config else "--eval-prompt-data"
     specs += [(source, eval_set.path) for eval_set in buffer.eval_sets()]
     for flag, spec in specs:
-        path = parse_spec(spec)[0]
-        if not path.exists():
-            raise ConfigError(f"{flag} {spec}: {path} does not exist; pass a .jsonl or .parquet file")
+        try:
+            dataset_files(parse_spec(spec)[0])
+        except DatasetError as e:
+            raise ConfigError(f"{flag} {spec}: {e}") from None
 
 
 def _looks_local(path: str) -> bool:

@@ -1,4 +1,5 @@
-"""Datasets: JSONL and Parquet, slices, streaming blocks, the seeded epoch order, chat templates, bad rows."""
+"""Datasets: JSONL and Parquet, globs of them, `datasets` folders written by save_to_disk, slices, streaming blocks,
+the seeded epoch order, chat templates, bad rows."""
 
 import asyncio
 import json
@@ -59,6 +60,39 @@ def test_empty_missing_and_unsupported(tmp_path):
     (tmp_path / "d.csv").write_text("a\n")
     with pytest.raises(DatasetError, match=r"use \.jsonl or \.parquet"):
         open_blocks(str(tmp_path / "d.csv"), False)
+
+
+def test_a_glob_reads_its_files_in_name_order_and_a_slice_takes_one_file(tmp_path, numbered):
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    write_jsonl(parts / "b.jsonl", [{"prompt": "b", "i": 1}])
+    pq.write_table(pa.table({"prompt": ["c", "d"], "i": [2, 3]}), parts / "c.parquet")
+    write_jsonl(parts / "a.jsonl", [{"prompt": "a", "i": 0}])
+    assert [r["i"] for r in rows_of(str(parts / "*"))] == [0, 1, 2, 3]
+    assert [r["i"] for r in rows_of(str(parts / "*.jsonl"), streaming=True, block_bytes=8)] == [0, 1]
+    assert [r["i"] for r in rows_of(str(tmp_path / "**" / "*.parquet"))] == [2, 3]
+    with pytest.raises(DatasetError, match=r"a slice @\[a:b\] takes one file, and .*\*\.jsonl has 2"):
+        open_blocks(f"{parts / '*.jsonl'}@[0:1]", False)
+    with pytest.raises(DatasetError, match="no file matches"):
+        open_blocks(str(parts / "*.json"), False)
+
+
+def test_a_folder_saved_by_datasets_is_read_row_by_row(tmp_path):
+    import datasets
+
+    rows = [{"prompt": f"p{i}", "label": str(i)} for i in range(40)]
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "saved", num_shards=3)
+    assert len(list((tmp_path / "saved").glob("*.arrow"))) == 3  # read in the folder's order
+    assert rows_of(str(tmp_path / "saved")) == rows
+    assert read_block(open_blocks(str(tmp_path / "saved"), False)[1])[2].where.endswith(".arrow row 2")
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "one")
+    assert rows_of(f"{tmp_path / 'one'}@[3:5]") == rows[3:5]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "splits")
+    with pytest.raises(DatasetError, match=r"holds the splits train of a DatasetDict; name one, e.g. .*splits/train"):
+        open_blocks(str(tmp_path / "splits"), False)
+    assert rows_of(str(tmp_path / "splits" / "train")) == rows
+    with pytest.raises(DatasetError, match="not one written by datasets' save_to_disk"):
+        open_blocks(str(tmp_path), False)
 
 
 async def stream_ids(stream: PromptStream, cursor: Cursor | None = None) -> list[str]:
