@@ -348,7 +348,6 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = NEGATIVE_NUMBER  # `--lr -1e-3` is a value, as `--lr -0.001` is
 
-
     @property
     def help_command(self) -> str:
         """The command that lists these options: `slipstream train (trainer)`, the trainer's part of `slipstream
