@@ -47,9 +47,10 @@ def mean(values) -> float:
 
 @pytest.mark.timeout(600)
 def test_train_learns_evaluates_saves_and_leaves_nothing_behind(service_process, tmp_path):
-    """The demo, logged to W&B as well (offline: the run's files, read back)."""
+    """The demo, logged to W&B as well (offline: the run's files, read back), showing two samples a step."""
     run = service_process("train", *train_args(tmp_path, steps=24), "--lr", "3e-3",  # learns visibly in 24 steps
-                          "--use-wandb", "--wandb-mode", "offline", "--wandb-project", "demo")  # fmt: skip
+                          "--use-wandb", "--wandb-mode", "offline", "--wandb-project", "demo",
+                          "--log-samples", "2")  # fmt: skip
     assert run.wait(480) == 0, run.log[-3000:]
     run_dir = tmp_path / "demo"
     steps = steps_of(run_dir)
@@ -65,6 +66,11 @@ def test_train_learns_evaluates_saves_and_leaves_nothing_behind(service_process,
     held_out = {e.step: e.value for e in board.Scalars("eval/held_out/mean_reward")}
     assert held_out == pytest.approx({e["step"]: e["results"]["held_out"]["mean_reward"] for e in evals})
     assert "step   23  reward" in run.log and "reward curve:" in run.log
+    shown = steps[-1]["samples"]  # --log-samples 2: a prompt, a response and its reward each, on the console too
+    assert len(shown) == 2 and all(set(s) == {"prompt", "response", "reward"} for s in shown)
+    assert " ".join(f"{shown[0]['prompt']} → {shown[0]['response']}".split())[:20] in run.log
+    text = board.Tensors("samples/text_summary")[-1].tensor_proto.string_val[0].decode()  # TensorBoard's text tab
+    assert text.startswith("| reward | prompt | response |") and len(text.splitlines()) == 4
     assert wait_gone(run_dir) == []
     wandb_run = wandb_files.run_file(run_dir)  # the reward curve under slime's name, the evaluations, the settings
     rows = wandb_files.history(wandb_run)
@@ -75,6 +81,7 @@ def test_train_learns_evaluates_saves_and_leaves_nothing_behind(service_process,
     evaluated = {int(r["eval/step"]): float(r["eval/held_out"]) for r in rows if "eval/held_out" in r}
     assert evaluated == pytest.approx({e["step"]: e["results"]["held_out"]["mean_reward"] for e in evals})
     assert all("eval/results/_type" in r for r in rows if "eval/held_out" in r)  # each evaluation's table
+    assert sum("train/samples/_type" in r for r in rows) == 24  # each step's shown samples
     settings = wandb_files.config(wandb_run)
     assert json.loads(settings["trainer"])["lr"] == 3e-3 and json.loads(settings["train"])["wandb_project"] == "demo"
 

@@ -31,8 +31,8 @@ GROUPS = {
 # Field-name patterns (fnmatch), tried in this order: the first that matches places the setting. A section may come
 # twice when a narrower rule of another must sit between (rm_grpc_addr is the reward's, reward_addr an address).
 RULES = (
-    ("logging", ("*debug*", "*wandb*", "tensorboard_dir", "log_level", "log_format", "*_log_*", "steps_file",
-                 "run_id", "output_dir")),
+    ("logging", ("*debug*", "*wandb*", "tensorboard_dir", "log_samples", "log_level", "log_format", "*_log_*",
+                 "steps_file", "run_id", "output_dir")),
     ("evaluation", ("eval_*", "*_eval_*")),
     ("algorithm", ("*opd*", "moe_*", "*routing_replay*", "*routed_experts*", "*advantage*", "*critic*", "*_loss*",
                    "*_tis_*", "*grpo*", "*rewards_normalization", "kl_coef", "gamma", "lambd", "value_clip",

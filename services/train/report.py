@@ -6,6 +6,7 @@ from pathlib import Path
 
 import rich.progress
 from rich.console import Console
+from rich.markup import escape
 
 AGREEMENT_WARN = 0.1  # mean |trainer - engine| log-prob above which a run warns (bf16 runs measure about 0.01-0.03)
 PHASES = {"waiting_batch": "rollout", "train": "train", "sync": "sync", "starting": "starting", "stopped": "stopping"}
@@ -48,6 +49,11 @@ class Progress:
                 f"[yellow]the trainer's log-probs differ from the engines' by {difference:.3f} on average (over "
                 f"{AGREEMENT_WARN}): the engines may run other weights, precision or chat template than the trainer"
             )
+        for sample in line.get("samples", []):  # --log-samples: one line each, cut to the terminal
+            text = " ".join(f"{sample['prompt']} → {sample['response']}".split())
+            width = max(20, self.console.width - 14)
+            cut = text if len(text) <= width else text[: width - 1] + "…"
+            self.console.print(f"  [dim]{sample['reward']:7.3f}[/dim]  {escape(cut)}")
         for key, error in line.get("reward_errors", {}).items():  # the first of each kind, once
             if key not in self.errors_shown:
                 self.errors_shown.add(key)

@@ -104,7 +104,11 @@ class WandbRun:
         log.info("W&B run %s (%s): %s", self.run.id, options.wandb_mode or "online", self.run.url or folder / "wandb")
 
     def step(self, line: dict) -> None:
-        self.run.log(step_metrics(line))
+        metrics = step_metrics(line)
+        if line.get("samples"):  # --log-samples
+            rows = [[line["step"], s["prompt"], s["response"], s["reward"]] for s in line["samples"]]
+            metrics["train/samples"] = self.wandb.Table(columns=["step", "prompt", "response", "reward"], data=rows)
+        self.run.log(metrics)
 
     def evaluation(self, result: dict) -> None:
         metrics = eval_metrics(result)

@@ -268,6 +268,9 @@ class TrainerConfig(ServiceConfig):
     """Parameters per gradient bucket with --overlap-grad-reduce; unset: megatron's max(40M, 1M x DP size)."""
     tensorboard_dir: str | None = None
     """Write TensorBoard logs here."""
+    log_samples: int = Field(0, ge=0)
+    """Show this many prompts a step, each with a response and its reward: on the console (`slipstream train`), in
+    TensorBoard as text and in W&B as a table (TRL's log_completions). 0: none."""
     load_debug_rollout_data: str | None = None
     """Train on batches saved by a --debug-rollout-only run (a path with {rollout_id}) instead of the buffer's; the
     run ends at the first step without a file."""

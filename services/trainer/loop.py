@@ -17,7 +17,7 @@ from services.trainer import assembly, checkpoint, data_parallel, reward_failure
 from services.trainer.actor import Actor
 from services.trainer.config import TrainerConfig
 from services.trainer.megatron_import import import_megatron
-from services.trainer.metrics import StepLog, mfu, rollout_times
+from services.trainer.metrics import StepLog, mfu, rollout_times, shown_samples
 from services.trainer.parallel import control_group
 from slipstream import samples
 from slipstream.v1 import buffer_pb2
@@ -226,7 +226,10 @@ class Trainer:
         if torch.cuda.is_available() and "tokens_per_s" in metrics:
             metrics["mfu"] = mfu(self.gpt.shape, metrics["tokens_per_s"] / self.info.world_size, batch.lengths())
         groups = [g.group_id for g in reply.groups]
-        self.metrics.record(self.step - 1, self.policy_version, groups, metrics, reward_errors=failures.firsts())
+        samples = shown_samples(reply.groups, self.config.log_samples)
+        self.metrics.record(self.step - 1, self.policy_version, groups, metrics, reward_errors=failures.firsts(),
+                            samples=samples)  # fmt: skip
+        self.metrics.show_samples(self.step - 1, samples)
         custom = dist.get_rank() == 0 and self.actor.hooks.log_rollout(self.step - 1, list(reply.groups), metrics)
         c = self.control
         c.step, c.policy_version, c.last_metrics = self.step, self.policy_version, metrics

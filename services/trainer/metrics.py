@@ -82,6 +82,12 @@ class StepLog:
         with self.steps_file.open("a") as f:
             f.write(json.dumps(line) + "\n")
 
+    def show_samples(self, step: int, samples: list[dict]) -> None:
+        """TensorBoard's text of the step's shown samples (--log-samples)."""
+        if self.writer is not None and samples:
+            rows = [f"| {s['reward']:.3f} | {_cell(s['prompt'])} | {_cell(s['response'])} |" for s in samples]
+            self.writer.add_text("samples", "\n".join(["| reward | prompt | response |", "|---|---|---|", *rows]), step)
+
     def report(self, step: int, metrics: dict, scalars: bool = True) -> None:
         """Rank 0's log line, and TensorBoard's scalars unless `scalars` is off (a custom log function took them)."""
         if not self.reports:
@@ -99,3 +105,17 @@ class StepLog:
             for name, value in metrics.items():
                 self.writer.add_scalar(f"train/{name}", value, step)
             self.writer.flush()
+
+
+def shown_samples(groups, count: int) -> list[dict]:
+    """The first sample of each of the first `count` groups: its prompt, response and reward (--log-samples)."""
+    return [
+        {"prompt": g.prompt_text, "response": g.samples[0].response_text, "reward": g.samples[0].reward}
+        for g in groups[:count]
+        if g.samples
+    ]
+
+
+def _cell(text: str) -> str:
+    """Text in one Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", "<br>")
