@@ -417,13 +417,18 @@ def test_a_flag_two_models_declare_is_refused_before_any_run():
 
 
 def test_train_refuses_at_once_an_address_to_join_where_no_service_answers(tmp_path, free_port):
-    """A running service to join that is not there: a start stops after the few seconds a running service takes to
-    answer its health check, before it starts anything, naming the flag (`--check` does not ask: a deployment's
-    command lines are checked before their services run)."""
+    """A running service to join that is not there: `--check` says so (no connection), and a start stops after the
+    few seconds a running service takes to answer its health check, before it starts anything, naming the flag. A
+    name that does not resolve here (a deployment's, checked before its services run) is reported, not refused."""
     model = write_tiny_model(tmp_path / "model")
     (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1?", "label": "2"}\n')
     address = f"127.0.0.1:{free_port()}"
     args = ["--hf-checkpoint", str(model), "--prompt-data", "p.jsonl", "--buffer-addr", address]
+    checked = run_cli("train", *args, "--check", cwd=tmp_path)
+    said = f"--buffer-addr {address}: no buffer service there (Connection refused); start it there, or drop"
+    assert checked.returncode == 2 and said in checked.stderr, checked.stderr
+    named = run_cli("train", *args[:4], "--buffer-addr", "buffer.invalid:50051", "--check", cwd=tmp_path)
+    assert named.returncode == 0 and "buffer.invalid does not resolve here, so it is not checked" in named.stderr
     started = run_cli("train", *args, cwd=tmp_path)
     said = f"gave up waiting for the buffer service at {address} (--buffer-addr) to serve after 5 s"
     assert started.returncode == 1 and said in started.stderr, started.stderr

@@ -8,6 +8,7 @@ import difflib
 import importlib.util
 import logging
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -317,6 +318,23 @@ def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
             dataset_files(parse_spec(spec)[0])
         except DatasetError as e:
             raise ConfigError(f"{flag} {spec}: {e}") from None
+
+
+def check_joined(plan: Plan, timeout_s: float = 5.0) -> None:
+    """`--check`: each running service the run joins takes a connection. A host name that does not resolve here is
+    only reported: a deployment's command lines are checked where its names mean nothing yet (a start asks again)."""
+    for name, address in plan.joined.items():
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        except socket.gaierror:
+            log.warning("%s %s: %s does not resolve here, so it is not checked", JOIN[name], address, host)
+        except (OSError, ValueError) as e:
+            reason = "no answer" if isinstance(e, TimeoutError) else getattr(e, "strerror", None) or str(e)
+            raise ConfigError(
+                f"{JOIN[name]} {address}: no {name} service there ({reason}); start it there, or drop {JOIN[name]} "
+                f"and the run starts its own"
+            ) from None
 
 
 def _looks_local(path: str) -> bool:

@@ -25,7 +25,7 @@ from services.common.processes import PORT_RANGE_ENV, free_port, port_range_shar
 from services.common.redis_connection import open_redis
 from services.train import report, wandb_log
 from services.train.help import full_help, short_help
-from services.train.options import JOIN, SERVICES, Plan, parse
+from services.train.options import JOIN, SERVICES, Plan, check_joined, parse
 from services.train.stall import LOG_PREFIX, RunStalled, StallWatch, last_error
 from slipstream.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -455,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     check = "--check" in argv  # validate every service's settings and what they must agree on, start nothing
     try:
         plan = parse([a for a in argv if a != "--check"])
+        if check:
+            check_joined(plan)
     except ConfigError as e:
         for line in str(e).splitlines():
             print(f"slipstream train: error: {line}", file=sys.stderr)
