@@ -1,6 +1,7 @@
 """The `slipstream` command and the four services as real processes: start, serve, report health, stop on SIGTERM."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,8 +27,10 @@ SERVICES = {
 }
 
 
-def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "services", *args], capture_output=True, text=True, cwd=cwd)
+def run_cli(*args, cwd=None, env=None):
+    environ = {**os.environ, **env} if env else None
+    return subprocess.run([sys.executable, "-m", "services", *args], capture_output=True, text=True, cwd=cwd,
+                          env=environ)  # fmt: skip
 
 
 def test_help_lists_the_subcommands_without_heavy_imports():
@@ -245,9 +248,29 @@ def test_train_checks_the_model_folder_and_the_data_before_starting_anything(tmp
         assert result.returncode == 2 and said in result.stderr, result.stderr
     assert not (tmp_path / "runs").exists()
     (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1?", "label": "2"}\n')
-    from services.train.options import parse  # a Hub id stays one: transformers fetches it at the start
 
-    parse(["--hf-checkpoint", "Qwen/Qwen3-0.6B", "--prompt-data", str(tmp_path / "p.jsonl")])
+
+def test_a_hub_id_is_taken_from_the_cache_and_refused_at_once_without_a_network(tmp_path):
+    """A Hub id stays one (transformers fetches it at the start) where it is cached or the Hub answers; here, with
+    no network, one not cached is refused in a sentence within seconds, not after a minute of loading."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1?", "label": "2"}\n')
+    hub_id, cache = "someorg/somemodel", tmp_path / "hf-cache"
+    args = ["--hf-checkpoint", hub_id, "--prompt-data", "p.jsonl", "--check"]
+    result = run_cli(
+        "train", *args, cwd=tmp_path, env={"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": "http://hub.invalid"}
+    )
+    said = (f"--hf-checkpoint {hub_id}: no such folder, and as a Hub id it is not in this machine's Hugging Face "
+            "cache and hub.invalid cannot be reached from here")  # fmt: skip
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+    snapshot = cache / "models--someorg--somemodel" / "snapshots" / "abc"  # huggingface_hub's layout
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (cache / "models--someorg--somemodel" / "refs").mkdir()
+    (cache / "models--someorg--somemodel" / "refs" / "main").write_text("abc")
+    result = run_cli(
+        "train", *args, cwd=tmp_path, env={"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": "http://hub.invalid"}
+    )
+    assert result.returncode == 0, result.stderr
 
 
 FIRST_MISTAKES = {  # a new user's, each with the sentence that refuses it

@@ -9,9 +9,11 @@ import importlib.util
 import logging
 import re
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlparse
 
 from pydantic import Field, SecretStr, model_validator
 
@@ -310,6 +312,12 @@ def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
             f"--hf-checkpoint {model} has no config.json; pass the folder of an HF checkpoint "
             "(config.json, the weights and the tokenizer)"
         )
+    if not model.exists() and (why := _hub_unreachable(trainer.hf_checkpoint)):
+        raise ConfigError(
+            f"--hf-checkpoint {model}: no such folder, and as a Hub id it is not in this machine's Hugging Face cache "
+            f"and {why}; download it where there is a network (`huggingface-cli download {model} --local-dir DIR`) "
+            "and pass that folder"
+        )
     specs = [("--prompt-data", buffer.prompt_data)] if buffer.prompt_data else []
     source = "--eval-config" if buffer.eval_config else "--eval-prompt-data"
     specs += [(source, eval_set.path) for eval_set in buffer.eval_sets()]
@@ -335,6 +343,31 @@ def check_joined(plan: Plan, timeout_s: float = 5.0) -> None:
                 f"{JOIN[name]} {address}: no {name} service there ({reason}); start it there, or drop {JOIN[name]} "
                 f"and the run starts its own"
             ) from None
+
+
+def _hub_unreachable(hub_id: str, timeout_s: float = 4.0) -> str | None:
+    """Why the Hub cannot give `hub_id` now, or None: it is cached, or the Hub takes a connection within
+    `timeout_s` (name resolution included)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urlparse(constants.ENDPOINT)
+    failed: list[str] = ["no answer"]
+
+    def connect() -> None:
+        try:
+            socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s).close()
+            failed.clear()
+        except OSError as e:
+            failed[0] = getattr(e, "strerror", None) or str(e)
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(timeout_s)
+    return f"{endpoint.hostname} cannot be reached from here ({failed[0]})" if failed else None
 
 
 def _looks_local(path: str) -> bool:
