@@ -151,3 +151,22 @@ def test_the_benchmarks_page_holds_the_current_figures_in_25_kb():
     page = REPO / "docs" / "BENCHMARKS.md"
     assert page.stat().st_size <= 25_000, f"{page} is {page.stat().st_size} bytes: move history to docs/benchmarks/"
     assert "## Current figures" in page.read_text()
+
+
+def anchors(doc: str) -> set[str]:
+    """The anchors GitHub gives the headings of `doc`: lower case, punctuation but - and _ dropped, spaces as -."""
+    text = FENCE.sub("", (REPO / doc).read_text())
+    titles = re.findall(r"^#{1,6} +(.+?) *#*$", text, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for title in titles}
+
+
+def test_links_into_a_doc_name_one_of_its_headings():
+    broken = []
+    for doc in docs():
+        for target in LINK.findall((REPO / doc).read_text()):
+            path, _, anchor = target.partition("#")
+            if not anchor or re.match(r"[a-z][a-z+.-]*:", target) or not path.endswith(".md"):
+                continue
+            if anchor not in anchors(resolve(doc, path)):
+                broken.append(f"{doc}: {target}")
+    assert not broken, "links to headings that do not exist:\n" + "\n".join(broken)
