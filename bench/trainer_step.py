@@ -137,7 +137,8 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
                            lr=1e-6, clip_grad=0.0, eps_clip=0.2, use_dynamic_batch_size=max_tokens is not None,
                            max_tokens_per_gpu=max_tokens, compile_model=compile_layers, bf16=dtype == torch.bfloat16,
                            adam_beta2=0.999, use_distributed_optimizer=data_parallel == "sharded",
-                           log_probs_from_hidden=from_hidden)  # fmt: skip
+                           log_probs_from_hidden=from_hidden,
+                           recompute_activations=args.recompute_activations)  # fmt: skip
     groups = Groups(vocab_size=gpt.shape.vocab_size)
     if data_parallel:
         ddp, optimizer, scheduler = dp.build(model, config, config.optimizer)
@@ -174,6 +175,8 @@ def main() -> None:
                              "DistributedOptimizer")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="print each path's top GPU kernels")
     parser.add_argument("--lora-rank", type=int, default=0, help="also time the trainer with LoRA of this rank")
+    parser.add_argument("--recompute-activations", action="store_true",
+                        help="every trainer row recomputes its layers' activations in the backward pass")  # fmt: skip
     parser.add_argument(
         "--log-probs-from-hidden",
         action="store_true",
@@ -240,7 +243,8 @@ def report(results, args, shape: dict, device: str) -> None:
           f"{' --use-distributed-optimizer' if args.use_distributed_optimizer else ''}"
           f"{f' --max-tokens-per-gpu {args.max_tokens_per_gpu}' if args.max_tokens_per_gpu else ''}"
           f"{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}"
-          f"{' --log-probs-from-hidden' if args.log_probs_from_hidden else ''}")  # fmt: skip
+          f"{' --log-probs-from-hidden' if args.log_probs_from_hidden else ''}"
+          f"{' --recompute-activations' if args.recompute_activations else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":
