@@ -127,7 +127,8 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
 
     init_parallel(1, 1)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, gpt = load_gpt_model(path, dtype=dtype)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    model, gpt = load_gpt_model(path, dtype=dtype, **(recompute if args.recompute_activations else {}))
     if lora_rank:
         from services.trainer import lora
 
