@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -449,6 +450,11 @@ def test_train_refuses_at_once_an_address_to_join_where_no_service_answers(tmp_p
     args = ["--hf-checkpoint", str(model), "--prompt-data", "p.jsonl", "--buffer-addr", address]
     checked = run_cli("train", *args, "--check", cwd=tmp_path)
     said = f"--buffer-addr {address}: no buffer service there (Connection refused); start it there, or drop"
+    assert checked.returncode == 2 and said in checked.stderr, checked.stderr
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections, answers nothing (a hung service)
+        hung = f"127.0.0.1:{silent.getsockname()[1]}"
+        checked = run_cli("train", *args[:4], "--buffer-addr", hung, "--check", cwd=tmp_path)
+    said = f"--buffer-addr {hung}: something takes connections there, but no buffer service answers its health check"
     assert checked.returncode == 2 and said in checked.stderr, checked.stderr
     named = run_cli("train", *args[:4], "--buffer-addr", "buffer.invalid:50051", "--check", cwd=tmp_path)
     assert named.returncode == 0 and "buffer.invalid does not resolve here, so it is not checked" in named.stderr

@@ -329,20 +329,32 @@ def _check_files(buffer: BufferConfig, trainer: TrainerConfig) -> None:
 
 
 def check_joined(plan: Plan, timeout_s: float = 5.0) -> None:
-    """`--check`: each running service the run joins takes a connection. A host name that does not resolve here is
-    only reported: a deployment's command lines are checked where its names mean nothing yet (a start asks again)."""
+    """`--check`: each running service the run joins takes a connection and answers its health check (which needs
+    no token), each within `timeout_s`. A host name that does not resolve here is only reported: a deployment's
+    command lines are checked where its names mean nothing yet (a start asks again)."""
+    import grpc
+
+    from services.common.clients import Credentials, health_status, open_channel
+
     for name, address in plan.joined.items():
         host, _, port = address.rpartition(":")
+        fix = f"start it there, or drop {JOIN[name]} and the run starts its own"
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
         except socket.gaierror:
             log.warning("%s %s: %s does not resolve here, so it is not checked", JOIN[name], address, host)
+            continue
         except (OSError, ValueError) as e:
             reason = "no answer" if isinstance(e, TimeoutError) else getattr(e, "strerror", None) or str(e)
-            raise ConfigError(
-                f"{JOIN[name]} {address}: no {name} service there ({reason}); start it there, or drop {JOIN[name]} "
-                f"and the run starts its own"
-            ) from None
+            raise ConfigError(f"{JOIN[name]} {address}: no {name} service there ({reason}); {fix}") from None
+        with open_channel(address, Credentials(plan.configs["buffer"].tls), max_attempts=1) as channel:
+            try:
+                health_status(channel, timeout_s=timeout_s)
+            except grpc.RpcError as e:
+                raise ConfigError(
+                    f"{JOIN[name]} {address}: something takes connections there, but no {name} service answers its "
+                    f"health check ({e.code().name}; hung, or not a slipstream service); {fix}"
+                ) from None
 
 
 def _hub_unreachable(hub_id: str, timeout_s: float = 4.0) -> str | None:
