@@ -211,8 +211,10 @@ def _line_offset(path: Path, line: int) -> int:
 def read_block(block: Block) -> list[RawRow]:
     """The rows of `block`, in file order; blank JSONL lines are skipped."""
     if block.kind in ("parquet", "arrow"):
-        whole = _arrow_table(block.path) if block.kind == "arrow" else None
-        table = _read_parquet_rows(block) if whole is None else whole.slice(block.start, block.stop - block.start)
+        if block.kind == "arrow":
+            table = _arrow_table(block.path).slice(block.start, block.stop - block.start)
+        else:
+            table = _read_parquet_rows(block)
         return [RawRow(record, block.path, block.start + i) for i, record in enumerate(table.to_pylist())]
     with open(block.path, "rb") as f:
         f.seek(block.start)
