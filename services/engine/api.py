@@ -216,6 +216,8 @@ class EngineAPI:
             "num_running_reqs": len(self.engine.batcher.rows),
             "num_waiting_reqs": len(self.engine.waiting),
             "cuda_graph_captures": graphs.captures if (graphs := self.engine.batcher.graphs) else 0,
+            "eager_steps": self.engine.batcher.eager_steps,  # steps with prompt chunks (or without graphs)
+            "eager_seconds": round(self.engine.batcher.eager_seconds, 6),  # the engine thread's time in them
         }
         return json_response(
             {

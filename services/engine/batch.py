@@ -9,6 +9,7 @@ same prompt waits until that prompt's blocks are computed, then shares them and 
 """
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +113,7 @@ class Batcher:
         self.static = torch.zeros(2, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
         self.feeds = [torch.zeros_like(self.static, device="cpu", pin_memory=device.type == "cuda") for _ in range(2)]
         self.decode_kernel = _decode_kernel(device)
+        self.eager_steps, self.eager_seconds = 0, 0.0  # steps run without a graph and the thread's time in them
         self._reset_cache()
 
     def _reset_cache(self) -> None:
@@ -266,7 +268,10 @@ class Batcher:
                 self.drop([prefills[-1]])
             return Result([], None, retracted)
         if chunks or not self._graphable():
+            started = time.perf_counter()
             ready, logits = self._eager(singles, chunks)
+            self.eager_steps += 1
+            self.eager_seconds += time.perf_counter() - started
             rows = self._to_device(torch.tensor([seq.row for seq in ready]))
             return Result(ready, logits, retracted, rows, None if self.unplain else self._pick(logits, rows))
         logits, picked = self._replay(singles)
