@@ -221,7 +221,7 @@ def profile(engine, requests: list[Request], steps: int) -> None:
 
     runner = threading.Thread(target=in_process, args=(engine, requests))
     count = lambda: sum(engine.batch_sizes.values())  # noqa: E731
-    start = count() + max(steps, sum(r.new_tokens for r in requests) // len(requests) // 4)
+    start = count() + sum(r.new_tokens for r in requests) // len(requests) // 4
     runner.start()
     while count() < start:
         time.sleep(0.001)
@@ -231,6 +231,9 @@ def profile(engine, requests: list[Request], steps: int) -> None:
             time.sleep(0.001)
         done, wall = count() - first, time.perf_counter() - began
     runner.join()
+    if not done:
+        print("profile: the run ended before the window began")
+        return
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     busy = sum(e.device_time_total for e in kernels) / done / 1000
     print(f"profile: {done} steps, {1000 * wall / done:.2f} ms a step, the GPU busy {busy:.2f} ms a step")
