@@ -112,11 +112,13 @@ def free_memory() -> None:
 
 
 def run_megatron(path: Path, args, device: str, compile_layers: bool = False, max_tokens: int | None = None,
-                 data_parallel: str = "", lora_rank: int = 0, from_hidden: bool = False) -> float:  # fmt: skip
+                 data_parallel: str = "", lora_rank: int = 0, from_hidden: bool = False,
+                 recompute_activations: bool = False) -> float:  # fmt: skip
     """The actor's step; `data_parallel` "ddp": inside megatron's DDP with torch's AdamW, "sharded": with megatron's
     DistributedOptimizer; "": neither (the actor alone, as on one GPU before megatron's DDP). `lora_rank`: LoRA
     adapters of that rank on every linear layer, the base frozen. `from_hidden`: log-probs streamed over the
-    vocabulary from the last hidden states (--log-probs-from-hidden), not from full logits."""
+    vocabulary from the last hidden states (--log-probs-from-hidden), not from full logits. `recompute_activations`:
+    each layer's activations recomputed in the backward pass (--recompute-activations)."""
     from services.trainer import data_parallel as dp
     from services.trainer.actor import Actor, Groups
     from services.trainer.config import TrainerConfig
@@ -128,7 +130,7 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
     init_parallel(1, 1)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    model, gpt = load_gpt_model(path, dtype=dtype, **(recompute if args.recompute_activations else {}))
+    model, gpt = load_gpt_model(path, dtype=dtype, **(recompute if recompute_activations else {}))
     if lora_rank:
         from services.trainer import lora
 
@@ -139,7 +141,7 @@ def run_megatron(path: Path, args, device: str, compile_layers: bool = False, ma
                            max_tokens_per_gpu=max_tokens, compile_model=compile_layers, bf16=dtype == torch.bfloat16,
                            adam_beta2=0.999, use_distributed_optimizer=data_parallel == "sharded",
                            log_probs_from_hidden=from_hidden,
-                           recompute_activations=args.recompute_activations)  # fmt: skip
+                           recompute_activations=recompute_activations)  # fmt: skip
     groups = Groups(vocab_size=gpt.shape.vocab_size)
     if data_parallel:
         ddp, optimizer, scheduler = dp.build(model, config, config.optimizer)
@@ -177,7 +179,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print each path's top GPU kernels")
     parser.add_argument("--lora-rank", type=int, default=0, help="also time the trainer with LoRA of this rank")
     parser.add_argument("--recompute-activations", action="store_true",
-                        help="every trainer row recomputes its layers' activations in the backward pass")  # fmt: skip
+                        help="also time the trainer recomputing its layers' activations in the backward pass (with "
+                             "--log-probs-from-hidden: both)")  # fmt: skip
     parser.add_argument(
         "--log-probs-from-hidden",
         action="store_true",
@@ -196,6 +199,12 @@ def main() -> None:
         if args.log_probs_from_hidden:
             label = "slipstream trainer, --log-probs-from-hidden"
             results.append((label, run_megatron(Path(tmp), args, device, from_hidden=True), peak_gib()))
+            free_memory()
+        if args.recompute_activations:
+            hidden = args.log_probs_from_hidden
+            label = f"slipstream trainer,{' --log-probs-from-hidden' if hidden else ''} --recompute-activations"
+            seconds = run_megatron(Path(tmp), args, device, from_hidden=hidden, recompute_activations=True)
+            results.append((label, seconds, peak_gib()))
             free_memory()
         if args.lora_rank:
             label = f"slipstream trainer, LoRA rank {args.lora_rank} on all linear layers"
