@@ -5,8 +5,8 @@ tokens' keys and values into their slots of the pool, then reads, for each seque
 What a forward's attention needs to know (the slots, the block tables, where each sequence's tokens lie in the flat
 batch) is set by the batcher in `Step` before the forward. The first `num_decode` tokens are sequences that add one
 token each (decoding): on a GPU one Triton kernel reads their blocks (services/engine/paged_decode.py); the rest
-are chunks of prompts, attended to in PyTorch (SDPA over each chunk's gathered blocks). Both paths run the same
-arithmetic in PyTorch on the CPU.
+are chunks of prompts, which another reads causally (services/engine/paged_prefill.py). Both have a PyTorch path,
+which the CPU runs (for chunks: SDPA over each chunk's gathered blocks).
 """
 
 import contextlib
@@ -69,6 +69,7 @@ class Step:
     chunk_lens: list[int]
     decode_kernel: object = None  # paged_decode.PagedDecode on a GPU, else None: PyTorch's path
     width: int = 0  # PyTorch's decode path: positions it reads a row (a multiple of block_size, at least the longest)
+    prefill_kernel: object = None  # paged_prefill.PagedPrefill on a GPU, else None: PyTorch's path (`chunk_plan`)
     plans: dict = field(default_factory=dict)  # what every layer's attention gathers by, worked out at the first
 
     def plan(self, kind: str, make):
@@ -109,8 +110,13 @@ def _paged(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
             mask = step.plan("decode mask", lambda: grouped_mask(visible, query.shape[1] // keys.shape[1]))
             parts.append(_attend(q[:, :, None], keys, values, slots, mask, scale)[:, :, 0])
     if step.chunk_lens:
-        groups, order = step.plan("chunks", lambda: chunk_plan(step, query.device, query.shape[1] // keys.shape[1]))
-        chunked = query[step.num_decode :]
+        chunked, kernel, group = query[step.num_decode :], step.prefill_kernel, query.shape[1] // keys.shape[1]
+        if kernel is not None and kernel.supports(chunked, keys, values):
+            plan = step.plan("prefill", lambda: kernel.plan(step.chunk_rows, step.chunk_starts, step.chunk_lens, group,
+                                                            query.device))  # fmt: skip
+            parts.append(kernel(chunked, keys, values, step.tables, plan, step.block_size, scale))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        groups, order = step.plan("chunks", lambda: chunk_plan(step, query.device, group))
         with _prefill_backends(query.device):
             outs = [_attend(chunked[index].transpose(1, 2), keys, values, slots, mask, scale).transpose(1, 2)
                     .flatten(0, 1)[keep] for index, slots, mask, keep in groups]  # fmt: skip

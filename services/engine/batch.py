@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine import attention, sampling
+from services.engine import attention, paged_prefill, sampling
 from services.engine.blocks import Blocks, Chain
 from services.engine.graphs import DecodeGraphs, bucket
 from services.engine.routing import RoutingCapture
@@ -113,6 +113,7 @@ class Batcher:
         self.static = torch.zeros(2, bucket(max_rows), dtype=torch.long, device=device)  # a graph's inputs
         self.feeds = [torch.zeros_like(self.static, device="cpu", pin_memory=device.type == "cuda") for _ in range(2)]
         self.decode_kernel = _decode_kernel(device)
+        self.prefill_kernel = paged_prefill.PagedPrefill.make(device)
         self.eager_steps, self.eager_seconds = 0, 0.0  # steps run without a graph and the thread's time in them
         self._reset_cache()
 
@@ -344,7 +345,7 @@ class Batcher:
     def _layout(self, slots, num_decode, table_rows, lengths, chunks, width: int) -> attention.Step:
         return attention.Step(self.pool, self.block_size, self.tables, slots, num_decode, table_rows, lengths,
                               [seq.row for seq, _, _ in chunks], [s for _, s, _ in chunks], [n for _, _, n in chunks],
-                              self.decode_kernel, width)  # fmt: skip
+                              self.decode_kernel, width, self.prefill_kernel)  # fmt: skip
 
     def _eager(self, singles: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
         """The forward of decoding rows and prompt chunks together: each token's input, position and table row
