@@ -326,8 +326,10 @@ def main() -> None:
             with sync_debug(args.sync_debug):
                 seconds = in_process(engine, requests)
             steps = sum(engine.batch_sizes.values()) - steps_before
-            print(f"{name} in-process: {steps} decode steps, of them {engine.batcher.eager_steps - eager_before} eager "
-                  f"({1000 * (engine.batcher.eager_seconds - eager_s_before):.0f} ms on the engine thread)")
+            print(
+                f"{name} in-process: {steps} decode steps, of them {engine.batcher.eager_steps - eager_before} eager "
+                f"({1000 * (engine.batcher.eager_seconds - eager_s_before):.0f} ms on the engine thread)"
+            )
             limit = limit_seconds(engine.model, requests, args.bandwidth_tbs * 1e12)
             results.append([name, tokens, tokens / seconds, 1000 * seconds / steps, tokens / limit, limit / seconds])
             if args.profile and args.device == "cuda":
@@ -356,8 +358,10 @@ def main() -> None:
                     captures = after["cuda_graph_captures"] - before["cuda_graph_captures"]
                     eager = after["eager_steps"] - before["eager_steps"]
                     eager_s = after["eager_seconds"] - before["eager_seconds"]
-                    print(f"{row[0]} over HTTP: {steps} decode steps, of them {eager} eager ({1000 * eager_s:.0f} ms on "
-                          f"the engine thread), {captures} CUDA graphs captured in the timed run")
+                    print(
+                        f"{row[0]} over HTTP: {steps} decode steps, of them {eager} eager ({1000 * eager_s:.0f} "
+                        f"ms on the engine thread), {captures} CUDA graphs captured in the timed run"
+                    )
             finally:
                 proc.terminate()
                 proc.wait(30)

@@ -33,8 +33,12 @@ def test_the_kernel_equals_pytorch(heads, kv_heads, dim):
     step = attention.Step(pool, block_size, tables, torch.zeros(0, dtype=torch.long, device=device), 0, None, None,
                           chunk_rows, starts, lens)  # fmt: skip
     batches, order = attention.chunk_plan(step, device, heads // kv_heads)
-    outs = [attention._attend(query.float()[index].transpose(1, 2), pool.keys[0], pool.values[0], slots, mask,
-                              dim**-0.5).transpose(1, 2).flatten(0, 1)[keep] for index, slots, mask, keep in batches]
+    outs = [
+        attention._attend(query.float()[index].transpose(1, 2), pool.keys[0], pool.values[0], slots, mask, dim**-0.5)
+        .transpose(1, 2)
+        .flatten(0, 1)[keep]
+        for index, slots, mask, keep in batches
+    ]
     expected = outs[0] if order is None else torch.cat(outs)[order]
     kernel = PagedPrefill()
     plan = kernel.plan(chunk_rows, starts, lens, heads // kv_heads, device)
