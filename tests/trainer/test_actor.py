@@ -170,6 +170,62 @@ def test_log_probs_from_hidden_states_equal_the_logits_path_on_the_megatron_mode
         torch.testing.assert_close(hidden_grads[name], grad, atol=1e-5 * float(grad.abs().max()), rtol=1e-5)
 
 
+class _Recorder(torch.optim.SGD):
+    """An optimizer that moves nothing (lr 0) and keeps each step's gradients."""
+
+    def __init__(self, model):
+        super().__init__(model.parameters(), lr=0.0)
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def step(self, closure=None):
+        self.seen.append({self.names[id(p)]: p.grad.clone() for g in self.param_groups for p in g["params"]
+                          if p.grad is not None})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [{}, {"advantage_estimator": "gspo"}, {"advantage_estimator": "cispo"},
+     {"advantage_estimator": "reinforce_plus_plus"}, {"advantage_estimator": "ppo"}, {"entropy_coef": 0.05},
+     {"use_opd": True, "opd_type": "sglang"}],
+    ids=["grpo", "gspo", "cispo", "reinforce++", "ppo-with-critic", "entropy-bonus", "opd"],
+)  # fmt: skip
+def test_every_loss_gets_the_same_gradients_from_hidden_states_as_from_logits(tmp_path, loss):
+    """--log-probs-from-hidden for each loss the trainer has: a rollout's training step (old log-probs, advantages,
+    the loss over two micro-batches) leaves every parameter the same gradient as the output layer's logits path
+    (float32, to 1e-5 of the largest entry)."""
+    from services.train.tiny_checkpoint import write_tiny_model
+    from services.trainer.critic import Critic, load_critic
+    from services.trainer.models import load_gpt_model
+    from services.trainer.parallel import init_parallel
+
+    init_parallel(tp_size=1)
+    path = write_tiny_model(tmp_path / "m")
+    batch = _batch()
+    batch.teacher_logprobs = [np.full(len(m), -1.5, np.float32) for m in batch.loss_masks]
+    ppo = {"num_critic_only_steps": 0, "gamma": 1.0, "lambd": 0.95} if loss.get("advantage_estimator") == "ppo" else {}
+    seen = []
+    for from_hidden in (False, True):
+        config = TrainerConfig(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8, micro_batch_size=4,
+                               clip_grad=0.0, log_probs_from_hidden=from_hidden, **loss, **ppo)  # fmt: skip
+        model, gpt = load_gpt_model(path)
+        recorder = _Recorder(model)
+        actor = Actor(config, model, recorder, build_scheduler(recorder, 0, None, "constant", 0.0, 0.0),
+                      Groups(vocab_size=gpt.shape.vocab_size))  # fmt: skip
+        if ppo:
+            critic, _ = load_critic(path, torch.float32)
+            optimizer = build_optimizer(critic, lr=0.0, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8)
+            actor.critic = Critic(config, critic, optimizer, build_scheduler(optimizer, 0, None, "constant", 0.0, 0.0),
+                                  Groups(vocab_size=gpt.shape.vocab_size))  # fmt: skip
+        actor.train_rollout(batch)
+        seen.append(recorder.seen[-1])
+    logits, hidden = seen
+    assert logits.keys() == hidden.keys() and logits
+    for name, grad in logits.items():
+        assert grad.abs().max() > 0 or name.endswith("bias"), name
+        torch.testing.assert_close(hidden[name], grad, atol=1e-5 * float(grad.abs().max()), rtol=1e-5)
+
+
 def test_ppo_trains_the_critic_first_then_the_policy(tmp_path):
     """PPO on the Megatron model: GAE from the critic's values; during --num-critic-only-steps only the critic moves,
     and its value loss falls."""
