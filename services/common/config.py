@@ -492,7 +492,7 @@ def add_flag(group: argparse._ActionsContainer, item: FieldFlag, help_text: str 
     kwargs["metavar"] = item.path[-1].upper()
     kwargs["help"] = help_text.replace("%", "%%")
     kind = typing.get_origin(field.annotation) or field.annotation
-    if field.annotation is bool:
+    if field.annotation in (bool, bool | None):  # None: unset, for the service to choose
         kwargs["action"] = argparse.BooleanOptionalAction
     elif kind in (list, tuple, set):
         kwargs["nargs"] = "*"

@@ -61,6 +61,7 @@ class Actor:
             model.config.no_sync_func = ddp.no_sync
         self.critic = None  # PPO: a Critic trained beside the policy
         self.teacher = None  # on-policy distillation with --opd-type megatron: the teacher model, forward only
+        self.budget_chosen = False  # --max-tokens-per-gpu chosen from the free memory (token_budget.py)
         self.routing = None
         self._agreeing: list | None = None  # a rollout's first step's (|log-prob difference|, mask) a micro-batch
         if config.replays_routing:
@@ -504,6 +505,8 @@ class Actor:
         c = self.config
         lengths = [batch.lengths()[i] for i in indices]
         max_tokens = c.max_tokens_per_gpu if c.use_dynamic_batch_size else None
+        if max_tokens is not None and self.budget_chosen:  # a sample longer than the chosen budget trains alone
+            max_tokens = max(max_tokens, *lengths)
         return [[indices[j] for j in mb] for mb in micro_batches(lengths, c.micro_batch_size, max_tokens)]
 
     def _reduce_after(self, last: bool):

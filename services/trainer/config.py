@@ -177,10 +177,11 @@ class TrainerConfig(ServiceConfig):
     embeddings, activations and the log-softmax; worth it on GPU: see docs/BENCHMARKS.md)."""
     log_probs_chunk_size: int = Field(4096, ge=1)
     """Response tokens whose full-vocabulary log-softmax is formed at once."""
-    log_probs_from_hidden: bool = False
+    log_probs_from_hidden: bool | None = None
     """Log-probs and entropy streamed over the vocabulary from the last hidden states and the output layer's weight
     (services/trainer/linear_logprobs.py): no logits of a whole micro-batch, only of the response positions and
-    VOCAB_CHUNK words at a time. Off: the output layer's logits, --log-probs-chunk-size rows at a time."""
+    VOCAB_CHUNK words at a time. Off: the output layer's logits, --log-probs-chunk-size rows at a time. Unset: on,
+    unless a LoRA adapter sits on the output layer (lm_head in --target-modules)."""
     seed: int = 1234
     """Seed of initialisation, dropout and data order."""
 
@@ -192,10 +193,12 @@ class TrainerConfig(ServiceConfig):
     (--global-batch-size 128 with --rollout-batch-size 32 x --n-samples-per-prompt 8: two steps a rollout)."""
     micro_batch_size: int = Field(1, ge=1)
     """Samples per micro-batch (without --use-dynamic-batch-size)."""
-    use_dynamic_batch_size: bool = False
-    """Micro-batches of as many samples as fit in --max-tokens-per-gpu (padded) tokens."""
+    use_dynamic_batch_size: bool | None = None
+    """Micro-batches of as many samples as fit in --max-tokens-per-gpu (padded) tokens. Unset: on where the trainer
+    runs on GPUs with one pipeline stage, else --micro-batch-size samples."""
     max_tokens_per_gpu: int | None = Field(None, ge=1)
-    """Token budget of one micro-batch with --use-dynamic-batch-size."""
+    """Token budget of one micro-batch with --use-dynamic-batch-size. Unset: what the free GPU memory holds once the
+    model and optimizer are in place (services/trainer/token_budget.py; the trainer logs it)."""
 
     # Algorithm (slime's names)
     disable_grpo_std_normalization: bool = False
@@ -336,6 +339,8 @@ class TrainerConfig(ServiceConfig):
         if self.update_weight_transport == "disk":
             self._check_disk()
         self._check_opd()
+        if self.log_probs_from_hidden is None:  # on, unless an adapter on the output layer needs its logits
+            self.log_probs_from_hidden = not (self.lora_rank and "lm_head" in self.target_modules)
         if self.lora_rank:
             from services.trainer.lora import check_targets
 
@@ -370,8 +375,6 @@ class TrainerConfig(ServiceConfig):
             )
         if self.custom_tis_function_path and not self.loss.use_tis:
             raise ValueError("--custom-tis-function-path replaces the TIS weights of --use-tis: add --use-tis")
-        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
-            raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu (e.g. --max-tokens-per-gpu 8192)")
         try:
             self.batch_sizes(dp_size=1).check()
         except BatchSizeError as e:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from services.buffer import dataplane
-from services.trainer import assembly, checkpoint, data_parallel, reward_failures
-from services.trainer.actor import Actor
+from services.trainer import assembly, checkpoint, data_parallel, reward_failures, token_budget
+from services.trainer.actor import VOCAB_CHUNK, Actor
 from services.trainer.config import TrainerConfig
 from services.trainer.megatron_import import import_megatron
 from services.trainer.metrics import StepLog, mfu, rollout_times, shown_samples
@@ -58,6 +58,8 @@ class Trainer:
         self.shards = assembly.checkpoint_shards(config, self.info)
         groups = assembly.process_groups(self.info, self.gpt.shape)
         self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference, ddp=self.ddp)
+        tp_size = config.parallel.tensor_model_parallel_size
+        self.actor.budget_chosen = token_budget.resolve(config, self.gpt, self.model, tp_size, VOCAB_CHUNK)
         self.actor.critic = assembly.load_critic(config, groups)
         self.actor.teacher = assembly.load_teacher(config, self.shards.model)
         self.channel, self.buffer = assembly.buffer_client(config)

@@ -384,3 +384,17 @@ def test_slimes_global_batch_size_gives_two_optimizer_steps_a_rollout_each_the_s
     for whole, half in zip(trained, by_half, strict=True):
         assert whole["pg_loss"] == pytest.approx(half["pg_loss"], abs=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(rollout.model.parameters(), halves.model.parameters(), strict=True))
+
+
+def test_a_sample_longer_than_a_chosen_token_budget_trains_alone():
+    """A --max-tokens-per-gpu the user gave refuses a longer sample; one the trainer chose from the free memory
+    (services/trainer/token_budget.py) lets it train alone in its micro-batch."""
+    from services.trainer.batching import BatchSizeError
+
+    actor, batch = _actor(use_dynamic_batch_size=True, max_tokens_per_gpu=4), _batch()
+    with pytest.raises(BatchSizeError, match="does not fit --max-tokens-per-gpu 4"):
+        actor._micro_batches(batch, list(range(len(batch))))
+    actor.budget_chosen = True
+    micro_batches = actor._micro_batches(batch, list(range(len(batch))))
+    assert sorted(i for mb in micro_batches for i in mb) == list(range(len(batch)))
+    assert all(len(mb) == 1 for mb in micro_batches if max(batch.lengths()[i] for i in mb) > 4)
