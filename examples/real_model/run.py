@@ -94,10 +94,12 @@ def prepare(out: Path, settings: Settings, model: Path | None) -> tuple[Path, Pa
 
 class GpuMemory:
     """Each GPU's peak memory in use (nvidia-smi, every half second) while a run lasts: the same measure for both
-    runners, whatever allocators they use. Nothing on a machine without nvidia-smi."""
+    runners, whatever allocators they use; and each process's peak, named by its command line, so that every process
+    on a GPU is accounted for. Nothing on a machine without nvidia-smi."""
 
     def __init__(self):
         self.peak_mib: dict[int, int] = {}
+        self.process_peak_mib: dict[str, int] = {}  # "pid: command" -> MiB
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -118,6 +120,19 @@ class GpuMemory:
                 index, used = (int(x) for x in line.split(","))
                 if visible is None or str(index) in visible.split(","):  # this run's GPUs only
                     self.peak_mib[index] = max(self.peak_mib.get(index, 0), used)
+            apps = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+            for line in subprocess.run(apps, capture_output=True, text=True).stdout.strip().splitlines():
+                pid, used = (int(x) for x in line.split(","))
+                name = f"{pid}: {_command(pid)}"
+                self.process_peak_mib[name] = max(self.process_peak_mib.get(name, 0), used)
+
+
+def _command(pid: int) -> str:
+    """A process's command line, cut to 160 characters ("?" once it has ended)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+    except OSError:
+        return "?"
 
 
 def run_slipstream(args, settings: Settings, model: Path, train: Path, held_out: Path) -> dict:
@@ -206,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_slipstream(args, settings, model, train, held_out)
     result = {"name": args.name, "runner": args.runner, "layout": "one GPU" if args.runner == "trl" else layout,
               "settings": asdict(settings), "wall_s": time.time() - started, "peak_gpu_mib": memory.peak_mib,
+              "peak_process_mib": memory.process_peak_mib,
               "device": os.environ.get("DEVICE_NAME", ""), **result}  # fmt: skip
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     accuracies = ", ".join(f"{e['step']}: {e['accuracy']:.3f}" for e in result["evals"])
