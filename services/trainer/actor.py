@@ -62,6 +62,7 @@ class Actor:
         self.critic = None  # PPO: a Critic trained beside the policy
         self.teacher = None  # on-policy distillation with --opd-type megatron: the teacher model, forward only
         self.budget_chosen = False  # --max-tokens-per-gpu chosen from the free memory (token_budget.py)
+        self.from_hidden = from_hidden(config, model)
         self.routing = None
         self._agreeing: list | None = None  # a rollout's first step's (|log-prob difference|, mask) a micro-batch
         if config.replays_routing:
@@ -144,7 +145,7 @@ class Actor:
     def logprobs(self, model, batch: RolloutBatch, indices: list[int], entropy: bool = False):
         """`[b, R]` log-probs (and entropies) of the response tokens of samples `indices` under `model`."""
         inputs = self.inputs(batch, indices)
-        if self.config.log_probs_from_hidden and not self.pipelined:  # a pipeline's stages keep the logits' path
+        if self.from_hidden and not self.pipelined:  # a pipeline's stages keep the logits' path
             with hidden_states_out(model) as weight:
                 hidden_BLH = self.forward(model, inputs)
             logprobs, entropies = self.response_logprobs_from_hidden(hidden_BLH, weight[0], inputs)
@@ -552,3 +553,12 @@ class Actor:
             value = value.to(self.device)
             dist.all_reduce(value, op=op, group=self.groups.dp)
         return value.cpu()
+
+
+def from_hidden(config: TrainerConfig, model) -> bool:
+    """Whether log-probs come from the hidden states (--log-probs-from-hidden); unset: on GPUs, for a Megatron model
+    (its output layer), unless a LoRA adapter sits on the output layer."""
+    if config.log_probs_from_hidden is not None:
+        return config.log_probs_from_hidden
+    adapted = config.lora_rank and "lm_head" in config.target_modules
+    return torch.cuda.is_available() and hasattr(getattr(model, "module", model), "output_layer") and not adapted

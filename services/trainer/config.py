@@ -180,8 +180,8 @@ class TrainerConfig(ServiceConfig):
     log_probs_from_hidden: bool | None = None
     """Log-probs and entropy streamed over the vocabulary from the last hidden states and the output layer's weight
     (services/trainer/linear_logprobs.py): no logits of a whole micro-batch, only of the response positions and
-    VOCAB_CHUNK words at a time. Off: the output layer's logits, --log-probs-chunk-size rows at a time. Unset: on,
-    unless a LoRA adapter sits on the output layer (lm_head in --target-modules)."""
+    VOCAB_CHUNK words at a time. Off: the output layer's logits, --log-probs-chunk-size rows at a time. Unset: on where
+    the trainer runs on GPUs, unless a LoRA adapter sits on the output layer (lm_head in --target-modules)."""
     seed: int = 1234
     """Seed of initialisation, dropout and data order."""
 
@@ -339,8 +339,6 @@ class TrainerConfig(ServiceConfig):
         if self.update_weight_transport == "disk":
             self._check_disk()
         self._check_opd()
-        if self.log_probs_from_hidden is None:  # on, unless an adapter on the output layer needs its logits
-            self.log_probs_from_hidden = not (self.lora_rank and "lm_head" in self.target_modules)
         if self.lora_rank:
             from services.trainer.lora import check_targets
 

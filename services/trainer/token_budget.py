@@ -44,7 +44,7 @@ def choose(free_bytes: int, pending_bytes: int, per_token: int) -> int:
     return max(256, budget // per_token // 256 * 256)
 
 
-def resolve(config, gpt, model: torch.nn.Module, tp_size: int, vocab_chunk: int) -> bool:
+def resolve(config, gpt, model: torch.nn.Module, tp_size: int, from_hidden: bool, vocab_chunk: int) -> bool:
     """Sets `config.use_dynamic_batch_size` where unset (on: a GPU, one pipeline stage) and, under it,
     `config.max_tokens_per_gpu` where unset, which it logs; True where it chose the budget."""
     pipelined = config.parallel.pipeline_model_parallel_size > 1
@@ -62,8 +62,7 @@ def resolve(config, gpt, model: torch.nn.Module, tp_size: int, vocab_chunk: int)
         import os
 
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    per_token = bytes_per_token(gpt, tp_size, config.recompute_activations, config.log_probs_from_hidden,
-                                vocab_chunk)  # fmt: skip
+    per_token = bytes_per_token(gpt, tp_size, config.recompute_activations, from_hidden, vocab_chunk)
     config.max_tokens_per_gpu = choose(free, pending, per_token)
     log.info(
         "micro-batches by tokens: --max-tokens-per-gpu %d (%.1f GiB free, about %.0f KiB of activations a token; "
