@@ -20,9 +20,10 @@ def _gpt(shape=QWEN3_0_6B):
 
 
 def test_the_estimate_is_a_little_above_what_an_h200_measured():
-    """bench/trainer_step.py, Qwen3-0.6B's shape, 16,384 tokens, 2026-12-02 (docs/benchmarks/trainer-h200-2026-12-02.md
-    in the repository): the full logits cost 54.2 - 38.2 GiB more than the streamed ones, and keeping every layer's activations
-    38.2 - 12.3 GiB more than recomputing them. The estimate's differences are 1.0-1.3 x those."""
+    """bench/trainer_step.py, Qwen3-0.6B's shape, 16,384 tokens, on an H200 on 2026-12-02
+    (docs/benchmarks/trainer-h200-2026-12-02.md): the full logits cost 54.2 - 38.2 GiB more than the streamed ones,
+    and keeping every layer's activations 38.2 - 12.3 GiB more than recomputing them. The estimate's differences
+    are 1.0-1.3 x those."""
     per = {(recompute, hidden): token_budget.bytes_per_token(_gpt(), 1, recompute, hidden, 8192)
            for recompute in (False, True) for hidden in (False, True)}  # fmt: skip
     logits = (per[False, False] - per[False, True]) * 16384 / GIB
