@@ -6,11 +6,15 @@ while the GPU runs step n + 1, whose decoding sequences read their input tokens 
 (services/engine/batch.py), the thread appends step n's tokens, applies the stop rules and answers the requests. A
 sequence that stops at step n has run one step too many; that step's token is dropped. Commands wait for the queued
 step to be read.
+
+An idle engine that gets a request waits until requests stop arriving (1 ms without one, 10 ms at most) before its
+first step, so that a burst read one by one over HTTP is one prefill step.
 """
 
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ from services.engine.sampling import choose_batch
 
 log = logging.getLogger(__name__)
 
+ARRIVAL_QUIET_S, ARRIVAL_WAIT_S = 0.001, 0.01  # an idle engine's wait for the rest of a burst of requests
 Listener = Callable[[Sequence, bool], None]  # called after each new token; the flag says the sequence finished
 
 
@@ -131,6 +136,8 @@ class Engine:
                     self._wake.wait()
                 if self._stopped:
                     return
+                if not self.batcher.rows and self.waiting and not self._commands and not self.paused:
+                    self._gather_arrivals()
                 commands = list(self._commands)
                 self._commands.clear()
             if commands:
@@ -145,6 +152,17 @@ class Engine:
                 self._guarded(self._read)
                 continue
             self._guarded(self._iterate)
+
+    def _gather_arrivals(self) -> None:
+        """An idle engine that gets a request waits, before its first step, until requests stop arriving (none for
+        ARRIVAL_QUIET_S, at most ARRIVAL_WAIT_S): a burst of requests read one by one over HTTP (a rollout's) is
+        then one prefill step, not several with the first ones decoding beside each. Called holding `_wake`."""
+        deadline, count = time.monotonic() + ARRIVAL_WAIT_S, len(self.waiting)
+        while time.monotonic() < deadline and not self._stopped and not self._commands:
+            self._wake.wait(ARRIVAL_QUIET_S)
+            if len(self.waiting) == count:
+                return
+            count = len(self.waiting)
 
     def _iterate(self) -> None:
         self._admit()
