@@ -195,7 +195,7 @@ class TrainerConfig(ServiceConfig):
     """Samples per micro-batch (without --use-dynamic-batch-size)."""
     use_dynamic_batch_size: bool | None = None
     """Micro-batches of as many samples as fit in --max-tokens-per-gpu (padded) tokens. Unset: on where the trainer
-    runs on GPUs with one pipeline stage, else --micro-batch-size samples."""
+    runs on GPUs with one pipeline stage and --micro-batch-size is not given, else --micro-batch-size samples."""
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     """Token budget of one micro-batch with --use-dynamic-batch-size. Unset: what the free GPU memory holds once the
     model and optimizer are in place (services/trainer/token_budget.py; the trainer logs it)."""

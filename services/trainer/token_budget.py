@@ -45,11 +45,12 @@ def choose(free_bytes: int, pending_bytes: int, per_token: int) -> int:
 
 
 def resolve(config, gpt, model: torch.nn.Module, tp_size: int, from_hidden: bool, vocab_chunk: int) -> bool:
-    """Sets `config.use_dynamic_batch_size` where unset (on: a GPU, one pipeline stage) and, under it,
-    `config.max_tokens_per_gpu` where unset, which it logs; True where it chose the budget."""
+    """Sets `config.use_dynamic_batch_size` where unset (on: a GPU, one pipeline stage, no --micro-batch-size given)
+    and, under it, `config.max_tokens_per_gpu` where unset, which it logs; True where it chose the budget."""
     pipelined = config.parallel.pipeline_model_parallel_size > 1
     if config.use_dynamic_batch_size is None:
-        config.use_dynamic_batch_size = torch.cuda.is_available() and not pipelined
+        fixed = "micro_batch_size" in config.model_fields_set  # micro-batches of a size the user asked for
+        config.use_dynamic_batch_size = torch.cuda.is_available() and not pipelined and not fixed
     if not config.use_dynamic_batch_size or config.max_tokens_per_gpu is not None:
         return False
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

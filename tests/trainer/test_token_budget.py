@@ -74,3 +74,13 @@ def test_on_a_gpu_micro_batches_go_by_tokens_with_one_pipeline_stage(monkeypatch
         resident = _config().model_copy(update={"colocate": True, "offload_rollout": False})  # the rest unchecked
         token_budget.resolve(resident, _gpt(), torch.nn.Linear(4, 4), 1, True, 8192)
         assert resident.max_tokens_per_gpu < config.max_tokens_per_gpu / 4  # the engines keep all but 15 %
+
+
+def test_a_micro_batch_size_the_user_gave_keeps_micro_batches_of_that_size_on_a_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 * GIB, 140 * GIB))
+    config = TrainerConfig(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8, micro_batch_size=2)
+    assert not token_budget.resolve(config, _gpt(), torch.nn.Linear(4, 4), 1, True, 8192)
+    assert config.use_dynamic_batch_size is False and config.max_tokens_per_gpu is None
