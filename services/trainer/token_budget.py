@@ -7,7 +7,8 @@ pass reads (2 bytes x (12 h + 2 q + 4 kv + 5 ffn); 62.7 KB a token a layer was m
 H200, the estimate gives 71.7), only each layer's input with --recompute-activations (and one layer's whole), and the
 output layer's: 8 bytes a word a token for the full logits (bf16 logits, their gradient and the float32 chunks), or
 the streamed chunks' 8 bytes x VOCAB_CHUNK with --log-probs-from-hidden. The budget is what fits in 90 % of the free
-memory once the optimizer's state (allocated at the first step) is counted, less a GiB for the allocator's slack; with
+memory once the optimizer's state (allocated at the first step) is counted, less a GiB for the allocator's slack, the
+least over the ranks; with
 engines colocated and resident (--no-offload-rollout) the engines grow their cache until 15 % of the GPU is free
 (their --mem-fraction-static 0.85), so the activations get at most that.
 """
@@ -15,6 +16,7 @@ engines colocated and resident (--no-offload-rollout) the engines grow their cac
 import logging
 
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,21 @@ def resolve(config, gpt, model: torch.nn.Module, tp_size: int, from_hidden: bool
 
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     per_token = bytes_per_token(gpt, tp_size, config.recompute_activations, from_hidden, vocab_chunk)
-    config.max_tokens_per_gpu = choose(free, pending, per_token)
+    config.max_tokens_per_gpu = _least_over_ranks(choose(free, pending, per_token))
     log.info(
         "micro-batches by tokens: --max-tokens-per-gpu %d (%.1f GiB free, about %.0f KiB of activations a token; "
         "pass --max-tokens-per-gpu to choose, or --no-use-dynamic-batch-size)",
         config.max_tokens_per_gpu, free / 2**30, per_token / 1024,
     )  # fmt: skip
     return True
+
+
+def _least_over_ranks(tokens: int) -> int:
+    """The smallest budget any rank chose: the ranks of a tensor- or pipeline-parallel group must cut a step into the
+    same micro-batches, and each rank's GPU has its own free memory."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tokens
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.tensor([tokens], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())

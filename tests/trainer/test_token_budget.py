@@ -1,10 +1,15 @@
 """The token budget of a micro-batch chosen from the free memory (services/trainer/token_budget.py): its estimate
 against what was measured on an H200, the arithmetic, and when it applies."""
 
+import os
 import types
+from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from services.common.processes import free_port
 from services.trainer import token_budget
 from services.trainer.config import TrainerConfig
 from services.trainer.hf_names import ModelShape
@@ -84,3 +89,16 @@ def test_a_micro_batch_size_the_user_gave_keeps_micro_batches_of_that_size_on_a_
     config = TrainerConfig(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8, micro_batch_size=2)
     assert not token_budget.resolve(config, _gpt(), torch.nn.Linear(4, 4), 1, True, 8192)
     assert config.use_dynamic_batch_size is False and config.max_tokens_per_gpu is None
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    Path(out, f"rank{rank}").write_text(str(token_budget._least_over_ranks([4096, 1536][rank])))
+    dist.destroy_process_group()
+
+
+def test_every_rank_takes_the_smallest_budget_any_rank_chose(tmp_path):
+    """Each GPU has its own free memory, and the ranks of a model-parallel group must cut a step alike."""
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == ["1536", "1536"]
