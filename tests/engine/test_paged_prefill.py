@@ -1,6 +1,6 @@
 """The prompt chunks' Triton kernel (services/engine/paged_prefill.py) against PyTorch's path for them
 (`attention.chunk_plan`), over blocks scattered through the pool: chunks that start a prompt and chunks after cached
-positions, from one token to several tiles long, with grouped query heads of a power of two and not."""
+positions, from one token to several tiles long; one query head a key head, two, three and eight."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 DTYPE = torch.bfloat16
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 8, 128), (9, 3, 64), (8, 8, 64), (32, 4, 128)])
 def test_the_kernel_equals_pytorch(heads, kv_heads, dim):
     from services.engine.paged_prefill import PagedPrefill
 
