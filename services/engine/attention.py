@@ -115,13 +115,18 @@ def _paged(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
             plan = step.plan("prefill", lambda: kernel.plan(step.chunk_rows, step.chunk_starts, step.chunk_lens, group,
                                                             query.device))  # fmt: skip
             parts.append(kernel(chunked, keys, values, step.tables, plan, step.block_size, scale))
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-        groups, order = step.plan("chunks", lambda: chunk_plan(step, query.device, group))
-        with _prefill_backends(query.device):
-            outs = [_attend(chunked[index].transpose(1, 2), keys, values, slots, mask, scale).transpose(1, 2)
-                    .flatten(0, 1)[keep] for index, slots, mask, keep in groups]  # fmt: skip
-        parts.append(outs[0] if order is None else torch.cat(outs)[order])
+        else:
+            parts.append(_chunks_in_pytorch(step, chunked, keys, values, group, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _chunks_in_pytorch(step: Step, chunked, keys, values, group: int, scale: float) -> torch.Tensor:
+    """The prompt chunks' attention by SDPA over their gathered blocks (`chunk_plan`): [chunk tokens, heads, dim]."""
+    batches, order = step.plan("chunks", lambda: chunk_plan(step, chunked.device, group))
+    with _prefill_backends(chunked.device):
+        outs = [_attend(chunked[index].transpose(1, 2), keys, values, slots, mask, scale).transpose(1, 2)
+                .flatten(0, 1)[keep] for index, slots, mask, keep in batches]  # fmt: skip
+    return outs[0] if order is None else torch.cat(outs)[order]
 
 
 @_paged.register_fake
@@ -149,8 +154,8 @@ def chunk_plan(
 ) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor | None]:
     """Prompt chunks padded into batches, one a length class (`_length_class`: a step's hundreds of few-token tails
     of shared prompts are not padded to its longest prompt). For each batch [chunks, longest]: each padded query's
-    token among the step's chunk tokens, the slots each chunk reads [chunks, width] (width a multiple of 16, as the
-    attention kernels align their masks), which of them each query sees (its sequence's positions up to its own:
+    token among the step's chunk tokens, the slots each chunk reads [chunks, width] (on a GPU a multiple of 16, as
+    the attention kernels align their masks), which of them each query sees (its sequence's positions up to its own:
     the cached ones before the chunk and the chunk's own; `grouped_mask`, for `groups` query heads a key head) and
     the batch's rows that are real tokens. `order`: where each chunk token's row is in the batches' rows, joined
     (None for one batch). Made on the CPU and moved once a step, for every layer."""
@@ -163,7 +168,8 @@ def chunk_plan(
     for members in classes.values():
         chosen = torch.tensor(members)
         first, count, offset = starts[chosen], lens[chosen], offsets[chosen]
-        longest, width = int(count.max()), -(-int((first + count).max()) // 16) * 16
+        longest, width = int(count.max()), int((first + count).max())
+        width = -(-width // 16) * 16 if device.type == "cuda" else width  # the GPU kernels' mask alignment
         within = torch.arange(longest)
         index = (offset[:, None] + within).clamp(max=total - 1)
         positions = torch.arange(width)
