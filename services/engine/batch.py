@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.device_memory import free_and_total
 from services.engine import attention, paged_prefill, sampling
 from services.engine.blocks import Blocks, Chain
 from services.engine.graphs import DecodeGraphs, bucket
@@ -456,13 +457,7 @@ def _logprob_start(seq: Sequence) -> int:
 def _spare_bytes(device: torch.device, fraction: float) -> int:
     """Memory the cache may still take: what is free beyond the (1 - fraction) share of the device kept for others
     (activations, CUDA graphs, a colocated trainer)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-    else:
-        import os
-
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free, total = free_and_total(device)
     return max(0, int(free - (1 - fraction) * total))
 
 

@@ -58,9 +58,8 @@ class Trainer:
         self.shards = assembly.checkpoint_shards(config, self.info)
         groups = assembly.process_groups(self.info, self.gpt.shape)
         self.actor = Actor(config, self.model, self.optimizer, self.scheduler, groups, reference, ddp=self.ddp)
-        tp_size = config.parallel.tensor_model_parallel_size
-        self.actor.budget_chosen = token_budget.resolve(config, self.gpt, self.model, tp_size, self.actor.from_hidden,
-                                                        VOCAB_CHUNK)  # fmt: skip
+        hidden = self.actor.from_hidden
+        self.actor.budget_chosen = token_budget.resolve(config, self.gpt, self.model, hidden, VOCAB_CHUNK)
         self.actor.critic = assembly.load_critic(config, groups)
         self.actor.teacher = assembly.load_teacher(config, self.shards.model)
         self.channel, self.buffer = assembly.buffer_client(config)

@@ -18,6 +18,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from services.common.device_memory import free_and_total
+
 log = logging.getLogger(__name__)
 
 RESERVE_BYTES = 1 << 30
@@ -46,7 +48,7 @@ def choose(free_bytes: int, pending_bytes: int, per_token: int) -> int:
     return max(256, budget // per_token // 256 * 256)
 
 
-def resolve(config, gpt, model: torch.nn.Module, tp_size: int, from_hidden: bool, vocab_chunk: int) -> bool:
+def resolve(config, gpt, model: torch.nn.Module, from_hidden: bool, vocab_chunk: int) -> bool:
     """Sets `config.use_dynamic_batch_size` where unset (on: a GPU, one pipeline stage, no --micro-batch-size given)
     and, under it, `config.max_tokens_per_gpu` where unset, which it logs; True where it chose the budget."""
     pipelined = config.parallel.pipeline_model_parallel_size > 1
@@ -57,14 +59,11 @@ def resolve(config, gpt, model: torch.nn.Module, tp_size: int, from_hidden: bool
         return False
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     pending = 8 * trainable  # AdamW's two float32 moments, made at the first step
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        if config.colocate and not config.offload_rollout:
-            free = min(free, int(RESIDENT_ENGINES_LEAVE * total) + pending)
-    else:
-        import os
-
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    free, total = free_and_total(device)
+    if device.type == "cuda" and config.colocate and not config.offload_rollout:
+        free = min(free, int(RESIDENT_ENGINES_LEAVE * total) + pending)
+    tp_size = config.parallel.tensor_model_parallel_size
     per_token = bytes_per_token(gpt, tp_size, config.recompute_activations, from_hidden, vocab_chunk)
     config.max_tokens_per_gpu = _least_over_ranks(choose(free, pending, per_token))
     log.info(

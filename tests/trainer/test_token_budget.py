@@ -55,12 +55,12 @@ def test_on_the_cpu_micro_batches_keep_their_size_unless_asked(monkeypatch):
     model = torch.nn.Linear(4, 4)
     config = _config()
     assert config.use_dynamic_batch_size is None
-    assert not token_budget.resolve(config, _gpt(), model, 1, True, 8192)
+    assert not token_budget.resolve(config, _gpt(), model, True, 8192)
     assert config.use_dynamic_batch_size is False and config.max_tokens_per_gpu is None
     given = _config(use_dynamic_batch_size=True, max_tokens_per_gpu=4096)
-    assert not token_budget.resolve(given, _gpt(), model, 1, True, 8192) and given.max_tokens_per_gpu == 4096
+    assert not token_budget.resolve(given, _gpt(), model, True, 8192) and given.max_tokens_per_gpu == 4096
     asked = _config(use_dynamic_batch_size=True)
-    assert token_budget.resolve(asked, _gpt(), model, 1, True, 8192)
+    assert token_budget.resolve(asked, _gpt(), model, True, 8192)
     assert asked.max_tokens_per_gpu >= 256 and asked.max_tokens_per_gpu % 256 == 0
 
 
@@ -69,15 +69,15 @@ def test_on_a_gpu_micro_batches_go_by_tokens_with_one_pipeline_stage(monkeypatch
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * GIB, 140 * GIB))
     config = _config(parallel={"pipeline_model_parallel_size": 2}) if pipelined else _config()
-    chosen = token_budget.resolve(config, _gpt(), torch.nn.Linear(4, 4), 1, True, 8192)
+    chosen = token_budget.resolve(config, _gpt(), torch.nn.Linear(4, 4), True, 8192)
     assert config.use_dynamic_batch_size is (not pipelined) and chosen is (not pipelined)
     if not pipelined:
         per_token = token_budget.bytes_per_token(_gpt(), 1, False, True, 8192)
         assert config.max_tokens_per_gpu == token_budget.choose(100 * GIB, 8 * 20, per_token)
         resident = _config().model_copy(update={"colocate": True, "offload_rollout": False})  # the rest unchecked
-        token_budget.resolve(resident, _gpt(), torch.nn.Linear(4, 4), 1, True, 8192)
+        token_budget.resolve(resident, _gpt(), torch.nn.Linear(4, 4), True, 8192)
         assert resident.max_tokens_per_gpu < config.max_tokens_per_gpu / 4  # the engines keep all but 15 %
 
 
@@ -85,9 +85,9 @@ def test_a_micro_batch_size_the_user_gave_keeps_micro_batches_of_that_size_on_a_
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * GIB, 140 * GIB))
     config = TrainerConfig(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8, micro_batch_size=2)
-    assert not token_budget.resolve(config, _gpt(), torch.nn.Linear(4, 4), 1, True, 8192)
+    assert not token_budget.resolve(config, _gpt(), torch.nn.Linear(4, 4), True, 8192)
     assert config.use_dynamic_batch_size is False and config.max_tokens_per_gpu is None
 
 
